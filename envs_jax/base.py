@@ -89,6 +89,19 @@ class TextEnv(Environment, abc.ABC):
     def reset_from_seed(self, seed: int):
         """Host-side reproduction of RAGEN's ``reset(seed)``; returns a state."""
 
+    @abc.abstractmethod
+    def observe(self, state):
+        """Jittable: what the prompt shows of ``state`` (the TimeStep observation)."""
+
+    @property
+    def action_name_orders(self) -> tuple[tuple[str, ...], ...]:
+        """Every ordering of action names an episode can have (Bandit's arm order varies)."""
+        return (self.action_names,)
+
+    def action_name_order(self, state) -> jnp.ndarray:
+        """Jittable: index into ``action_name_orders`` of this episode's names."""
+        return jnp.zeros((), jnp.int32)
+
 
 class GridEnv(TextEnv, abc.ABC):
     """A text env whose observation is a grid of symbols, one glyph per cell."""
@@ -110,6 +123,9 @@ class GridEnv(TextEnv, abc.ABC):
     @abc.abstractmethod
     def state_from_text(self, text: str):
         """A state from a rendered grid; a malformed grid is a ``ValueError`` naming the problem."""
+
+    def observe(self, state) -> jnp.ndarray:
+        return self.render_symbols(state)
 
     def render_text(self, state) -> str:
         return symbols_to_text(self.render_symbols(state), self.symbols)

@@ -1,0 +1,303 @@
+"""FrozenLake (RAGEN ``frozen_lake``): walk on slippery ice from the start to the goal, avoiding holes.
+
+The transition and reward rules are gymnasium's ``FrozenLakeEnv``; the maps are RAGEN's (random start,
+random goal, a path from one to the other guaranteed).
+
+- Actions 0..3 = Left, Down, Right, Up (RAGEN's LLM action ``k`` is gym action ``k-1``, and ours).
+- Slippery ice: the realised direction is ``a-1``, ``a`` or ``a+1`` (mod 4), each with probability 1/3.
+  Moving off the grid leaves the player in place.
+- Reward 1 on entering the goal, else 0. Entering the goal or a hole terminates the episode; once
+  there, further steps change nothing and pay nothing (gymnasium's absorbing terminal states).
+- ``action_is_effective``: the position changed; ``success``: the player stands on the goal.
+
+Rendering: one glyph per cell, ``grid_symbols`` indexed by RAGEN's grid codes
+0 player, 1 empty (frozen and start), 2 hole, 3 goal, 4 player in a hole, 5 player on the goal.
+
+Departures from RAGEN, documented:
+
+- ``max_steps`` (default 100) truncates an episode. RAGEN's env has no time limit; its rollout budget
+  (turns × actions per turn) ends episodes long before, so the limit never binds there.
+- Slips use the JAX key in the state, not gymnasium's ``np_random``: ``reset_from_seed`` reproduces
+  RAGEN's map for a seed exactly, but not its slip sequence. ``step_in_direction`` is the
+  deterministic transition both share; the tests replay gymnasium's slips through it.
+- ``reset(key)`` draws maps from RAGEN's distribution (cells frozen with probability ``p``, start and
+  goal uniform and distinct, rejected until the goal is reachable) with JAX randomness, so it is not
+  seed-compatible; use ``reset_from_seed`` for RAGEN's levels (e.g. validation seeds 123..378).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jumanji import specs
+
+from envs_jax.bandit import gymnasium_rng
+from envs_jax.base import GridEnv, first_timestep, make_timestep, parse_grid_text, step_extras
+
+# Board cell codes (gymnasium's map letters F, H, S, G).
+FROZEN, HOLE, START, GOAL = 0, 1, 2, 3
+LETTERS = "FHSG"
+
+# Grid symbol ids (RAGEN's grid_lookup).
+PLAYER, EMPTY, HOLE_SYM, GOAL_SYM, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(6)
+
+ACTION_NAMES = ("Left", "Down", "Right", "Up")
+# (d_row, d_col) of each direction, in action order.
+DIRECTION_DELTAS = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]], np.int32)
+
+
+@struct.dataclass
+class FrozenLakeState:
+    board: jnp.ndarray  # int8[size, size] of FROZEN / HOLE / START / GOAL
+    pos: jnp.ndarray  # int32[2] player (row, col)
+    step_count: jnp.ndarray  # int32[] actions taken this episode
+    key: jnp.ndarray  # PRNG key for slips
+
+
+def move(pos, direction, size: int):
+    """The cell one step from ``pos`` in ``direction``; off-grid moves stay put."""
+    return jnp.clip(pos + jnp.asarray(DIRECTION_DELTAS)[direction], 0, size - 1)
+
+
+def goal_reachable(board) -> jnp.ndarray:
+    """Jittable: whether a 4-connected path over non-hole cells joins the start to a goal.
+
+    A flood fill from the start, grown one cell per iteration; ``size**2`` iterations reach every
+    cell of any path.
+    """
+    passable = board != HOLE
+    reached = board == START
+
+    def grow(_, reached):
+        neighbours = reached
+        neighbours = neighbours.at[1:, :].max(reached[:-1, :])
+        neighbours = neighbours.at[:-1, :].max(reached[1:, :])
+        neighbours = neighbours.at[:, 1:].max(reached[:, :-1])
+        neighbours = neighbours.at[:, :-1].max(reached[:, 1:])
+        return neighbours & passable
+
+    reached = jax.lax.fori_loop(0, board.size, grow, reached)
+    return jnp.any(reached & (board == GOAL))
+
+
+class FrozenLake(GridEnv):
+    def __init__(
+        self,
+        size: int = 4,
+        p: float = 0.8,
+        is_slippery: bool = True,
+        max_steps: int = 100,
+        grid_symbols: tuple[str, ...] = ("P", "_", "O", "G", "X", "√"),
+    ):
+        if size < 2:
+            raise ValueError(f"FrozenLake size must be at least 2 (start and goal differ), got {size}.")
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"FrozenLake p (probability of frozen ice) must be in (0, 1], got {p}.")
+        if len(grid_symbols) != 6 or len(set(grid_symbols)) != 6:
+            raise ValueError(
+                f"FrozenLake grid_symbols must be 6 distinct glyphs (player, empty, hole, goal, "
+                f"player in hole, player on goal), got {grid_symbols!r}."
+            )
+        self.size = size
+        self.p = p
+        self.is_slippery = is_slippery
+        self.max_steps = max_steps
+        self.grid_symbols = tuple(grid_symbols)
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return f"FrozenLake(size={self.size}, p={self.p}, is_slippery={self.is_slippery})"
+
+    # ---- jumanji API -------------------------------------------------------------------------
+
+    def reset(self, key):
+        """A random solvable map from RAGEN's distribution, drawn until the goal is reachable."""
+        key, map_key = jax.random.split(key)
+
+        def draw(carry):
+            key, _ = carry
+            key, board_key, start_key, goal_key = jax.random.split(key, 4)
+            frozen = jax.random.bernoulli(board_key, self.p, (self.size, self.size))
+            board = jnp.where(frozen, FROZEN, HOLE).astype(jnp.int8)
+            start = jax.random.randint(start_key, (2,), 0, self.size)
+            goal = jax.random.randint(goal_key, (2,), 0, self.size)
+            # Goal written last, so start == goal leaves no start and the flood fill rejects it.
+            board = board.at[start[0], start[1]].set(START).at[goal[0], goal[1]].set(GOAL)
+            return key, board
+
+        def unsolvable(carry):
+            return ~goal_reachable(carry[1])
+
+        empty = jnp.zeros((self.size, self.size), jnp.int8)  # no start: rejected, so drawn at least once
+        _, board = jax.lax.while_loop(unsolvable, draw, (map_key, empty))
+        state = FrozenLakeState(
+            board=board,
+            pos=self._start_of(board),
+            step_count=jnp.zeros((), jnp.int32),
+            key=key,
+        )
+        return state, first_timestep(self.render_symbols(state))
+
+    def step(self, state: FrozenLakeState, action):
+        """Take ``action``; on slippery ice the realised direction is a random neighbour of it."""
+        key, slip_key = jax.random.split(state.key)
+        direction = self.realised_direction(slip_key, action)
+        return self.step_in_direction(state.replace(key=key), direction)
+
+    def realised_direction(self, key, action):
+        """``action`` itself, or on slippery ice ``action + {-1, 0, 1}`` (mod 4) uniformly."""
+        action = jnp.asarray(action, jnp.int32)
+        if not self.is_slippery:
+            return action
+        return (action + jax.random.randint(key, (), -1, 2)) % 4
+
+    def step_in_direction(self, state: FrozenLakeState, direction):
+        """The deterministic transition once the slip is known (gymnasium's ``P[s][a]`` entries)."""
+        absorbed = self._is_terminal_cell(state.board[state.pos[0], state.pos[1]])
+        pos = jnp.where(absorbed, state.pos, move(state.pos, direction, self.size))
+        cell = state.board[pos[0], pos[1]]
+        on_goal = cell == GOAL
+        terminated = self._is_terminal_cell(cell)
+        moved = jnp.any(pos != state.pos)
+        step_count = state.step_count + 1
+        state = state.replace(pos=pos, step_count=step_count)
+        timestep = make_timestep(
+            self.render_symbols(state),
+            reward=jnp.where(on_goal & ~absorbed, 1.0, 0.0),
+            terminated=terminated,
+            truncated=(step_count >= self.max_steps) & ~terminated,
+            extras=step_extras(success=on_goal, effective=moved),
+        )
+        return state, timestep
+
+    @cached_property
+    def observation_spec(self):
+        return specs.BoundedArray(
+            (self.size, self.size), jnp.int32, minimum=0, maximum=5, name="grid"
+        )
+
+    @cached_property
+    def action_spec(self):
+        return specs.DiscreteArray(4, name="action")
+
+    # ---- text --------------------------------------------------------------------------------
+
+    @property
+    def action_names(self) -> tuple[str, ...]:
+        return ACTION_NAMES
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        return self.grid_symbols
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        return self.size, self.size
+
+    def render_symbols(self, state: FrozenLakeState):
+        """Jittable ``int32[size, size]`` of RAGEN grid codes."""
+        cell_symbol = jnp.array([EMPTY, HOLE_SYM, EMPTY, GOAL_SYM], jnp.int32)  # F H S G
+        player_symbol = jnp.array([PLAYER, PLAYER_IN_HOLE, PLAYER, PLAYER_ON_GOAL], jnp.int32)
+        grid = cell_symbol[state.board]
+        r, c = state.pos[0], state.pos[1]
+        return grid.at[r, c].set(player_symbol[state.board[r, c]])
+
+    def state_from_text(self, text: str) -> FrozenLakeState:
+        """A state from a rendered grid; the player's cell (if ``P``) becomes the start."""
+        ids = np.array(parse_grid_text(text, self.symbols, "FrozenLake"), np.int32)
+        if ids.shape != (self.size, self.size):
+            raise ValueError(
+                f"FrozenLake level is {ids.shape[0]}x{ids.shape[1]} but this env is "
+                f"{self.size}x{self.size}; pass a {self.size}x{self.size} grid or set size."
+            )
+        players = np.argwhere(np.isin(ids, [PLAYER, PLAYER_IN_HOLE, PLAYER_ON_GOAL]))
+        if len(players) != 1:
+            glyphs = ", ".join(self.symbols[i] for i in (PLAYER, PLAYER_IN_HOLE, PLAYER_ON_GOAL))
+            raise ValueError(
+                f"FrozenLake level must have exactly one player cell ({glyphs}), found {len(players)}."
+            )
+        if not np.isin(ids, [GOAL_SYM, PLAYER_ON_GOAL]).any():
+            raise ValueError(
+                f"FrozenLake level has no goal; mark one cell {self.symbols[GOAL_SYM]!r}."
+            )
+        board_of_symbol = np.array([START, FROZEN, HOLE, GOAL, HOLE, GOAL], np.int8)
+        return self._state(board_of_symbol[ids], players[0], key=jax.random.PRNGKey(0))
+
+    # ---- RAGEN seeds -------------------------------------------------------------------------
+
+    def reset_from_seed(self, seed: int) -> FrozenLakeState:
+        """RAGEN's map for ``seed`` (``generate_random_map``), player on its start.
+
+        The slip key is ``PRNGKey(seed)`` (RAGEN's slip stream is not reproduced).
+        """
+        rows = generate_random_map(self.size, self.p, seed)
+        board = np.array([[LETTERS.index(ch) for ch in row] for row in rows], np.int8)
+        return self._state(board, np.argwhere(board == START)[0], key=jax.random.PRNGKey(seed))
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _is_terminal_cell(cell):
+        return (cell == HOLE) | (cell == GOAL)
+
+    @staticmethod
+    def _start_of(board):
+        flat = jnp.argmax((board == START).ravel())
+        return jnp.stack(jnp.divmod(flat, board.shape[1])).astype(jnp.int32)
+
+    @staticmethod
+    def _state(board, pos, key) -> FrozenLakeState:
+        return FrozenLakeState(
+            board=jnp.asarray(board, jnp.int8),
+            pos=jnp.asarray(pos, jnp.int32),
+            step_count=jnp.zeros((), jnp.int32),
+            key=key,
+        )
+
+
+def board_letters(state: FrozenLakeState) -> list[str]:
+    """Host: the map as gymnasium ``desc`` rows of F/H/S/G."""
+    return ["".join(LETTERS[c] for c in row) for row in np.asarray(state.board)]
+
+
+def generate_random_map(size: int = 4, p: float = 0.8, seed: int | None = None) -> list[str]:
+    """Exact port of RAGEN's ``generate_random_map``: rows of F/H/S/G with S→G reachable."""
+    return draw_random_map(gymnasium_rng(seed) if seed is not None else np.random.default_rng(), size, p)
+
+
+def draw_random_map(rng: np.random.Generator, size: int, p: float) -> list[str]:
+    """RAGEN's map recipe on a given generator.
+
+    Draw order (it defines the map of every seed): board cells frozen with probability ``p``, then
+    start (row, col), then goal (row, col); start == goal or an unreachable goal draws again.
+    """
+    while True:
+        board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])
+        start_r, start_c = rng.integers(size, size=2)
+        goal_r, goal_c = rng.integers(size, size=2)
+        if (start_r, start_c) != (goal_r, goal_c):
+            board[start_r][start_c], board[goal_r][goal_c] = "S", "G"
+            if _host_goal_reachable(board, (start_r, start_c)):
+                return ["".join(row) for row in board]
+
+
+def _host_goal_reachable(board, start) -> bool:
+    """Depth-first search from ``start`` over non-hole cells (RAGEN's ``is_valid``)."""
+    size = len(board)
+    frontier, seen = [tuple(start)], set()
+    while frontier:
+        r, c = frontier.pop()
+        if (r, c) in seen:
+            continue
+        seen.add((r, c))
+        if board[r][c] == "G":
+            return True
+        for dr, dc in DIRECTION_DELTAS:
+            nr, nc = r + dr, c + dc
+            if 0 <= nr < size and 0 <= nc < size and board[nr][nc] != "H":
+                frontier.append((nr, nc))
+    return False

@@ -1,0 +1,474 @@
+"""Sokoban (RAGEN ``sokoban``): push every box onto a target, in pure JAX.
+
+Rules are gym_sokoban's, as RAGEN uses them:
+
+- Actions 0..3 = Up, Down, Left, Right (RAGEN's LLM action ``k`` is ours ``k-1``), all "push"
+  actions: a box ahead is pushed if the cell beyond it is floor or an empty target; otherwise the
+  player steps onto free floor or target; otherwise nothing happens.
+- Reward per step: -0.1, +1 / -1 when the number of boxes on targets goes up / down, +10 when all are
+  on targets (10.9 for the last push of a one-box level). Solving terminates; reaching ``max_steps``
+  unsolved truncates.
+- ``action_is_effective``: the player moved; ``success``: all boxes are on targets.
+
+Cell codes of ``room_state``: 0 wall, 1 floor, 2 empty target, 3 box on target, 4 box, 5 player;
+``room_fixed`` holds 0 wall, 1 floor, 2 target. Rendering adds 6 = player on a target, and maps code
+``i`` to ``grid_symbols[i]``.
+
+Levels:
+
+- ``reset_from_seed(seed)``: RAGEN's level for that seed, from the host reference generator
+  (``envs_jax.sokoban_reference``), so validation sets are RAGEN's levels exactly.
+- ``reset(key)``: a fresh level generated inside ``jit`` with the same recipe in JAX form: the
+  random-walk topology, a random player and targets, then reverse play (the player pulls the boxes
+  away from their targets, so every level is solvable by construction), keeping the visited state
+  with the best RAGEN score ``box_swaps * sum of Manhattan displacements`` among states that leave
+  every target uncovered, and finally RAGEN's random player shuffle. Failed attempts (too little
+  floor, or no box displaced) are redrawn in a ``lax.while_loop``, ``CANDIDATES_PER_ROUND`` at a
+  time.
+- ``state_from_text(text)``: a custom level from its rendering.
+
+Reverse play: RAGEN runs a recursive DFS over every state within ``search_depth - 2`` moves, which
+does not map onto SIMD hardware. Here it is ``num_walks`` random walks run side by side (``vmap`` of
+a ``lax.scan``); each step moves the player to a uniformly chosen free neighbour (never into a wall,
+so no step is wasted), pulling the box behind it if there is one. A walk is as long as the DFS is
+deep, ``search_depth - 2``, capped at ``MAX_WALK_LENGTH``; ``num_walks`` spends
+``WALK_STEP_BUDGET`` steps in all (at least ``NUM_WALKS`` walks), so shallow searches get more
+walks. Measured difficulty (optimal solution length by BFS, ``envs_jax.solvers``):
+
+| variant | ``reset(key)`` (keys) | RAGEN reference generator (seeds) |
+|---|---|---|
+| SimpleSokoban | mean 4.08, 76.8 % within 5 (2048) | mean 4.08, 76.0 % within 5 (0..4095); 3.95 on 123..378 |
+| SokobanDifferentGridVocab | mean 3.98 (1024) | mean 4.06 (0..4095) |
+| LargerSokoban | mean 5.81, 42 % within 5 (1024) | mean 5.79, 46 % within 5 (1000..2023) |
+
+``tests/envs/test_sokoban_generation.py`` asserts that 64 generated SimpleSokoban levels are all
+solvable with mean optimal length in ``DIFFICULTY_BAND`` (RAGEN's mean 4.08 ± 3 standard errors of
+a 64-level mean).
+
+Departures from RAGEN, documented:
+
+- ``reset(key)`` draws from a distribution close to RAGEN's but is not seed-compatible with it (see
+  above); ``reset_from_seed`` is.
+- Levels from ``state_from_text`` must be enclosed by walls (the whole outer border is wall), as
+  generated levels always are. gym_sokoban indexes with Python's wrap-around at the top and left
+  edges, so open levels would behave oddly there; enclosed levels keep the player on the grid and
+  let the token renderer assume wall borders. Their number of boxes may differ from the env's ``num_boxes``; success and the box count
+  always come from the state's own targets.
+- ``boxes_on_target`` starts at the level's actual count (gym_sokoban starts it at 0, which only
+  differs for a custom level with a box already on a target, where gym_sokoban would pay a spurious
+  +1 on the first step).
+- [quirk 2, fixed] RAGEN's seed fallback is deterministic here (see ``sokoban_reference``).
+- [quirk 1] The prompt legend of SokobanDifferentGridVocab is a prompt matter, not the env's: the
+  env renders with its own ``grid_symbols``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jumanji import specs
+
+from envs_jax import sokoban_reference
+from envs_jax.base import GridEnv, first_timestep, make_timestep, parse_grid_text, step_extras
+
+# Cell codes of room_state (room_fixed uses WALL, FLOOR, TARGET); PLAYER_ON_TARGET only renders.
+WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = range(7)
+
+ACTION_NAMES = ("Up", "Down", "Left", "Right")
+#: (d_row, d_col) of actions 0..3.
+DELTAS = np.array([[-1, 0], [1, 0], [0, -1], [0, 1]], np.int32)
+
+#: RAGEN's topology walk: direction change probability and the five 3x3 floor masks.
+P_CHANGE_DIRECTION = 0.35
+MASKS = np.array(sokoban_reference.MASKS, np.int8)
+
+#: Reverse-play search of ``reset`` (chosen by measuring difficulty; see the module docstring).
+NUM_WALKS = 16
+MAX_WALK_LENGTH = 100
+WALK_STEP_BUDGET = 3200
+#: Candidates drawn per round of the retry loop (RAGEN makes up to 4 tries per seed).
+CANDIDATES_PER_ROUND = 2
+#: Band for the mean optimal solution length of 64 generated SimpleSokoban levels.
+DIFFICULTY_BAND = (3.3, 4.9)
+
+
+@struct.dataclass
+class SokobanState:
+    room_fixed: jnp.ndarray  # int8[rows, cols]: WALL / FLOOR / TARGET
+    room_state: jnp.ndarray  # int8[rows, cols]: codes 0..5
+    player: jnp.ndarray  # int32[2] (row, col)
+    step_count: jnp.ndarray  # int32[] actions taken this episode
+    boxes_on_target: jnp.ndarray  # int32[]
+
+
+class Sokoban(GridEnv):
+    def __init__(
+        self,
+        dim_room: tuple[int, int] = (6, 6),
+        num_boxes: int = 1,
+        search_depth: int = 300,
+        max_steps: int = 100,
+        grid_symbols: tuple[str, ...] = ("#", "_", "O", "√", "X", "P", "S"),
+    ):
+        dim_room = tuple(int(d) for d in dim_room)
+        if len(dim_room) != 2 or min(dim_room) < 3:
+            raise ValueError(f"Sokoban dim_room must be (rows, cols), each at least 3, got {dim_room}.")
+        if num_boxes < 1:
+            raise ValueError(f"Sokoban num_boxes must be at least 1, got {num_boxes}.")
+        if search_depth < 3:
+            raise ValueError(f"Sokoban search_depth must be at least 3 (it bounds reverse play), got {search_depth}.")
+        if len(grid_symbols) != 7 or len(set(grid_symbols)) != 7:
+            raise ValueError(
+                "Sokoban grid_symbols must be 7 distinct glyphs (wall, empty, target, box on target, "
+                f"box, player, player on target), got {grid_symbols!r}."
+            )
+        self.dim_room = dim_room
+        self.num_boxes = int(num_boxes)
+        self.search_depth = int(search_depth)
+        self.max_steps = int(max_steps)
+        self.grid_symbols = tuple(grid_symbols)
+        self.walk_length = min(self.search_depth - 2, MAX_WALK_LENGTH)
+        self.num_walks = max(NUM_WALKS, WALK_STEP_BUDGET // self.walk_length)
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return (
+            f"Sokoban(dim_room={self.dim_room}, num_boxes={self.num_boxes}, "
+            f"search_depth={self.search_depth}, max_steps={self.max_steps})"
+        )
+
+    # ---- jumanji API -------------------------------------------------------------------------
+
+    def reset(self, key):
+        """A fresh solvable level generated in JAX (see the module docstring)."""
+        room_fixed, room_state = generate_level(
+            key, self.dim_room, self.num_boxes, self.walk_length, self.num_walks, CANDIDATES_PER_ROUND
+        )
+        state = make_state(room_fixed, room_state)
+        return state, first_timestep(self.render_symbols(state))
+
+    def step(self, state: SokobanState, action):
+        """gym_sokoban's push action, as elementwise operations on the grid (cheap under vmap)."""
+        room_state, player, moved = push_or_move(state.room_fixed, state.room_state, state.player, action)
+        boxes_on_target = jnp.sum(room_state == BOX_ON_TARGET, dtype=jnp.int32)
+        solved = boxes_on_target == jnp.sum(state.room_fixed == TARGET, dtype=jnp.int32)
+        change = jnp.sign(boxes_on_target - state.boxes_on_target).astype(jnp.float32)
+        reward = -0.1 + change + jnp.where(solved, 10.0, 0.0)
+        step_count = state.step_count + 1
+        state = SokobanState(
+            room_fixed=state.room_fixed,
+            room_state=room_state,
+            player=player,
+            step_count=step_count,
+            boxes_on_target=boxes_on_target,
+        )
+        timestep = make_timestep(
+            self.render_symbols(state),
+            reward=reward,
+            terminated=solved,
+            truncated=(step_count >= self.max_steps) & ~solved,
+            extras=step_extras(success=solved, effective=moved),
+        )
+        return state, timestep
+
+    @cached_property
+    def observation_spec(self):
+        return specs.BoundedArray(self.dim_room, jnp.int32, minimum=0, maximum=6, name="grid")
+
+    @cached_property
+    def action_spec(self):
+        return specs.DiscreteArray(4, name="action")
+
+    # ---- text --------------------------------------------------------------------------------
+
+    @property
+    def action_names(self) -> tuple[str, ...]:
+        return ACTION_NAMES
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        return self.grid_symbols
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        return self.dim_room
+
+    def render_symbols(self, state: SokobanState):
+        """Jittable ``int32[rows, cols]`` symbol ids: the cell codes, 6 where the player is on a target."""
+        on_target = (state.room_state == PLAYER) & (state.room_fixed == TARGET)
+        return jnp.where(on_target, PLAYER_ON_TARGET, state.room_state).astype(jnp.int32)
+
+    def state_from_text(self, text: str) -> SokobanState:
+        """A state from a rendered level in this env's symbols.
+
+        The level must be ``dim_room`` in size, enclosed by walls (every border cell a wall, so the
+        player can never leave the grid), with exactly one player and as many boxes as targets
+        (at least one). Its box count may differ from ``num_boxes``.
+        """
+        sym = np.array(parse_grid_text(text, self.symbols, "Sokoban"), np.int8)
+        rows, cols = self.dim_room
+        if sym.shape != self.dim_room:
+            raise ValueError(
+                f"Sokoban level is {sym.shape[0]}x{sym.shape[1]} but this env is {rows}x{cols}; "
+                f"pass a {rows}x{cols} grid or build the env with dim_room={sym.shape}."
+            )
+        border = np.concatenate([sym[0], sym[-1], sym[:, 0], sym[:, -1]])
+        if np.any(border != WALL):
+            raise ValueError(
+                f"Sokoban level is not enclosed: every border cell must be a wall "
+                f"({self.symbols[WALL]!r})."
+            )
+        players = np.count_nonzero((sym == PLAYER) | (sym == PLAYER_ON_TARGET))
+        if players != 1:
+            raise ValueError(
+                f"Sokoban level must have exactly one player ({self.symbols[PLAYER]!r} or "
+                f"{self.symbols[PLAYER_ON_TARGET]!r}), found {players}."
+            )
+        boxes = np.count_nonzero((sym == BOX) | (sym == BOX_ON_TARGET))
+        targets = np.count_nonzero(np.isin(sym, [TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET]))
+        if boxes != targets or boxes == 0:
+            raise ValueError(
+                f"Sokoban level must have as many boxes as targets, at least one; found {boxes} "
+                f"boxes and {targets} targets."
+            )
+        #                        wall  floor target box@t box  player player@t
+        fixed_of_symbol = np.array([WALL, FLOOR, TARGET, TARGET, FLOOR, FLOOR, TARGET], np.int8)
+        state_of_symbol = np.array([WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER], np.int8)
+        return make_state(fixed_of_symbol[sym], state_of_symbol[sym])
+
+    # ---- RAGEN seeds -------------------------------------------------------------------------
+
+    def reset_from_seed(self, seed: int) -> SokobanState:
+        """RAGEN's level for ``seed`` (host reference generator, deterministic seed fallback)."""
+        room_fixed, room_state = sokoban_reference.ragen_level(
+            seed, self.dim_room, self.num_boxes, self.search_depth
+        )
+        return make_state(room_fixed, room_state)
+
+
+def make_state(room_fixed, room_state) -> SokobanState:
+    """The state at the start of an episode on this level."""
+    room_fixed = jnp.asarray(room_fixed, jnp.int8)
+    room_state = jnp.asarray(room_state, jnp.int8)
+    flat = jnp.argmax((room_state == PLAYER).ravel())
+    return SokobanState(
+        room_fixed=room_fixed,
+        room_state=room_state,
+        player=jnp.stack(jnp.divmod(flat, room_state.shape[1])).astype(jnp.int32),
+        step_count=jnp.zeros((), jnp.int32),
+        boxes_on_target=jnp.sum(room_state == BOX_ON_TARGET, dtype=jnp.int32),
+    )
+
+
+# --------------------------------------------------------------------------- dynamics
+
+
+def cell_mask(shape, pos):
+    """bool[rows, cols], True at ``pos`` only (all False when ``pos`` is off the grid)."""
+    rows = jnp.arange(shape[0])[:, None]
+    cols = jnp.arange(shape[1])[None, :]
+    return (rows == pos[0]) & (cols == pos[1])
+
+
+def push_or_move(room_fixed, room_state, player, action):
+    """gym_sokoban's push action: (room_state, player, moved).
+
+    Cells are read and written through one-hot masks rather than gathers and scatters, so the step
+    is a handful of fused elementwise ops; a cell off the grid reads as wall.
+    """
+    delta = jnp.asarray(DELTAS)[action]
+    ahead, beyond = player + delta, player + 2 * delta
+    at_player = cell_mask(room_state.shape, player)
+    at_ahead = cell_mask(room_state.shape, ahead)
+    at_beyond = cell_mask(room_state.shape, beyond)
+    cell_ahead = jnp.sum(jnp.where(at_ahead, room_state, 0))
+    cell_beyond = jnp.sum(jnp.where(at_beyond, room_state, 0))
+
+    push = _is_box(cell_ahead) & _is_free(cell_beyond)
+    moved = push | _is_free(cell_ahead)
+    box = jnp.where(room_fixed == TARGET, BOX_ON_TARGET, BOX).astype(room_state.dtype)
+    room_state = jnp.where(at_player & moved, room_fixed, room_state)
+    room_state = jnp.where(at_ahead & moved, jnp.int8(PLAYER), room_state)
+    room_state = jnp.where(at_beyond & push, box, room_state)
+    return room_state, jnp.where(moved, ahead, player), moved
+
+
+def _is_box(cell):
+    return (cell == BOX) | (cell == BOX_ON_TARGET)
+
+
+def _is_free(cell):
+    return (cell == FLOOR) | (cell == TARGET)
+
+
+# --------------------------------------------------------------------------- level generation
+
+
+def generate_level(key, dim_room, num_boxes, walk_length, num_walks, candidates_per_round):
+    """Jittable: (room_fixed, room_state) of a solvable level, redrawn until one is valid."""
+
+    def draw_round(carry):
+        round_, _, _, _ = carry
+        keys = jax.random.split(jax.random.fold_in(key, round_), candidates_per_round)
+        fixed, state, valid = jax.vmap(
+            lambda k: generate_candidate(k, dim_room, num_boxes, walk_length, num_walks)
+        )(keys)
+        first = jnp.argmax(valid)
+        return round_ + 1, fixed[first], state[first], valid[first]
+
+    empty = jnp.zeros(dim_room, jnp.int8)
+    _, room_fixed, room_state, _ = jax.lax.while_loop(
+        lambda carry: ~carry[3], draw_round, (jnp.int32(0), empty, empty, jnp.bool_(False))
+    )
+    return room_fixed, room_state
+
+
+def generate_candidate(key, dim_room, num_boxes, walk_length, num_walks):
+    """One attempt of RAGEN's recipe: (room_fixed, room_state, valid)."""
+    k_topology, k_place, k_reverse, k_shuffle = jax.random.split(key, 4)
+    floor = carve_topology(k_topology, dim_room, sokoban_reference.num_gen_steps(dim_room))
+    player, targets, enough_floor = place_player_and_targets(k_place, floor, num_boxes)
+    player, boxes, score, displacement = reverse_play(
+        k_reverse, floor, player, targets, walk_length, num_walks
+    )
+    player = shuffle_player(k_shuffle, floor, player, boxes, displacement)
+
+    room_fixed = jnp.where(floor, FLOOR, WALL).astype(jnp.int8)
+    room_fixed = _paint(room_fixed, targets, TARGET)
+    room_state = _paint(room_fixed, boxes, BOX)  # no box is on a target in a positive-score state
+    room_state = _paint(room_state, player[None], PLAYER)
+    return room_fixed, room_state, enough_floor & (score > 0)
+
+
+def carve_topology(key, dim_room, num_steps):
+    """bool[rows, cols] floor carved by RAGEN's random walk stamping random 3x3 masks."""
+    k_dir, k_start, k_change, k_new_dir, k_mask = jax.random.split(key, 5)
+    walk_dirs = jnp.array(sokoban_reference.WALK_DIRECTIONS, jnp.int32)
+    size = jnp.array(dim_room, jnp.int32)
+    start = jax.random.randint(k_start, (2,), 1, size)  # RAGEN: randint(1, dim - 1), inclusive
+    change = jax.random.uniform(k_change, (num_steps,)) < P_CHANGE_DIRECTION
+    new_dirs = jax.random.randint(k_new_dir, (num_steps,), 0, 4)
+    masks = jnp.asarray(MASKS)[jax.random.randint(k_mask, (num_steps,), 0, len(MASKS))]
+
+    def walk(carry, step):
+        level, pos, direction = carry
+        change, new_dir, mask = step
+        direction = jnp.where(change, new_dir, direction)
+        pos = jnp.clip(pos + walk_dirs[direction], 1, size - 2)
+        window = jax.lax.dynamic_slice(level, pos - 1, (3, 3))
+        level = jax.lax.dynamic_update_slice(level, window | mask, pos - 1)
+        return (level, pos, direction), None
+
+    level = jnp.zeros(dim_room, jnp.int8)
+    direction = jax.random.randint(k_dir, (), 0, 4)
+    (level, _, _), _ = jax.lax.scan(walk, (level, start, direction), (change, new_dirs, masks))
+    border = cell_border(dim_room)
+    return (level > 0) & ~border
+
+
+def cell_border(dim_room):
+    rows = jnp.arange(dim_room[0])[:, None]
+    cols = jnp.arange(dim_room[1])[None, :]
+    return (rows == 0) | (rows == dim_room[0] - 1) | (cols == 0) | (cols == dim_room[1] - 1)
+
+
+def place_player_and_targets(key, floor, num_boxes):
+    """Player, then each target, on distinct uniformly drawn floor cells; and whether floor sufficed."""
+    keys = jax.random.split(key, num_boxes + 1)
+    free = floor.ravel()
+    cells = []
+    for k in keys:
+        flat = jax.random.categorical(k, jnp.where(free, 0.0, -jnp.inf))
+        free = free & (jnp.arange(free.size) != flat)
+        cells.append(jnp.stack(jnp.divmod(flat, floor.shape[1])))
+    cells = jnp.stack(cells).astype(jnp.int32)
+    enough_floor = jnp.sum(floor) > num_boxes + 1
+    return cells[0], cells[1:], enough_floor
+
+
+def reverse_play(key, floor, player, targets, walk_length, num_walks):
+    """Best state of ``num_walks`` random reverse-play walks: (player, boxes, score, displacement).
+
+    Boxes start on their own targets. Each step the player moves to a uniformly chosen free
+    neighbour and, if a box is right behind it, pulls that box into its old cell. A state scores
+    ``box_swaps * displacement`` (``box_swaps`` counts changes of the pulled box, the first pull
+    included) when neither a box nor the player covers a target, else 0. Within a walk and across
+    walks the first best state wins, as in RAGEN's DFS.
+    """
+
+    def step(carry, noise):
+        player, boxes, last_pull, swaps, best = carry
+        neighbours, free = free_neighbours(floor, player, boxes)
+        action = jnp.argmax(jnp.where(free, noise, -1.0))  # uniform among free neighbours
+        moves = free[action]  # False only when the player is boxed in
+        pulled = moves & _occupies(boxes, 2 * player - neighbours[action])  # the box behind
+        boxes = jnp.where(pulled[:, None], player, boxes)
+        player = jnp.where(moves, neighbours[action], player)
+        pull = jnp.where(jnp.any(pulled), jnp.argmax(pulled), last_pull)
+        swaps = swaps + (pull != last_pull)
+
+        displacement = jnp.sum(jnp.abs(boxes - targets))
+        covered = jnp.any(_occupies(boxes, targets[:, None])) | jnp.any(_occupies(targets, player))
+        score = jnp.where(covered, 0, swaps * displacement)
+        better = score > best[2]
+        best = jax.tree.map(
+            lambda new, old: jnp.where(better, new, old), (player, boxes, score, displacement), best
+        )
+        return (player, boxes, pull, swaps, best), None
+
+    def walk(noise):
+        start = (player, targets, jnp.int32(0), jnp.int32(0))  # score 0, like RAGEN's root state
+        carry = (player, targets, jnp.int32(-1), jnp.int32(0), start)
+        return jax.lax.scan(step, carry, noise)[0][-1]
+
+    noise = jax.random.uniform(key, (num_walks, walk_length, 4))
+    players, boxes, scores, displacements = jax.vmap(walk)(noise)
+    i = jnp.argmax(scores)
+    return players[i], boxes[i], scores[i], displacements[i]
+
+
+def shuffle_player(key, floor, player, boxes, displacement):
+    """RAGEN's random player shuffle: with probability 0.8 (displacement 1) or 0.5, walk 1 to 3 steps.
+
+    Each step goes to a uniformly chosen free neighbour not visited before; after each step the walk
+    goes on with probability 0.5.
+    """
+    k_move, k_steps = jax.random.split(key)
+    moving = jax.random.uniform(k_move) <= jnp.where(displacement == 1, 0.8, 0.5)
+
+    def step(carry, key):
+        player, visited, moving = carry
+        k_choice, k_go_on = jax.random.split(key)
+        neighbours, free = free_neighbours(floor, player, boxes)
+        allowed = free & ~jnp.any(_occupies(visited, neighbours[:, None]), axis=-1)
+        moving = moving & jnp.any(allowed)
+        choice = jax.random.categorical(k_choice, jnp.where(allowed, 0.0, -jnp.inf))
+        player = jnp.where(moving, neighbours[choice], player)
+        visited = jnp.concatenate([visited[1:], player[None]])
+        moving = moving & (jax.random.uniform(k_go_on) <= 0.5)
+        return (player, visited, moving), None
+
+    visited = jnp.tile(player, (4, 1))  # the start plus up to 3 cells walked; start fills the rest
+    (player, _, _), _ = jax.lax.scan(step, (player, visited, moving), jax.random.split(k_steps, 3))
+    return player
+
+
+def free_neighbours(floor, player, boxes):
+    """The 4 cells around ``player`` in action order, and which of them are floor without a box."""
+    neighbours = player + jnp.asarray(DELTAS)
+    free = floor[neighbours[:, 0], neighbours[:, 1]]
+    return neighbours, free & ~jnp.any(_occupies(boxes, neighbours[:, None]), axis=-1)
+
+
+def _occupies(cells, pos):
+    """bool[..., n]: whether each of ``cells`` (int[n, 2]) is at ``pos`` (int[..., 1, 2] or [2])."""
+    return jnp.all(cells == pos, axis=-1)
+
+
+def _paint(grid, cells, code):
+    """``grid`` with ``code`` written at each (row, col) of ``cells``."""
+    return grid.at[cells[:, 0], cells[:, 1]].set(jnp.int8(code))

@@ -1,0 +1,355 @@
+"""Environment throughput: the pure-JAX envs under ``jit`` + ``vmap`` against plain NumPy.
+
+For every env, batch size and mode, a compiled ``lax.scan`` runs ``--steps`` steps of the whole batch
+with uniformly random actions, and we report environment steps per second (median of ``--repeats``
+timed runs; compile time reported apart). Two modes:
+
+- ``step``: dynamics only. A row that finishes restarts from its own first state (same level), so
+  every step is a live one and no level is generated.
+- ``reset``: auto-reset, so procedural level generation is inside the timed loop. Each scan step
+  generates a fixed number of fresh levels, ``reset capacity = ceil(reset_share × batch)``, and
+  hands them to the rows that finished (rows already waiting first); finished rows beyond the
+  capacity wait (they are stepped but not counted). Generating a level for *every* row at every step, as a
+  select-based auto-reset does, would make Sokoban's cost that of its generator times the batch;
+  the capacity is set from how often episodes end under random actions (``RESET_SHARE``), and
+  ``--reset-share 1`` gives the select-everything behaviour. ``active_share`` in the JSON is the
+  fraction of row-steps counted.
+
+The runs continue one another (warm-up, then the timed repeats), so ``reset`` mode measures the
+steady state where episodes are at all stages.
+
+The baseline is a straightforward single-environment NumPy implementation of the same rules, stepped
+one action at a time from Python (``NUMPY_BASELINES``; Sokoban's is ``sokoban_reference``, whose
+level generator is RAGEN's exhaustive reverse-play search, while the JAX generator runs a fixed
+number of random reverse walks). ``speedup`` is JAX steps/s over NumPy steps/s for the same env and
+mode.
+
+    python -m experiments.bench_envs                       # full grid, writes bench_results/bench_envs.json
+    python -m experiments.bench_envs --quick               # smoke run
+    python -m experiments.bench_envs --envs FrozenLake --batch-sizes 256,4096 --modes reset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import envs_jax
+from envs_jax import sokoban_reference
+from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
+
+DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
+DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
+MODES = ("step", "reset")
+
+#: Fresh levels generated per scan step, as a share of the batch: about the rate at which episodes
+#: end under random actions, with slack (Bandit: every step; FrozenLake: mean episode ≈ 4 steps;
+#: Sokoban: most episodes run to the 100-step limit).
+RESET_SHARE = {"Bandit": 1.0, "FrozenLake": 0.5, "SimpleSokoban": 1 / 16, "LargerSokoban": 1 / 16}
+
+
+# --------------------------------------------------------------------------- NumPy baselines
+
+
+class NumpyBandit:
+    """One bandit: the arm order is a coin flip, the risky arm pays ``hiscore`` with probability."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self, rng):
+        self.hi_first = rng.random() >= 0.5
+
+    def restart(self):
+        pass
+
+    def step(self, action, rng) -> tuple[float, bool]:
+        env = self.env
+        if (action == 0) == self.hi_first:
+            reward = env.hi_arm_hiscore if rng.random() < env.hi_arm_hiscore_prob else env.hi_arm_loscore
+        else:
+            reward = env.lo_arm_score
+        return reward, True
+
+
+class NumpyFrozenLake:
+    """One FrozenLake: RAGEN's map generator, gymnasium's slips and moves."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self, rng):
+        self.desc = np.array([list(row) for row in draw_random_map(rng, self.env.size, self.env.p)])
+        self.restart()
+
+    def restart(self):
+        self.pos = np.argwhere(self.desc == "S")[0]
+        self.steps = 0
+
+    def step(self, action, rng) -> tuple[float, bool]:
+        self.steps += 1
+        if self.desc[tuple(self.pos)] in "GH":  # absorbing
+            return 0.0, True
+        direction = (action + rng.integers(-1, 2)) % 4 if self.env.is_slippery else action
+        self.pos = np.clip(self.pos + DIRECTION_DELTAS[direction], 0, self.env.size - 1)
+        cell = self.desc[tuple(self.pos)]
+        return float(cell == "G"), cell in "GH" or self.steps >= self.env.max_steps
+
+
+class NumpySokoban:
+    """One Sokoban: RAGEN's level generator and gym_sokoban's step (``sokoban_reference``)."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self, rng):
+        env = self.env
+        seed = int(rng.integers(2**31))
+        self.room_fixed, self.first_room_state = sokoban_reference.ragen_level(
+            seed, env.dim_room, env.num_boxes, env.search_depth
+        )
+        self.restart()
+
+    def restart(self):
+        self.room_state = self.first_room_state.copy()
+        self.steps = 0
+
+    def step(self, action, rng) -> tuple[float, bool]:
+        _, reward, solved = sokoban_reference.numpy_step(self.room_state, self.room_fixed, action)
+        self.steps += 1
+        return reward, solved or self.steps >= self.env.max_steps
+
+
+NUMPY_BASELINES = {
+    "Bandit": NumpyBandit,
+    "FrozenLake": NumpyFrozenLake,
+    "SimpleSokoban": NumpySokoban,
+    "LargerSokoban": NumpySokoban,
+}
+
+
+def numpy_rate(baseline, num_actions: int, auto_reset: bool, seconds: float, seed: int) -> float:
+    """Steps/s of one NumPy env stepped from Python with random actions for about ``seconds``.
+
+    A finished episode starts on a fresh level (``auto_reset``) or restarts the same one.
+    """
+    rng = np.random.default_rng(seed)
+    baseline.reset(rng)
+    steps, start = 0, time.perf_counter()
+    while True:
+        for _ in range(64):
+            _, done = baseline.step(int(rng.integers(num_actions)), rng)
+            if done:
+                baseline.reset(rng) if auto_reset else baseline.restart()
+        steps += 64
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return steps / elapsed
+
+
+# --------------------------------------------------------------------------- JAX loop
+
+
+def select_rows(mask, on_true, on_false):
+    """Per row of a batched pytree: ``on_true`` where ``mask`` else ``on_false``."""
+
+    def pick(a, b):
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, on_true, on_false)
+
+
+def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
+    """``loop(first, states, waiting, key) -> (states, waiting, counted_steps)``: ``num_steps`` random
+    steps of the batch.
+
+    ``reset_capacity=None``: finished rows restart from ``first``. Otherwise each step generates
+    ``reset_capacity`` fresh levels; finished rows take them, those already waiting first, and the
+    others wait (``waiting``) and are not counted.
+    """
+    num_actions = env.action_spec.num_values
+    step = jax.vmap(env.step)
+    reset = jax.vmap(env.reset)
+
+    def body(first, carry):
+        states, waiting, key = carry
+        key, action_key, reset_key = jax.random.split(key, 3)
+        actions = jax.random.randint(action_key, (batch,), 0, num_actions)
+        states, timestep = step(states, actions)
+        counted = jnp.sum(~waiting)
+        if reset_capacity is None:
+            return (select_rows(timestep.last(), first, states), waiting, key), counted
+        # Rows already waiting are served first, then the newly finished, each in row order.
+        newly = timestep.last() & ~waiting
+        rank = jnp.where(waiting, jnp.cumsum(waiting), jnp.sum(waiting) + jnp.cumsum(newly)) - 1
+        finished = waiting | newly
+        takes = finished & (rank < reset_capacity)
+        fresh, _ = reset(jax.random.split(reset_key, reset_capacity))
+        fresh_rows = jax.tree.map(lambda x: x[jnp.clip(rank, 0, reset_capacity - 1)], fresh)
+        states = select_rows(takes, fresh_rows, states)
+        return (states, finished & ~takes, key), counted
+
+    def loop(first, states, waiting, key):
+        carry, counted = jax.lax.scan(
+            lambda carry, _: body(first, carry), (states, waiting, key), None, num_steps
+        )
+        states, waiting, _ = carry
+        return states, waiting, jnp.sum(counted)
+
+    return jax.jit(loop)
+
+
+def jax_measurement(env, first, batch, num_steps, mode, repeats, reset_share, seed) -> dict:
+    """Compile time and median steps/s of the compiled loop, run from the ``batch`` states ``first``
+    (after one warm-up run)."""
+    key = jax.random.PRNGKey(seed)
+    states, waiting = first, jnp.zeros((batch,), bool)
+    capacity = None if mode == "step" else max(1, math.ceil(reset_share * batch))
+
+    start = time.perf_counter()
+    loop = make_loop(env, batch, num_steps, capacity).lower(first, states, waiting, key).compile()
+    compile_s = time.perf_counter() - start
+
+    run = lambda states, waiting, r: loop(first, states, waiting, jax.random.fold_in(key, r))
+    states, waiting, _ = jax.block_until_ready(run(states, waiting, 0))
+    times, counted = [], []
+    for r in range(1, repeats + 1):
+        start = time.perf_counter()
+        states, waiting, n = jax.block_until_ready(run(states, waiting, r))
+        times.append(time.perf_counter() - start)
+        counted.append(int(n))
+    rates = [n / t for n, t in zip(counted, times)]
+    return {
+        "steps_per_s": statistics.median(rates),
+        "compile_s": compile_s,
+        "run_s": statistics.median(times),
+        "num_steps": num_steps,
+        "reset_capacity": capacity,
+        "active_share": sum(counted) / (repeats * batch * num_steps),
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench_envs",
+        description="Steps/s of the JAX envs under jit+vmap versus a single-env NumPy baseline.",
+    )
+    parser.add_argument("--envs", default=",".join(DEFAULT_ENVS),
+                        help=f"comma-separated env names from: {', '.join(NUMPY_BASELINES)}")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+                        help="comma-separated batch sizes")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: step, reset")
+    parser.add_argument("--steps", type=int, default=128, help="scan length of one timed run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
+    parser.add_argument("--numpy-seconds", type=float, default=1.0,
+                        help="duration of each NumPy baseline run (3 runs, median)")
+    parser.add_argument("--reset-share", type=float, default=None,
+                        help="fresh levels per step as a share of the batch (default: per env)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_results/bench_envs.json", help="JSON output path")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: batch sizes 1,16, 16 steps, 2 repeats, short baselines")
+    args = parser.parse_args(argv)
+    if args.quick:
+        if args.batch_sizes == parser.get_default("batch_sizes"):
+            args.batch_sizes = "1,16"
+        args.steps, args.repeats, args.numpy_seconds = 16, 2, 0.05
+    args.envs = [e for e in args.envs.split(",") if e]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [e for e in args.envs if e not in NUMPY_BASELINES]
+    if unknown:
+        parser.error(f"unknown env(s) {', '.join(unknown)}; choose from {', '.join(NUMPY_BASELINES)}")
+    bad_modes = [m for m in args.modes if m not in MODES]
+    if bad_modes:
+        parser.error(f"unknown mode(s) {', '.join(bad_modes)}; choose from {', '.join(MODES)}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1 or args.steps < 1 or args.repeats < 1:
+        parser.error("batch sizes, --steps and --repeats must be positive")
+    return args
+
+
+def run(args) -> dict:
+    envs = {name: envs_jax.make(name) for name in args.envs}
+    resets = {name: jax.jit(jax.vmap(env.reset)) for name, env in envs.items()}
+    grid = [(name, b, m) for name in args.envs for b in args.batch_sizes for m in args.modes]
+    numpy_rates = {name: {} for name in args.envs}
+    results = []
+    with tqdm(total=len(args.envs) * len(args.modes) + len(grid), desc="bench_envs") as bar:
+        for name, env in envs.items():
+            for mode in args.modes:
+                bar.set_postfix_str(f"numpy {name} {mode}")
+                baseline = NUMPY_BASELINES[name](env)
+                rates = [
+                    numpy_rate(baseline, env.action_spec.num_values, mode == "reset",
+                               args.numpy_seconds, args.seed + r)
+                    for r in range(3)
+                ]
+                numpy_rates[name][mode] = statistics.median(rates)
+                bar.update()
+        for name, batch, mode in grid:
+            bar.set_postfix_str(f"jax {name} batch={batch} {mode}")
+            share = args.reset_share if args.reset_share is not None else RESET_SHARE[name]
+            first, _ = resets[name](jax.random.split(jax.random.PRNGKey(args.seed), batch))
+            row = jax_measurement(envs[name], first, batch, args.steps, mode, args.repeats, share,
+                                  args.seed)
+            row = {"env": name, "batch": batch, "mode": mode, **row}
+            row["speedup_vs_numpy"] = row["steps_per_s"] / numpy_rates[name][mode]
+            results.append(row)
+            bar.update()
+    device = jax.devices()[0]
+    return {
+        "meta": {
+            "jax_version": jax.__version__,
+            "backend": jax.default_backend(),
+            "device": getattr(device, "device_kind", str(device)),
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "args": {k: v for k, v in vars(args).items()},
+        },
+        "numpy": numpy_rates,
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    header = f"{'env':<14} {'batch':>6} {'mode':<6} {'steps/s':>14} {'vs NumPy':>10} {'compile s':>9}"
+    lines = [header, "-" * len(header)]
+    for name, modes in report["numpy"].items():
+        for mode, rate in modes.items():
+            lines.append(f"{name:<14} {'numpy':>6} {mode:<6} {rate:>14,.0f} {'1.0x':>10} {'':>9}")
+    for r in report["results"]:
+        lines.append(
+            f"{r['env']:<14} {r['batch']:>6} {r['mode']:<6} {r['steps_per_s']:>14,.0f} "
+            f"{r['speedup_vs_numpy']:>9,.1f}x {r['compile_s']:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = run(args)
+    print(format_table(report))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The decoder against transformers (PyTorch, CPU) on tiny random Qwen2 and Llama checkpoints."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from starpo_jax.models import (
+    PRESETS,
+    Decoder,
+    KVCache,
+    ModelConfig,
+    decoder_from_hf_tensors,
+    decoder_to_hf_tensors,
+    preset,
+)
+
+
+def tiny_hf_model(name: str, seed: int = 0):
+    """A transformers model of a tiny preset with every weight random (biases and norms included),
+    large enough that logits spread over O(1) and greedy decoding does not repeat one token."""
+    config = preset(name)
+    torch.manual_seed(seed)
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in param_name else p.normal_(0.0, 0.2)
+    return config, model
+
+
+def state_dict_numpy(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama"])
+def pair(request):
+    config, hf = tiny_hf_model(request.param)
+    return config, hf, decoder_from_hf_tensors(config, state_dict_numpy(hf))
+
+
+def ragged_batch(vocab: int):
+    """Three rows of 12 slots: full, right-padded to 7, left-padded to 5 (RAGEN's layout)."""
+    T = 12
+    tokens = np.random.default_rng(1).integers(0, vocab, (3, T))
+    mask = np.ones((3, T), np.int64)
+    mask[1, 7:] = 0
+    mask[2, :7] = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    return tokens, positions, mask
+
+
+def test_logits_match_transformers_on_a_padded_batch(pair):
+    config, hf, model = pair
+    tokens, positions, mask = ragged_batch(config.vocab_size)
+    with torch.no_grad():
+        expected = hf(
+            input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
+        ).logits.numpy()
+    logits = np.asarray(jax.jit(lambda m, *a: m(*a))(model, tokens, positions, mask))
+    real = mask.astype(bool)
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
+    np.testing.assert_allclose(logits[real], expected[real], atol=1e-4, rtol=0)
+    assert np.isfinite(logits).all()  # padding rows stay finite
+
+
+def test_cached_extend_matches_full_forward(pair):
+    """Prefill two ragged chunks into a cache: hidden states equal the full-sequence forward."""
+    config, _, model = pair
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, (2, 10))
+    first = np.array([6, 3])  # row 0: 6 + 4 tokens, row 1: 3 + 7 tokens
+    chunk1 = np.where(np.arange(7)[None] < first[:, None], tokens[:, :7], 0)
+    chunk2 = np.stack([np.pad(tokens[b, first[b] :], (0, first[b] - 3)) for b in range(2)])
+    positions = np.broadcast_to(np.arange(10), (2, 10))
+    full = jax.jit(lambda m: m.hidden_states(tokens, positions))(model)
+
+    extend = jax.jit(lambda m, tokens, num_new, cache: m.extend(tokens, num_new, cache))
+    cache = KVCache.init(config, 2, 16)
+    h1, cache = extend(model, chunk1, first, cache)
+    h2, cache = extend(model, chunk2, 10 - first, cache)
+    np.testing.assert_array_equal(cache.lengths, [10, 10])
+    for b in range(2):
+        np.testing.assert_allclose(h1[b, : first[b]], full[b, : first[b]], atol=1e-5)
+        np.testing.assert_allclose(h2[b, : 10 - first[b]], full[b, first[b] :], atol=1e-5)
+
+
+def test_hf_tensors_round_trip(pair):
+    config, hf, model = pair
+    tensors = state_dict_numpy(hf)
+    back = decoder_to_hf_tensors(model)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight")  # the embedding under a second name
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == np.float32
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+def test_loading_errors_name_the_tensor():
+    config, hf = tiny_hf_model("tiny-qwen2")
+    tensors = state_dict_numpy(hf)
+    missing = dict(tensors)
+    del missing["model.layers.1.self_attn.k_proj.bias"]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias.*missing"):
+        decoder_from_hf_tensors(config, missing)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*shape \(128, 64\).*expects \(96, 64\)"):
+        decoder_from_hf_tensors(dataclasses.replace(config, intermediate_size=96), tensors)
+    with pytest.raises(ValueError, match=r"does not use \(model\.layers\.0\.self_attn\.k_proj\.bias"):
+        decoder_from_hf_tensors(dataclasses.replace(config, qkv_bias=False), tensors)
+
+
+def test_bf16_forward_is_close_to_fp32(pair):
+    config, hf, model = pair
+    bf16 = decoder_from_hf_tensors(
+        dataclasses.replace(config, dtype="bfloat16", param_dtype="bfloat16"), state_dict_numpy(hf)
+    )
+    assert bf16.layers.q_proj[...].dtype == jnp.bfloat16
+    tokens, positions, mask = ragged_batch(config.vocab_size)
+    forward = jax.jit(lambda m: m(tokens, positions, mask))
+    ref, out = np.asarray(forward(model)), forward(bf16)
+    assert out.dtype == jnp.float32
+    real = mask.astype(bool)
+    err = np.abs(np.asarray(out) - ref)[real]
+    assert err.max() < 0.15 * np.abs(ref).max() and err.mean() < 0.05 * np.abs(ref).mean()
+
+
+def test_weights_carry_logical_axis_names():
+    model = nnx.eval_shape(lambda: Decoder(preset("tiny-qwen2"), rngs=nnx.Rngs(0)))
+    specs = nnx.get_partition_spec(nnx.state(model))
+    assert tuple(specs["layers"]["q_proj"].value) == ("layers", "embed", "heads", "kv")
+    assert tuple(specs["layers"]["k_bias"].value) == ("layers", "kv_heads", "kv")
+    assert tuple(specs["layers"]["down_proj"].value) == ("layers", "mlp", "embed")
+    assert tuple(specs["embed"].value) == ("vocab", "embed")
+    assert model.layers.q_proj.shape == (2, 64, 4, 16)  # layers stacked for lax.scan
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama", "smollm2-135m-instruct", "qwen2.5-7b"])
+def test_config_round_trips_through_transformers(name):
+    config = preset(name)
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_config())
+    assert hf_config.model_type == ("qwen2" if config.qkv_bias else "llama")
+    assert hf_config.rope_parameters["rope_theta"] == config.rope_theta
+    assert ModelConfig.from_hf_config(hf_config.to_dict()) == config
+    assert ModelConfig.from_hf_config(config.to_hf_config()) == config
+
+
+def test_from_hf_config_reads_a_qwen25_config_json():
+    # Qwen2.5-0.5B-Instruct's config.json (older transformers: rope_theta at the top level).
+    d = {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 896,
+        "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
+        "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "use_sliding_window": False, "vocab_size": 151936,
+    }  # fmt: skip
+    assert ModelConfig.from_hf_config(d) == preset("qwen2.5-0.5b-instruct")
+    assert ModelConfig.from_hf_config(d, dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_presets_and_config_errors():
+    smol = preset("smollm2-135m-instruct")
+    assert (smol.num_layers, smol.hidden_size, smol.num_heads, smol.num_kv_heads) == (30, 576, 9, 3)
+    assert (smol.intermediate_size, smol.vocab_size, smol.rope_theta) == (1536, 49152, 100000.0)
+    assert smol.tie_word_embeddings and not smol.qkv_bias and smol.rms_norm_eps == 1e-5
+    assert preset("qwen2.5-0.5b", dtype="bfloat16").dtype == "bfloat16"
+    assert {"qwen2.5-0.5b", "qwen2.5-1.5b-instruct", "qwen2.5-3b", "qwen2.5-7b-instruct"} <= set(PRESETS)
+    with pytest.raises(ValueError, match="Unknown model preset 'qwen3'.*qwen2.5-0.5b"):
+        preset("qwen3")
+    with pytest.raises(ValueError, match="Unsupported model_type 'mistral'"):
+        ModelConfig.from_hf_config({**preset("tiny-llama").to_hf_config(), "model_type": "mistral"})
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        ModelConfig.from_hf_config({**preset("tiny-llama").to_hf_config(), "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        preset("tiny-llama", dtype="float16")

@@ -1,0 +1,159 @@
+"""The KV-cached sampler: parity with transformers' greedy generate, continuation, ragged rows, stops.
+
+All decodes share one shape (batch 3, cache 32, 6 new tokens) so they share one compilation.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from starpo_jax import sampling
+from starpo_jax.models import ModelState, decoder_from_hf_tensors, preset
+
+B, CACHE, NEW = 3, 32, 6
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = preset("tiny-qwen2")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config.to_hf_config()))
+    hf.eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.2)
+    tensors = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    return config, hf, ModelState.split(decoder_from_hf_tensors(config, tensors))
+
+
+def right_padded(rows: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.zeros((len(rows), width), np.int32)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = row
+    return tokens, np.array([len(r) for r in rows], np.int32)
+
+
+def prefill(model, rows, width=8):
+    tokens, lengths = right_padded(rows, width)
+    return sampling.append(model, sampling.init_cache(preset("tiny-qwen2"), len(rows), CACHE), tokens, lengths)
+
+
+def run(model, rows, key=0, **kwargs):
+    cache, logits = prefill(model, rows)
+    kwargs.setdefault("temperature", 1.0)
+    return sampling.decode(model, cache, logits, jax.random.key(key), max_new_tokens=NEW, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, n) for n in (8, 5, 2)]
+
+
+def test_greedy_decode_equals_transformers_generate(tiny, prompts):
+    config, hf, model = tiny
+    out = run(model, prompts, temperature=0.0)
+    np.testing.assert_array_equal(out.lengths, [NEW] * B)
+    for b, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor(prompt[None]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        np.testing.assert_array_equal(out.tokens[b], expected[0, len(prompt) :].numpy())
+        # Greedy log-probs are log_softmax(logits) of the chosen tokens.
+        with torch.no_grad():
+            logits = hf(expected).logits[0, len(prompt) - 1 : -1]
+        expected_lp = torch.log_softmax(logits, -1).gather(-1, expected[0, len(prompt) :, None])[:, 0].numpy()
+        np.testing.assert_allclose(out.logprobs[b], expected_lp, atol=1e-5)
+    assert len(set(np.asarray(out.tokens).ravel())) > 6  # the tiny model does not just repeat itself
+
+
+def test_ragged_rows_behave_like_rows_run_alone(tiny, prompts):
+    _, _, model = tiny
+    together = run(model, prompts, temperature=0.0)
+    for b, prompt in enumerate(prompts):
+        alone = run(model, [prompt] * B, temperature=0.0)  # same shapes, so the same compiled program
+        np.testing.assert_array_equal(alone.tokens[0], together.tokens[b])
+        np.testing.assert_allclose(alone.logprobs[0], together.logprobs[b], atol=1e-5)
+
+
+def test_continuation_equals_decoding_the_concatenation_from_scratch(tiny, prompts):
+    """prefill A, decode, append B, decode == prefill A + generated + B, decode (same key)."""
+    _, _, model = tiny
+    first = run(model, prompts, key=1)
+    observation = [np.arange(n) + 100 for n in (3, 1, 4)]  # the next turn's ragged observation
+    obs_tokens, obs_lengths = right_padded(observation, 4)
+    cache, logits = sampling.append(model, first.cache, obs_tokens, obs_lengths)
+    second = sampling.decode(model, cache, logits, jax.random.key(2), max_new_tokens=NEW, temperature=1.0)
+
+    history = [np.concatenate([p, np.asarray(first.tokens[b]), observation[b]]) for b, p in enumerate(prompts)]
+    tokens, lengths = right_padded(history, 18)
+    cache, logits = sampling.append(model, sampling.init_cache(preset("tiny-qwen2"), B, CACHE), tokens, lengths)
+    scratch = sampling.decode(model, cache, logits, jax.random.key(2), max_new_tokens=NEW, temperature=1.0)
+
+    np.testing.assert_array_equal(second.cache.lengths, lengths + NEW)
+    np.testing.assert_array_equal(second.tokens, scratch.tokens)
+    np.testing.assert_allclose(second.logprobs, scratch.logprobs, atol=1e-5)
+
+
+def test_same_key_same_tokens_and_top_k_one_is_greedy(tiny, prompts):
+    _, _, model = tiny
+    a, b, c = run(model, prompts, key=3), run(model, prompts, key=3), run(model, prompts, key=4)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert not np.array_equal(a.tokens, c.tokens)
+    greedy = run(model, prompts, temperature=0.0)
+    top1 = run(model, prompts, key=5, temperature=0.7, top_k=1)
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+
+
+def test_stop_tokens_end_rows_and_inactive_rows_do_not_change(tiny, prompts):
+    _, _, model = tiny
+    free = run(model, prompts, temperature=0.0)
+    stop = int(free.tokens[0, 2])  # row 0 stops at its third token; the other rows never emit -1
+    stops = np.array([[stop, -1], [-1, -1], [-1, -1]], np.int32)
+    cache, logits = prefill(model, prompts)
+    out = sampling.decode(
+        model, cache, logits, jax.random.key(0), max_new_tokens=NEW, temperature=0.0,
+        stop_tokens=stops, active=np.array([True, True, False]), pad_id=7,
+    )  # fmt: skip
+    first_stop = int(np.argmax(np.asarray(free.tokens[0]) == stop)) + 1
+    np.testing.assert_array_equal(out.lengths, [first_stop, NEW, 0])
+    np.testing.assert_array_equal(out.tokens[0, :first_stop], free.tokens[0, :first_stop])
+    assert (np.asarray(out.tokens[0, first_stop:]) == 7).all() and (np.asarray(out.logprobs[0, first_stop:]) == 0).all()
+    np.testing.assert_array_equal(out.tokens[1], free.tokens[1])
+    assert (np.asarray(out.tokens[2]) == 7).all()
+    # The stop token is in the cache; the inactive row's cache is untouched.
+    np.testing.assert_array_equal(out.cache.lengths, np.asarray(cache.lengths) + [first_stop, NEW, 0])
+    np.testing.assert_array_equal(out.cache.k[:, 2], cache.k[:, 2])
+    np.testing.assert_array_equal(out.last_logits[2], logits[2])
+
+
+def test_rows_stop_when_their_cache_row_is_full(tiny, prompts):
+    _, _, model = tiny
+    long = np.random.default_rng(4).integers(0, 256, CACHE - 2)
+    tokens, lengths = right_padded([long, prompts[1], prompts[2]], CACHE)
+    cache, logits = sampling.append(model, sampling.init_cache(preset("tiny-qwen2"), B, CACHE), tokens, lengths)
+    out = sampling.decode(model, cache, logits, jax.random.key(0), max_new_tokens=NEW)
+    np.testing.assert_array_equal(out.lengths, [2, NEW, NEW])
+    np.testing.assert_array_equal(out.cache.lengths, [CACHE, 5 + NEW, 2 + NEW])
+
+
+def test_sample_logits_filters_and_logprobs():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    keys = jax.random.key(0)
+    sample = jax.jit(sampling.sample_logits, static_argnames=("top_k", "top_p"))
+    support = lambda **kw: set(np.asarray(sample(logits, keys, 1.0, **kw)[0]).tolist())
+    assert support() == {0, 1, 2, 3}
+    assert support(top_k=2) == {0, 1}
+    assert support(top_p=0.45) == {0}  # the top token alone reaches 0.45
+    assert support(top_p=0.81) == {0, 1, 2}  # 0.5 + 0.3 < 0.81
+    assert support(top_k=3, top_p=0.8) == {0, 1}  # top-p after top-k renormalises: (0.5 + 0.3) / 0.95 > 0.8
+    tokens, logprobs = sample(logits[:2], keys, jnp.array([0.5, 0.0]))
+    scaled = jax.nn.log_softmax(logits[0] / 0.5)
+    np.testing.assert_allclose(logprobs[0], scaled[tokens[0]], atol=1e-6)
+    assert tokens[1] == 0 and np.isclose(logprobs[1], np.log(0.5))  # greedy row: log_softmax(logits)
