@@ -66,22 +66,25 @@ def move(pos, direction, size: int):
 def goal_reachable(board) -> jnp.ndarray:
     """Jittable: whether a 4-connected path over non-hole cells joins the start to a goal.
 
-    A flood fill from the start, grown one cell per iteration; ``size**2`` iterations reach every
-    cell of any path.
+    A flood fill from the start on bit rows (bit ``c`` of word ``r`` is cell ``(r, c)``), so one
+    growth step is a few shifts and ors; ``size**2`` steps cover any path.
     """
-    passable = board != HOLE
-    reached = board == START
+    bit = jnp.left_shift(jnp.uint32(1), jnp.arange(board.shape[1], dtype=jnp.uint32))
+
+    def bit_rows(mask):
+        return jnp.sum(jnp.where(mask, bit, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
+
+    passable, goal = bit_rows(board != HOLE), bit_rows(board == GOAL)
+    zero = jnp.zeros((1,), jnp.uint32)
 
     def grow(_, reached):
-        neighbours = reached
-        neighbours = neighbours.at[1:, :].max(reached[:-1, :])
-        neighbours = neighbours.at[:-1, :].max(reached[1:, :])
-        neighbours = neighbours.at[:, 1:].max(reached[:, :-1])
-        neighbours = neighbours.at[:, :-1].max(reached[:, 1:])
-        return neighbours & passable
+        sideways = reached | (reached << 1) | (reached >> 1)  # bits past the edge fail `passable`
+        from_above = jnp.concatenate([zero, reached[:-1]])
+        from_below = jnp.concatenate([reached[1:], zero])
+        return (sideways | from_above | from_below) & passable
 
-    reached = jax.lax.fori_loop(0, board.size, grow, reached)
-    return jnp.any(reached & (board == GOAL))
+    reached = jax.lax.fori_loop(0, board.size, grow, bit_rows(board == START))
+    return jnp.any((reached & goal) != 0)
 
 
 class FrozenLake(GridEnv):
@@ -118,16 +121,20 @@ class FrozenLake(GridEnv):
         """A random solvable map from RAGEN's distribution, drawn until the goal is reachable."""
         key, map_key = jax.random.split(key)
 
+        cells = jnp.arange(self.size * self.size)
+
         def draw(carry):
             key, _ = carry
-            key, board_key, start_key, goal_key = jax.random.split(key, 4)
-            frozen = jax.random.bernoulli(board_key, self.p, (self.size, self.size))
-            board = jnp.where(frozen, FROZEN, HOLE).astype(jnp.int8)
-            start = jax.random.randint(start_key, (2,), 0, self.size)
-            goal = jax.random.randint(goal_key, (2,), 0, self.size)
+            key, draw_key = jax.random.split(key)
+            u = jax.random.uniform(draw_key, (cells.size + 4,))  # one draw per cell, then S and G
+            row_col = jnp.floor(u[-4:] * self.size).astype(jnp.int32)
+            start = row_col[0] * self.size + row_col[1]
+            goal = row_col[2] * self.size + row_col[3]
+            board = jnp.where(u[:-4] < self.p, FROZEN, HOLE)
             # Goal written last, so start == goal leaves no start and the flood fill rejects it.
-            board = board.at[start[0], start[1]].set(START).at[goal[0], goal[1]].set(GOAL)
-            return key, board
+            board = jnp.where(cells == start, START, board)
+            board = jnp.where(cells == goal, GOAL, board)
+            return key, board.reshape(self.size, self.size).astype(jnp.int8)
 
         def unsolvable(carry):
             return ~goal_reachable(carry[1])

@@ -91,7 +91,9 @@ def place_boxes_and_player(np_rng, room, num_boxes):
     """Player (5) and then each box target (2) on a uniformly drawn free floor cell."""
     free = np.where(room == FLOOR)
     if free[0].shape[0] <= num_boxes + 1:
-        raise GenerationFailed(f"Not enough free spots (#{free[0].shape[0]}) for 1 player and {num_boxes} boxes.")
+        raise GenerationFailed(
+            f"Not enough free spots (#{free[0].shape[0]}) for 1 player and {num_boxes} boxes."
+        )
     ind = np_rng.randint(free[0].shape[0])
     room[free[0][ind], free[1][ind]] = PLAYER
     for _ in range(num_boxes):
@@ -255,7 +257,8 @@ def numpy_step(room_state, room_fixed, action):
         pass  # gym_sokoban gives up (no move either) when the push would leave the grid
     elif (room_state[nxt[0], nxt[1]] in (BOX_ON_TARGET, BOX)
             and room_state[beyond[0], beyond[1]] in (FLOOR, TARGET)):
-        room_state[beyond[0], beyond[1]] = BOX_ON_TARGET if room_fixed[beyond[0], beyond[1]] == TARGET else BOX
+        on_target = room_fixed[beyond[0], beyond[1]] == TARGET
+        room_state[beyond[0], beyond[1]] = BOX_ON_TARGET if on_target else BOX
         _move_player(room_state, room_fixed, player, nxt)
     elif room_state[nxt[0], nxt[1]] in (FLOOR, TARGET):
         _move_player(room_state, room_fixed, player, nxt)
@@ -266,7 +269,8 @@ def numpy_step(room_state, room_fixed, action):
 
 
 def _uncovered_targets(room_state, room_fixed) -> int:
-    return int(np.count_nonzero((room_state == TARGET) | ((room_fixed == TARGET) & (room_state == PLAYER))))
+    player_on_target = (room_fixed == TARGET) & (room_state == PLAYER)
+    return int(np.count_nonzero((room_state == TARGET) | player_on_target))
 
 
 def _move_player(room_state, room_fixed, player, nxt):

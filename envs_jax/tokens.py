@@ -34,7 +34,8 @@ def tokenize_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, with no special tokens added, in one batched call."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: ~2x faster than __call__ on 100k rows
-        return [e.ids for e in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: tokenizers>=0.21
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
     return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
 

@@ -51,6 +51,7 @@ import dataclasses
 import inspect
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
@@ -402,116 +403,121 @@ class PromptTables:
     ) -> "PromptTables":
         """Tokenize every prompt piece of this env tag (LargerSokoban: ~2 s, the others < 0.5 s)."""
         glue = chat_glue(tokenizer, system_prompt, chat_template)
-        prefix = env_instruction(env, max_actions_per_traj, legend_from_env_symbols)
-        forced = forced_prefix(enable_think)
-        tails = [
-            actions_left_text(n, max_tokens, enable_think) + glue.to_assistant + forced
-            for n in range(max_actions_per_traj + 1)
-        ]
-        if isinstance(env, GridEnv):
-            grid = GridTokenTable.build(
-                tokenizer, env.symbols, env.grid_shape, border_is_wall=type(env).__name__ == "Sokoban"
-            )
-            observation_texts = None
-        else:
-            grid = None
-            observation_texts = bandit_observation_texts(env)
-            tails = [obs + "\n" + t for obs in observation_texts for t in tails]
-
-        values = step_reward_values(env)
-        slots = min(max_actions_per_turn, max_actions_per_traj)
-        reward_texts = [
-            glue.user_start + reward_text(reward_sequence_of_key(k, values, slots))[:-1]
-            for k in range((len(values) + 1) ** slots)
-        ]
+        texts = PromptPieces.of(
+            glue, env, max_actions_per_traj, max_actions_per_turn, max_turn, max_tokens, enable_think,
+            legend_from_env_symbols,
+        )
         end_ids = tokenize_texts(tokenizer, [glue.assistant_end])[0]
-        stop_token_id = end_ids[0]
-        if tokenizer.convert_ids_to_tokens(stop_token_id) not in tokenizer.all_special_tokens:
+        if tokenizer.convert_ids_to_tokens(end_ids[0]) not in tokenizer.all_special_tokens:
             raise ValueError(
                 f"The assistant end {glue.assistant_end!r} of this chat template does not start with "
                 "a special stop token; the rollout cannot tell a finished response from a cut one."
             )
+        grid = None
+        if isinstance(env, GridEnv):
+            grid = GridTokenTable.build(tokenizer, env.symbols, env.grid_shape, border_is_wall=_walled(env))
+        check_cuts(tokenizer, texts.sample_prompts(env))
 
-        head_text = glue.start + prefix + turn_header_text(1) + "State:\n"
-        head = TokenRuns.from_texts(tokenizer, [head_text])
-        tail = TokenRuns.from_texts(tokenizer, tails)
+        head = TokenRuns.from_texts(tokenizer, [texts.head])
+        tail = TokenRuns.from_texts(tokenizer, texts.tails)
         turn_end = TokenRuns.from_ids([end_ids, end_ids[1:]])
-        reward = TokenRuns.from_texts(tokenizer, reward_texts)
-        turn_header = TokenRuns.from_texts(
-            tokenizer, ["\n" + turn_header_text(k) + "State:\n" for k in range(max_turn + 1)]
-        )
+        reward = TokenRuns.from_texts(tokenizer, texts.rewards)
+        turn_header = TokenRuns.from_texts(tokenizer, texts.turn_headers)
         grid_len = grid.max_len if grid is not None else 0
-        tables = cls(
+        return cls(
             head=head,
             grid=grid,
             tail=tail,
             turn_end=turn_end,
             reward=reward,
             turn_header=turn_header,
-            reward_values=jnp.asarray(values, jnp.float32),
+            reward_values=jnp.asarray(step_reward_values(env), jnp.float32),
             max_actions_per_traj=max_actions_per_traj,
-            stop_token_id=int(stop_token_id),
+            stop_token_id=int(end_ids[0]),
             first_len=head.width + grid_len + tail.width,
             next_len=turn_end.width + reward.width + turn_header.width + grid_len + tail.width,
         )
-        check_cuts(
-            tokenizer,
-            env,
-            [head_text],
-            tails,
-            [glue.assistant_end, glue.assistant_end],
-            reward_texts,
-            ["\n" + turn_header_text(k) + "State:\n" for k in range(2, max_turn + 1)],
+
+
+def _walled(env) -> bool:
+    """Sokoban rooms always have a wall border (``Sokoban.state_from_text`` enforces it)."""
+    return type(env).__name__ == "Sokoban"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptPieces:
+    """The texts of the prompt pieces of one env tag, in the order of their table keys."""
+
+    head: str  # chat start + prefix + "\nTurn 1:\nState:\n"
+    tails: list[str]  # by actions left n (Bandit: by observation, then n)
+    assistant_end: str
+    rewards: list[str]  # by reward_sequence_key
+    turn_headers: list[str]  # by turn k
+
+    @classmethod
+    def of(cls, glue, env, max_actions_per_traj, max_actions_per_turn, max_turn, max_tokens, enable_think,
+           legend_from_env_symbols) -> "PromptPieces":
+        tails = [
+            actions_left_text(n, max_tokens, enable_think) + glue.to_assistant + forced_prefix(enable_think)
+            for n in range(max_actions_per_traj + 1)
+        ]
+        if not isinstance(env, GridEnv):  # Bandit: "…</answer>.\n" + "\n" must stay in one piece
+            tails = [obs + "\n" + tail for obs in bandit_observation_texts(env) for tail in tails]
+        values = step_reward_values(env)
+        slots = min(max_actions_per_turn, max_actions_per_traj)
+        rewards = [  # without the message's final newline, which belongs with "\nTurn"
+            glue.user_start + reward_text(reward_sequence_of_key(k, values, slots))[:-1]
+            for k in range((len(values) + 1) ** slots)
+        ]
+        prefix = env_instruction(env, max_actions_per_traj, legend_from_env_symbols)
+        return cls(
+            head=glue.start + prefix + turn_header_text(1) + "State:\n",
+            tails=tails,
+            assistant_end=glue.assistant_end,
+            rewards=rewards,
+            turn_headers=["\n" + turn_header_text(k) + "State:\n" for k in range(max_turn + 1)],
         )
-        return tables
+
+    def sample_prompts(self, env, samples: int = 24, seed: int = 0) -> list[list[str]]:
+        """Random first and later turns, as lists of pieces (grid envs: random grids, one piece a row)."""
+        rng = np.random.default_rng(seed)
+        pick = lambda options: options[rng.integers(len(options))]  # noqa: E731
+        prompts = []
+        for i in range(samples):
+            rows = []
+            if isinstance(env, GridEnv):
+                grid = rng.integers(0, len(env.symbols), env.grid_shape)
+                if _walled(env):
+                    grid[[0, -1], :] = 0
+                    grid[:, [0, -1]] = 0
+                rows = [row + "\n" for row in symbols_to_text(grid, env.symbols).split("\n")]
+            if i % 2 == 0:
+                prompts.append([self.head, *rows, pick(self.tails)])
+            else:
+                later = [self.assistant_end, pick(self.rewards), pick(self.turn_headers[2:] or [""])]
+                prompts.append(later + rows + [pick(self.tails)])
+        return prompts
 
 
 def bandit_observation_texts(env) -> list[str]:
     """Bandit's two observations, indexed by its ``hi_first`` observation flag."""
-    import jax
-
     state, _ = env.reset(jax.random.PRNGKey(0))
     return [env.render_text(state.replace(hi_first=jnp.asarray(flag))) for flag in (False, True)]
 
 
-def check_cuts(tokenizer, env, heads, tails, ends, rewards, headers, samples: int = 24) -> None:
-    """Check on random prompts that tokenizing the pieces one by one equals tokenizing their text.
+def check_cuts(tokenizer, prompts: Sequence[Sequence[str]]) -> None:
+    """Refuse a tokenizer that merges tokens across a piece boundary of any of ``prompts``.
 
-    A tokenizer whose pre-tokenizer merges across a cut (a different regex than Qwen2.5's or
-    SmolLM2's) is refused here instead of producing non-canonical tokens.
+    Its pre-tokenizer would differ from Qwen2.5's and SmolLM2's; tables would give non-canonical
+    tokens.
     """
-    rng = np.random.default_rng(0)
-    texts, pieces = [], []
-    for i in range(samples):
-        grid_rows = []
-        if isinstance(env, GridEnv):
-            rows, cols = env.grid_shape
-            grid = rng.integers(0, len(env.symbols), (rows, cols))
-            if type(env).__name__ == "Sokoban":
-                grid[[0, -1], :] = 0
-                grid[:, [0, -1]] = 0
-            grid_rows = [row + "\n" for row in symbols_to_text(grid, env.symbols).split("\n")]
-        tail = tails[rng.integers(len(tails))]
-        if i % 2 == 0:
-            parts = [heads[0], *grid_rows, tail]
-        else:
-            parts = [
-                ends[rng.integers(len(ends))],
-                rewards[rng.integers(len(rewards))],
-                headers[rng.integers(len(headers))] if headers else "",
-                *grid_rows,
-                tail,
-            ]
-        texts.append("".join(parts))
-        pieces.append(parts)
-    whole = tokenize_texts(tokenizer, texts)
-    for text, parts, ids in zip(texts, pieces, whole):
-        joined = [t for ids_part in tokenize_texts(tokenizer, parts) for t in ids_part]
+    whole = tokenize_texts(tokenizer, ["".join(pieces) for pieces in prompts])
+    for pieces, ids in zip(prompts, whole):
+        joined = [t for piece_ids in tokenize_texts(tokenizer, pieces) for t in piece_ids]
         if joined != ids:
             raise ValueError(
-                "This tokenizer merges tokens across a prompt piece boundary (its pre-tokenizer "
-                f"differs from Qwen2.5's and SmolLM2's), so prompt tokens cannot be assembled from "
-                f"tables; offending prompt: {text!r}."
+                "This tokenizer merges tokens across a prompt piece boundary, so prompt tokens cannot "
+                f"be assembled from tables; offending prompt: {''.join(pieces)!r}."
             )
 
 

@@ -195,6 +195,8 @@ TARGETED = [
     ("</think><answer>uP<answer> || <think>Left</answer>", True),
     ("</think><answer>U" + _nested_tags(6) + "p||D<<" + _nested_tags(6) + "own</answer>", True),
     ("</think><answer><<<<<<<<" + _nested_tags(6) + "Up</answer>", True),
+    ("</think><answer>U<thi</think>nk>p || L<|im_<answer>end|>eft</answer>", True),  # stage order
+    ("</think><answer>U</<answer>think>p||<<|im_end|>/answer>Up</answer>", True),
     ("</think><answer>Up</answer", True),  # never closed
     ("Up</answer>", False),
     (" right || <|im_start|>up</answer>", False),
@@ -304,6 +306,7 @@ def _tag_chain(draw):
 
 
 JUNK = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(CHARS, max_size=3), _tag_chain()), max_size=10).map("".join)
+SHORT_JUNK = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(CHARS, max_size=2)), max_size=3).map("".join)
 SPACE = st.sampled_from(["", "", " ", "  ", "\n", " \t\n", "\u3000", "\u00a0", "\x0b"])
 
 
@@ -322,16 +325,16 @@ def _shaped_reply(draw):
     """(text, name set, enable_think) that usually matches: think, answer pieces, tail."""
     names, think = draw(st.sampled_from(range(len(NAME_SETS)))), draw(st.booleans())
     action = _action(NAME_SETS[names])
-    pieces = draw(st.lists(st.one_of(action, action, action, JUNK), max_size=5))
+    pieces = draw(st.lists(st.one_of(action, action, action, SHORT_JUNK), min_size=1, max_size=5))
     seps = draw(st.lists(st.sampled_from(["||", " || ", "|||", "||||", "|", "| |"]), min_size=len(pieces), max_size=len(pieces)))
-    answer = "".join(p + s for p, s in zip(pieces, seps))[: draw(st.none() | st.integers(0, 40))]
+    answer = "".join(p + s for p, s in zip(pieces, seps))[: draw(st.sampled_from([None] * 4 + [0, 3, 10, 20]))]
     head = f"{draw(JUNK)}</think>{draw(SPACE)}<answer>" if think else ""
     return f"{head}{answer}</answer>{draw(JUNK)}", names, think
 
 
 BATCH = st.lists(
     st.one_of(st.tuples(JUNK, st.sampled_from(range(len(NAME_SETS))), st.booleans()), _shaped_reply(), _shaped_reply()),
-    min_size=1,
+    min_size=B,
     max_size=B,
 )
 PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

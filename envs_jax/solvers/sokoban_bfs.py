@@ -25,7 +25,9 @@ def shortest_solution(state, max_depth: int = 30) -> list[int] | None:
     fixed = np.asarray(state.room_fixed)
     room = np.asarray(state.room_state)
     if fixed.ndim != 2:
-        raise ValueError(f"shortest_solution takes one unbatched state; got grids of shape {fixed.shape}.")
+        raise ValueError(
+            f"shortest_solution takes one unbatched state; got grids of shape {fixed.shape}."
+        )
     rows, cols = fixed.shape
     free = {(r, c) for r in range(rows) for c in range(cols) if fixed[r, c] != _WALL}
     targets = frozenset(map(tuple, np.argwhere(fixed == _TARGET).tolist()))

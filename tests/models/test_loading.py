@@ -141,6 +141,19 @@ def test_save_replaces_an_existing_folder(tmp_path, tied_loaded):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_bfloat16_model_saves_bfloat16_weights(tmp_path, tied_folder, tokens):
+    model, tokenizer = load_model(tied_folder[0], dtype="bfloat16")
+    assert model.config.param_dtype == "bfloat16"
+    folder = save_model(model, tokenizer, tmp_path / "bf16")
+    tensors = read_safetensors(folder)
+    assert {t.dtype.name for t in tensors.values()} == {"bfloat16"}
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert reloaded.dtype == torch.bfloat16
+    # bf16 weights and activations: within bf16 rounding of fp32 transformers, not equal.
+    ours, expected = jax_logits(model, tokens), torch_logits(tied_folder[1], tokens)
+    assert np.linalg.norm(ours - expected) / np.linalg.norm(expected) < 0.05  # a wrong model: ~1.4
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 

@@ -1,0 +1,72 @@
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import envs_jax
+from experiments import bench_envs
+
+
+def test_quick_run_writes_a_complete_report(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench_envs.main(
+        ["--quick", "--envs", "Bandit,FrozenLake", "--batch-sizes", "3", "--steps", "8",
+         "--out", str(out)]
+    )
+    report = json.loads(out.read_text())
+    assert set(report) == {"meta", "numpy", "results"}
+    assert report["meta"]["backend"] == jax.default_backend()
+    for name in ("Bandit", "FrozenLake"):
+        assert set(report["numpy"][name]) == {"step", "reset"}
+        assert all(rate > 0 for rate in report["numpy"][name].values())
+    rows = {(r["env"], r["batch"], r["mode"]): r for r in report["results"]}
+    assert set(rows) == {(e, 3, m) for e in ("Bandit", "FrozenLake") for m in ("step", "reset")}
+    for (name, _, mode), r in rows.items():
+        assert r["steps_per_s"] > 0 and r["compile_s"] > 0 and r["num_steps"] == 8
+        assert r["speedup_vs_numpy"] == pytest.approx(r["steps_per_s"] / report["numpy"][name][mode])
+        assert 0 < r["active_share"] <= 1
+    # Step mode restarts finished rows; Bandit's reset capacity is the whole batch: nobody waits.
+    assert rows[("FrozenLake", 3, "step")]["active_share"] == 1
+    assert rows[("Bandit", 3, "reset")]["active_share"] == 1
+    assert "steps/s" in capsys.readouterr().out
+
+
+def test_reset_capacity_limits_fresh_levels_and_serves_waiting_rows_first():
+    # Every Bandit episode ends after one step: with 2 fresh levels per step for 6 rows, 2 rows are
+    # live per step after the first, and every row gets its turn.
+    env = envs_jax.make("Bandit")
+    batch, steps = 6, 5
+    first, _ = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(0), batch))
+    loop = bench_envs.make_loop(env, batch, steps, reset_capacity=2)
+    waiting = jnp.zeros((batch,), bool)
+    states, waiting, counted = loop(first, first, waiting, jax.random.PRNGKey(1))
+    assert int(counted) == batch + 2 * (steps - 1)
+    assert int(waiting.sum()) == batch - 2
+    # Waiting rows are served before newly finished ones: rows 0-1 at step 1, then 2-3, ...
+    one_step = bench_envs.make_loop(env, batch, 1, reset_capacity=2)
+    nobody = jnp.zeros((batch,), bool)
+    _, waiting, _ = one_step(first, first, nobody, jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(np.asarray(waiting), [False, False, True, True, True, True])
+    _, waiting, _ = one_step(first, first, waiting, jax.random.PRNGKey(2))
+    np.testing.assert_array_equal(np.asarray(waiting), [True, True, False, False, True, True])
+
+
+def test_numpy_baselines_follow_the_rules():
+    rng = np.random.default_rng(0)
+    frozen = bench_envs.NumpyFrozenLake(envs_jax.make("FrozenLake"))
+    frozen.reset(rng)
+    rows = ["".join(r) for r in frozen.desc]
+    assert sum(r.count("S") for r in rows) == 1 and sum(r.count("G") for r in rows) == 1
+    bandit = bench_envs.NumpyBandit(envs_jax.make("Bandit"))
+    rewards = []
+    for _ in range(4000):
+        bandit.reset(rng)
+        rewards.append(bandit.step(0 if bandit.hi_first else 1, rng)[0])
+    assert abs(np.mean(rewards) - 0.25) < 5 * np.sqrt(0.25 * 0.75 / 4000)
+
+
+def test_cli_rejects_unknown_env():
+    with pytest.raises(SystemExit):
+        bench_envs.parse_args(["--envs", "Chess"])

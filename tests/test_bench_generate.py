@@ -1,0 +1,34 @@
+"""The generation benchmark's smoke mode runs end to end and writes the JSON it promises."""
+
+import json
+
+import pytest
+
+from experiments import bench_generate
+
+
+def test_quick_benchmark_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    report = bench_generate.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["workload"]["new_tokens"] == 8 and report["machine"]["jax_platform"] == "cpu"
+    (row,) = report["results"]
+    assert (row["model"], row["batch"], row["weights"]) == ("tiny-llama", 2, "random")
+    assert row["jax"]["compile_s"] > 0 and len(row["jax"]["run_s"]) == 1
+    assert row["jax"]["tokens_per_s"] == pytest.approx(2 * 8 / row["jax"]["run_s"][0])
+    assert row["jax"]["decode_tokens_per_s"] > row["jax"]["tokens_per_s"]  # prefill time is taken out
+    assert row["speedup_vs_transformers"] == pytest.approx(
+        row["jax"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+    )
+
+
+def test_roofline_of_qwen25_half_b_on_h100():
+    from starpo_jax.models import preset
+
+    config = preset("qwen2.5-0.5b", dtype="bfloat16", param_dtype="bfloat16")
+    r = bench_generate.roofline(config, 494_032_768, batch=128, prompt_len=256, new_tokens=256, bandwidth=3.35e12)
+    kv_per_token = 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 kv heads, 64 dims, bf16: 12 KiB
+    assert r["bytes_per_step"] == 494_032_768 * 2 + 128 * (256 + 127.5) * kv_per_token
+    assert r["tokens_per_s"] == pytest.approx(128 * 3.35e12 / r["bytes_per_step"])
+    assert bench_generate.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert bench_generate.hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12

@@ -1,0 +1,189 @@
+"""The compiled rollout against a plain-Python reference of RAGEN's agent loop (spec §2.2-2.6).
+
+A scripted responder replaces the model (forced token sequences per row and turn), so every path is
+reachable on purpose: valid, invalid and unknown actions, too many actions, an early solve, the
+action budget running out, and a response cut by the token budget. The reference replays the same
+responses with the text parser (``parse_response_text``), ``env.step`` one action at a time and
+RAGEN's message building, and the rollout must produce the same tokens, rewards, penalties and
+episode ends.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import envs_jax
+from starpo_jax import prompts
+from starpo_jax.parsing import parse_response_text
+from starpo_jax.rollout import (
+    RolloutPlan,
+    TagPlan,
+    build_tables,
+    initial_states_from_seeds,
+    make_rollout,
+    stop_tokens_for,
+)
+from starpo_jax.sampling import DecodeOutput
+
+R = 40  # response_length
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedResponder:
+    """Returns ``script[b, turn]`` as row b's response (token ids, padded), ignoring the model."""
+
+    script: np.ndarray  # int32[B, T, R]
+    lengths: np.ndarray  # int32[B, T]
+
+    def __hash__(self):
+        return id(self)
+
+    def init(self, model, batch_size):
+        return jnp.zeros((), jnp.int32)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        tokens = jnp.asarray(self.script)[:, turn]
+        lengths = jnp.where(active, jnp.asarray(self.lengths)[:, turn], 0)
+        logprobs = -jnp.ones(tokens.shape, jnp.float32)
+        return DecodeOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, cache=cache, last_logits=None)
+
+
+# (row, turn) responses, without the forced "<think>" (the model continues after it). Each starts
+# with a letter: a response starting with "</" would merge with the forced "<think>" when the text
+# is re-encoded ("></"), so only the ids the model sampled reproduce it (token-in / token-out).
+SCRIPTS = [
+    # seed 10001 is solved by Right, Up, Left (spec §1.10): solve in turn 2
+    ["go</think><answer>Right || Up</answer>", "<think>now</think> <answer>left</answer>"],
+    # no tags; an unknown name beside a valid one; a clean turn
+    ["I will just move up", "x</think><answer>Up || Jump</answer>", "ok</think><answer>Down</answer>"],
+    # more than max_actions_per_turn actions: only the first 5 are kept
+    ["a</think><answer>Up || Up || Left || Left || Down || Down || Right</answer>", "ok</think><answer>Up</answer>"],
+    # ten actions over two turns spend the whole budget
+    ["ok</think><answer>Left || Right || Left || Right || Left</answer>",
+     "ok</think><answer>Right || Left || Right || Left || Right</answer>", "ok</think><answer>Up</answer>"],
+    # a response cut by the token budget (no end-of-turn token), then a valid one
+    ["thinking " * 60, "ok</think><answer>Up</answer>"],
+]
+MAX_TURN = 3
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    env = envs_jax.make("SimpleSokoban")
+    plan = RolloutPlan(
+        tags=(TagPlan("SimpleSokoban", env, len(SCRIPTS), 10),),
+        group_size=1,
+        max_turn=MAX_TURN,
+        max_actions_per_turn=5,
+        response_length=R,
+        max_len=2048,
+    )
+    tables = build_tables(tok, plan)
+    stop = tables.tags[0].prompts.stop_token_id
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables), pad_id=0)
+    script = np.zeros((len(SCRIPTS), MAX_TURN, R), np.int32)
+    lengths = np.zeros((len(SCRIPTS), MAX_TURN), np.int32)
+    for b, turns in enumerate(SCRIPTS):
+        for t, text in enumerate(turns):
+            ids = tok.encode(text, add_special_tokens=False) + [stop]
+            ids = ids[:R]
+            script[b, t, : len(ids)] = ids
+            lengths[b, t] = len(ids)
+    rollout = make_rollout(plan, ScriptedResponder(script, lengths))
+    init = initial_states_from_seeds(plan, 10001)
+    traj = jax.device_get(rollout(None, tables, init, jax.random.PRNGKey(0), 1.0))
+    return tok, env, plan, script, lengths, traj
+
+
+def reference_episode(tok, env, seed, responses, plan):
+    """RAGEN's loop for one env on the host: text parser, env.step per action, message building."""
+    step = jax.jit(env.step)
+    state = env.reset_from_seed(seed)
+    values = prompts.step_reward_values(env)
+    budget = plan.tags[0].max_actions_per_traj
+    history = [{"state": env.render_text(state), "actions_left": budget}]
+    out = dict(turn_rewards=[], penalties=0, num_actions=0, success=False, turns=0)
+    for text in responses:
+        out["turns"] += 1
+        parsed = parse_response_text(text, env.action_names, plan.max_actions_per_turn)
+        step_rewards, done, success = [], False, False
+        for action in parsed.valid_action_ids[: budget - out["num_actions"]]:
+            state, ts = step(state, action)
+            step_rewards.append(values[int(np.argmin(np.abs(np.asarray(values) - float(ts.reward))))])
+            if bool(ts.step_type == 2):
+                done, success = True, bool(ts.extras["success"])
+                break
+        out["num_actions"] += len(step_rewards)
+        out["penalties"] += int(parsed.format_penalty)
+        out["turn_rewards"].append(prompts.turn_reward(step_rewards))
+        history[-1].update(llm_response=text, reward=prompts.turn_reward(step_rewards))
+        history.append({"state": env.render_text(state), "actions_left": budget - out["num_actions"]})
+        if done or out["num_actions"] >= budget:
+            out["success"] = done and success
+            break
+    out["history"] = history
+    return out
+
+
+def decoded_responses(tok, traj, b):
+    """The text of each played turn's response, as the reference parser sees it."""
+    texts = []
+    for t in range(MAX_TURN):
+        if traj.turn_played[b, t]:
+            ids = traj.tokens[b, traj.turn_start[b, t] : traj.turn_end[b, t]]
+            texts.append(tok.decode(ids, skip_special_tokens=True))
+    return texts
+
+
+@pytest.mark.parametrize("b", range(len(SCRIPTS)))
+def test_rollout_matches_reference_loop(setup, b):
+    tok, env, plan, script, lengths, traj = setup
+    texts = decoded_responses(tok, traj, b)
+    ref = reference_episode(tok, env, 10001 + b, texts, plan)
+    assert int(traj.num_turns[b]) == ref["turns"] == len(texts)
+    np.testing.assert_allclose(traj.turn_reward[b, : ref["turns"]], ref["turn_rewards"], atol=1e-5)
+    assert int(traj.num_actions[b]) == ref["num_actions"]
+    assert bool(traj.success[b]) == ref["success"]
+    assert traj.format_penalty[b] == pytest.approx(-0.1 * ref["penalties"])
+    # the token sequence is the chat-templated conversation: prompts re-encoded by the tokenizer
+    # equal the in-graph ones, and each response is exactly the scripted ids
+    prefix = prompts.env_instruction(env, 10)
+    for t in range(ref["turns"]):
+        hist = [dict(h) for h in ref["history"][: t + 1]]
+        for h in hist[:-1]:
+            h["llm_response"] = "<think>" + h["llm_response"]
+        hist[-1] = {"state": hist[-1]["state"], "actions_left": hist[-1]["actions_left"]}
+        messages = prompts.build_messages(hist, prefix, 100, True)
+        text = prompts.chat_text(tok, messages, add_generation_prompt=True, enable_think=True)
+        start = int(traj.turn_start[b, t])
+        if (lengths[b, :t] < R).all():  # a cut response need not re-encode to the same ids
+            got, want = traj.tokens[b, :start].tolist(), tok.encode(text, add_special_tokens=False)
+            assert got == want
+        n = int(lengths[b, t])
+        assert traj.tokens[b, start : start + n].tolist() == script[b, t, :n].tolist()
+        assert traj.loss_mask[b, start : start + n].all()
+    # only sampled tokens are trained on
+    assert int(traj.loss_mask[b].sum()) == int(traj.response_tokens[b]) == sum(int(lengths[b, t]) for t in range(ref["turns"]))
+
+
+def test_paths_are_the_intended_ones(setup):
+    tok, env, plan, script, lengths, traj = setup
+    # row 0: solved on turn 2 with 10.9 on the final push
+    assert traj.success[0] and int(traj.num_turns[0]) == 2
+    np.testing.assert_allclose(traj.turn_reward[0, :2], [-0.2, 10.9], atol=1e-5)
+    # row 1: the no-tag turn and the unknown-name turn pay the penalty, the clean one does not
+    assert traj.turn_penalised[1, :3].tolist() == [True, True, False]
+    # row 2: 7 valid actions named, the first 5 kept: no penalty
+    assert not traj.turn_penalised[2, 0]
+    # row 3: budget of 10 actions spent in two turns; the third turn is never played
+    assert int(traj.num_actions[3]) == 10 and int(traj.num_turns[3]) == 2 and not traj.success[3]
+    # row 4: the cut response is closed by the template's end-of-turn, which is not trained on
+    start, end = int(traj.turn_start[4, 0]), int(traj.turn_end[4, 0])
+    assert end - start == R
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    assert int(traj.tokens[4, end]) == stop and not traj.loss_mask[4, end]
+    assert traj.turn_penalised[4, 0]
