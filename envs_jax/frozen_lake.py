@@ -96,8 +96,8 @@ class FrozenLake(GridEnv):
         max_steps: int = 100,
         grid_symbols: tuple[str, ...] = ("P", "_", "O", "G", "X", "√"),
     ):
-        if size < 2:
-            raise ValueError(f"FrozenLake size must be at least 2 (start and goal differ), got {size}.")
+        if not 2 <= size <= 32:  # the flood fill packs a row into 32 bits
+            raise ValueError(f"FrozenLake size must be between 2 and 32, got {size}.")
         if not 0.0 < p <= 1.0:
             raise ValueError(f"FrozenLake p (probability of frozen ice) must be in (0, 1], got {p}.")
         if len(grid_symbols) != 6 or len(set(grid_symbols)) != 6:

@@ -9,10 +9,10 @@ timed runs; compile time reported apart). Two modes:
 - ``reset``: auto-reset, so procedural level generation is inside the timed loop. Each scan step
   generates a fixed number of fresh levels, ``reset capacity = ceil(reset_share × batch)``, and
   hands them to the rows that finished (rows already waiting first); finished rows beyond the
-  capacity wait (they are stepped but not counted). Generating a level for *every* row at every step, as a
-  select-based auto-reset does, would make Sokoban's cost that of its generator times the batch;
-  the capacity is set from how often episodes end under random actions (``RESET_SHARE``), and
-  ``--reset-share 1`` gives the select-everything behaviour. ``active_share`` in the JSON is the
+  capacity wait (they are stepped but not counted). Generating a level for *every* row at every
+  step, as a select-based auto-reset does, would cost a level per row-step; the capacity is set
+  from how often episodes end under random actions (``RESET_SHARE``), and ``--reset-share 1``
+  gives the select-everything behaviour. ``active_share`` in the JSON is the
   fraction of row-steps counted.
 
 The runs continue one another (warm-up, then the timed repeats), so ``reset`` mode measures the
@@ -53,10 +53,10 @@ DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
 MODES = ("step", "reset")
 
-#: Fresh levels generated per scan step, as a share of the batch: about the rate at which episodes
-#: end under random actions, with slack (Bandit: every step; FrozenLake: mean episode ≈ 4 steps;
-#: Sokoban: most episodes run to the 100-step limit).
-RESET_SHARE = {"Bandit": 1.0, "FrozenLake": 0.5, "SimpleSokoban": 1 / 16, "LargerSokoban": 1 / 16}
+#: Fresh levels generated per scan step, as a share of the batch: the rate at which episodes end
+#: under random actions, with about 3x slack (Bandit: every step; FrozenLake: mean episode ≈ 10
+#: steps; Sokoban: most episodes run to the 100-step limit).
+RESET_SHARE = {"Bandit": 1.0, "FrozenLake": 1 / 4, "SimpleSokoban": 1 / 32, "LargerSokoban": 1 / 32}
 
 
 # --------------------------------------------------------------------------- NumPy baselines
@@ -150,8 +150,10 @@ def numpy_rate(baseline, num_actions: int, auto_reset: bool, seconds: float, see
     while True:
         for _ in range(64):
             _, done = baseline.step(int(rng.integers(num_actions)), rng)
-            if done:
-                baseline.reset(rng) if auto_reset else baseline.restart()
+            if done and auto_reset:
+                baseline.reset(rng)
+            elif done:
+                baseline.restart()
         steps += 64
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
@@ -171,12 +173,13 @@ def select_rows(mask, on_true, on_false):
 
 
 def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
-    """``loop(first, states, waiting, key) -> (states, waiting, counted_steps)``: ``num_steps`` random
-    steps of the batch.
+    """``loop(first, states, waiting, key) -> (states, waiting, counted_steps, checksum)``:
+    ``num_steps`` random steps of the batch.
 
     ``reset_capacity=None``: finished rows restart from ``first``. Otherwise each step generates
     ``reset_capacity`` fresh levels; finished rows take them, those already waiting first, and the
-    others wait (``waiting``) and are not counted.
+    others wait (``waiting``) and are not counted. ``checksum`` sums every reward, observation and
+    info flag, so the compiler cannot drop any part of the step.
     """
     num_actions = env.action_spec.num_values
     step = jax.vmap(env.step)
@@ -187,9 +190,10 @@ def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
         key, action_key, reset_key = jax.random.split(key, 3)
         actions = jax.random.randint(action_key, (batch,), 0, num_actions)
         states, timestep = step(states, actions)
-        counted = jnp.sum(~waiting)
+        outputs = jax.tree.leaves((timestep.reward, timestep.observation, timestep.extras))
+        per_step = (jnp.sum(~waiting), sum(jnp.sum(x, dtype=jnp.float32) for x in outputs))
         if reset_capacity is None:
-            return (select_rows(timestep.last(), first, states), waiting, key), counted
+            return (select_rows(timestep.last(), first, states), waiting, key), per_step
         # Rows already waiting are served first, then the newly finished, each in row order.
         newly = timestep.last() & ~waiting
         rank = jnp.where(waiting, jnp.cumsum(waiting), jnp.sum(waiting) + jnp.cumsum(newly)) - 1
@@ -198,16 +202,22 @@ def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
         fresh, _ = reset(jax.random.split(reset_key, reset_capacity))
         fresh_rows = jax.tree.map(lambda x: x[jnp.clip(rank, 0, reset_capacity - 1)], fresh)
         states = select_rows(takes, fresh_rows, states)
-        return (states, finished & ~takes, key), counted
+        return (states, finished & ~takes, key), per_step
 
     def loop(first, states, waiting, key):
-        carry, counted = jax.lax.scan(
+        (states, waiting, _), (counted, checksum) = jax.lax.scan(
             lambda carry, _: body(first, carry), (states, waiting, key), None, num_steps
         )
-        states, waiting, _ = carry
-        return states, waiting, jnp.sum(counted)
+        return states, waiting, jnp.sum(counted), jnp.sum(checksum)
 
     return jax.jit(loop)
+
+
+def first_states(batched_reset, key, batch: int, chunk: int = 4096):
+    """``batch`` reset states, generated ``chunk`` at a time to bound the generators' memory."""
+    keys = jax.random.split(key, batch)
+    parts = [batched_reset(keys[i : i + chunk])[0] for i in range(0, batch, chunk)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
 def jax_measurement(env, first, batch, num_steps, mode, repeats, reset_share, seed) -> dict:
@@ -221,17 +231,18 @@ def jax_measurement(env, first, batch, num_steps, mode, repeats, reset_share, se
     loop = make_loop(env, batch, num_steps, capacity).lower(first, states, waiting, key).compile()
     compile_s = time.perf_counter() - start
 
-    run = lambda states, waiting, r: loop(first, states, waiting, jax.random.fold_in(key, r))
-    states, waiting, _ = jax.block_until_ready(run(states, waiting, 0))
+    def run(states, waiting, r):
+        return jax.block_until_ready(loop(first, states, waiting, jax.random.fold_in(key, r)))
+
+    states, waiting, _, _ = run(states, waiting, 0)
     times, counted = [], []
     for r in range(1, repeats + 1):
         start = time.perf_counter()
-        states, waiting, n = jax.block_until_ready(run(states, waiting, r))
+        states, waiting, n, _ = run(states, waiting, r)
         times.append(time.perf_counter() - start)
         counted.append(int(n))
-    rates = [n / t for n, t in zip(counted, times)]
     return {
-        "steps_per_s": statistics.median(rates),
+        "steps_per_s": statistics.median(n / t for n, t in zip(counted, times)),
         "compile_s": compile_s,
         "run_s": statistics.median(times),
         "num_steps": num_steps,
@@ -241,6 +252,9 @@ def jax_measurement(env, first, batch, num_steps, mode, repeats, reset_share, se
 
 
 # --------------------------------------------------------------------------- driver
+
+
+QUICK = {"batch_sizes": "1,16", "steps": 16, "repeats": 2, "numpy_seconds": 0.05}
 
 
 def parse_args(argv=None):
@@ -262,12 +276,12 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_results/bench_envs.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: batch sizes 1,16, 16 steps, 2 repeats, short baselines")
+                        help="smoke run: batch sizes 1,16, 16 steps, 2 repeats, 0.05 s baselines")
     args = parser.parse_args(argv)
-    if args.quick:
-        if args.batch_sizes == parser.get_default("batch_sizes"):
-            args.batch_sizes = "1,16"
-        args.steps, args.repeats, args.numpy_seconds = 16, 2, 0.05
+    if args.quick:  # smaller defaults; explicit flags still win
+        for name, value in QUICK.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
     args.envs = [e for e in args.envs.split(",") if e]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -303,7 +317,7 @@ def run(args) -> dict:
         for name, batch, mode in grid:
             bar.set_postfix_str(f"jax {name} batch={batch} {mode}")
             share = args.reset_share if args.reset_share is not None else RESET_SHARE[name]
-            first, _ = resets[name](jax.random.split(jax.random.PRNGKey(args.seed), batch))
+            first = first_states(resets[name], jax.random.PRNGKey(args.seed), batch)
             row = jax_measurement(envs[name], first, batch, args.steps, mode, args.repeats, share,
                                   args.seed)
             row = {"env": name, "batch": batch, "mode": mode, **row}

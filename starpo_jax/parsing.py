@@ -6,7 +6,7 @@ Two implementations of the same function:
   the action mapping and format-penalty rule of ``es_manager.step``, on the decoded text.
 - An in-graph byte machine (``init_parser_state`` → ``parser_feed_tokens`` per sampled token →
   ``parser_result``) that runs inside the decode loop on token ids, ``jit``/``vmap``-able, with
-  a few int32 scalars of state per row. ``parse_response_tokens`` runs it over a whole
+  about sixty int32s of state per row. ``parse_response_tokens`` runs it over a whole
   ``[B, T]`` response with ``lax.scan``.
 
 **What the oracle computes.** The text is ``tokenizer.decode(ids, skip_special_tokens=True,
@@ -16,7 +16,8 @@ prepends the forced prefix (``<think>``, or ``<answer>`` without thinking) and t
 match of ``<think>(.*?)</think>\\s*<answer>(.*?)</answer>`` (DOTALL), or of
 ``<answer>(.*?)</answer>``. From each capture it removes, in this order, the strings
 ``<think> </think> <answer> </answer> <|im_start|> <|im_end|>`` (``str.replace``, one stage per
-tag, so a tag that only forms once an earlier one is removed is removed too) and strips it. The
+tag: a tag that only forms once an earlier-stage tag inside it is gone is removed too) and strips
+it. The
 actions are ``[a.strip() for a in answer.split("||") if a.strip()]``, the first
 ``max_actions_per_turn`` are kept. The es_manager maps each kept string case-insensitively to an
 action id (0-based, in ``action_names`` order) and drops unknown ones; the turn earns the format
@@ -53,13 +54,12 @@ in RAGEN. It is the only non-ASCII character whose ``lower()`` is ASCII; action 
 ASCII.
 
 **Think length.** ``think_tokens`` is the number of generated tokens before the token that
-completes the ``</think>`` of the match (the forced prefix is not generated); −1 without a match
-and 0 without thinking. Bytes are fed only for ``active`` tokens, so the EOS token and padding
-after it do not count.
+completes the ``</think>`` of the match (the forced prefix is not generated; inactive tokens are
+not counted); −1 without a match and 0 without thinking.
 
-**[quirk] kept as RAGEN:** the training sequence in RAGEN is the normalised ``llm_response``
-rebuilt here by the oracle; whether the rollout trains on it or on the sampled tokens is the
-rollout's decision (ARCHITECTURE.md: token-in / token-out).
+**[quirk] 4 (spec §2.4, §8):** RAGEN trains on the normalised ``llm_response`` it rebuilds from
+the parse. The byte machine does not rebuild text: under token-in / token-out the rollout trains on
+the sampled tokens. The oracle still returns ``llm_response`` for logs and parity checks.
 """
 
 from __future__ import annotations
@@ -204,21 +204,26 @@ class ActionNames:
 
 
 def encode_action_names(action_names, max_name_bytes: int | None = None) -> ActionNames:
-    """``ActionNames`` from names in action-id order, or from one such list per row."""
-    rows = [action_names] if isinstance(action_names[0], str) else list(action_names)
-    rows = [_check_action_names(r) for r in rows]
-    if len({len(r) for r in rows}) != 1 or len(rows[0]) > 31:
-        raise ValueError("Every row needs the same number of action names, at most 31.")
+    """``ActionNames`` from names in action-id order, or from one such list per row.
+
+    Rows with fewer names are padded with empty names, which never match (pieces are non-empty).
+    """
+    shared = isinstance(action_names[0], str)
+    rows = [_check_action_names(r) for r in ([action_names] if shared else action_names)]
+    n_names = max(len(r) for r in rows)
     longest = max(len(n) for r in rows for n in r)
     width = longest if max_name_bytes is None else max_name_bytes
+    if n_names > 31:
+        raise ValueError(f"At most 31 action names are supported; got {n_names}.")
     if width < longest:
-        raise ValueError(f"max_name_bytes={max_name_bytes} is shorter than the longest action name ({longest}).")
-    table = np.zeros((len(rows), len(rows[0]), width), np.int32)
+        raise ValueError(f"max_name_bytes={max_name_bytes} is shorter than the longest action name, {longest}.")
+    table = np.zeros((len(rows), n_names, width), np.int32)
+    lengths = np.zeros((len(rows), n_names), np.int32)
     for r, names in enumerate(rows):
         for a, name in enumerate(names):
             table[r, a, : len(name)] = list(name.encode())
-    lengths = np.array([[len(n) for n in r] for r in rows], np.int32)
-    if isinstance(action_names[0], str):
+            lengths[r, a] = len(name)
+    if shared:
         table, lengths = table[0], lengths[0]
     return ActionNames(jnp.asarray(table), jnp.asarray(lengths))
 
@@ -235,7 +240,8 @@ def make_parser_tables(
 ) -> ParserTables:
     """Everything the byte machine needs from the tokenizer and the env's action names."""
     table, lengths = build_token_bytes_table(tokenizer, vocab_size)
-    return ParserTables(jnp.asarray(table), jnp.asarray(lengths), encode_action_names(action_names, max_name_bytes))
+    names = encode_action_names(action_names, max_name_bytes)
+    return ParserTables(jnp.asarray(table), jnp.asarray(lengths), names)
 
 
 class _Nfa:
@@ -275,7 +281,8 @@ def _subset_dfa(nfa: _Nfa, accept: int, mark: tuple[int, int] | None = None):
                 index[target] = len(index)
                 queue.append(target)
             nxt_row.append(index[target])
-            crossed_row.append(mark is not None and mark[0] in current and byte == mark[1] and accept not in current)
+            crossed = mark is not None and mark[0] in current and byte == mark[1]
+            crossed_row.append(crossed and accept not in current)
         rows.append((nxt_row, crossed_row))
     accepting = np.zeros(len(index), bool)
     for states, i in index.items():
@@ -448,22 +455,24 @@ def _select(cond, a, b):
 
 def _unknown_char(piece: Piece) -> Piece:
     """A character no action name contains (a '|', a non-space non-ASCII character)."""
-    return piece.replace(started=jnp.ones_like(piece.started), alive=jnp.zeros_like(piece.alive), match=jnp.full_like(piece.match, -1))
+    return piece.replace(
+        started=jnp.ones_like(piece.started), alive=jnp.zeros_like(piece.alive), match=jnp.full_like(piece.match, -1)
+    )
 
 
 def _extend(piece: Piece, names: ActionNames, byte, is_space) -> Piece:
-    """Append one ASCII byte (already lower-cased) to a started piece."""
+    """Append one byte (lower-cased) to the piece and compare it with every action name."""
     n_names, width = names.bytes.shape
+    bit = jnp.arange(n_names)
     hit = (piece.pos < names.lengths) & (names.bytes[:, jnp.minimum(piece.pos, width - 1)] == byte)
-    alive = ((piece.alive >> jnp.arange(n_names)) & 1).astype(bool) & hit
+    alive = ((piece.alive >> bit) & 1).astype(bool) & hit
     pos = piece.pos + 1
     full = alive & (names.lengths == pos)
-    match = jnp.where(full.any(), jnp.argmax(full), -1)
     return piece.replace(
         started=jnp.ones_like(piece.started),
         pos=pos,
-        alive=jnp.sum(alive.astype(jnp.int32) << jnp.arange(n_names)),
-        match=jnp.where(is_space, piece.match, match),
+        alive=jnp.sum(alive.astype(jnp.int32) << bit),
+        match=jnp.where(is_space, piece.match, jnp.where(full.any(), jnp.argmax(full), -1)),
     )
 
 
@@ -471,25 +480,22 @@ def _eat(piece: Piece, names: ActionNames, c):
     """Feed one answer byte to the piece machine: (piece, split) where split ends the piece."""
     ws_next = _table("ws_next")[piece.ws, c]
     pending_ws = piece.ws != 0
-    ws_complete = pending_ws & _table("ws_done")[ws_next]
     own_char = ~pending_ws | (ws_next == 0)  # c starts a character of its own
     is_bar = c == _BAR
     split = own_char & is_bar & (piece.pipe == 1)
     # a pending '|' not followed by '|', or a broken multi-byte sequence, is ordinary text
     released = (pending_ws & (ws_next == 0)) | ((piece.pipe == 1) & ~is_bar)
-    p = _select(released, _unknown_char(piece), piece).replace(pipe=piece.pipe * 0, ws=piece.ws * 0)
+    zero = jnp.zeros_like(piece.pipe)
+    p = _select(released, _unknown_char(piece), piece).replace(pipe=zero, ws=zero)
 
-    lead = _table("ws_next")[0, c]
-    as_bar = p.replace(pipe=jnp.ones_like(p.pipe))
-    as_lead = p.replace(ws=lead)
-    as_space = _select(p.started == 1, _extend(p, names, c, True), p)
-    as_text = _extend(p, names, _table("lower")[c], False)
-    fresh = _select(
-        is_bar, as_bar, _select(_table("ascii_ws")[c], as_space, _select(lead != 0, as_lead, as_text))
-    )
+    lead = _table("ws_next")[0, c]  # first byte of a multi-byte space
+    is_space = _table("ascii_ws")[c]
+    as_char = _select(is_space & (p.started == 0), p, _extend(p, names, _table("lower")[c], is_space))
+    fresh = _select(is_bar, p.replace(pipe=zero + 1), _select(lead != 0, p.replace(ws=lead), as_char))
     fresh = _select(split, _empty_piece(), fresh)
     # a completed multi-byte space: stripped at the ends, breaks any name inside
-    spaced = piece.replace(ws=piece.ws * 0, alive=jnp.where(piece.started == 1, 0, piece.alive))
+    spaced = piece.replace(ws=zero, alive=jnp.where(piece.started == 1, 0, piece.alive))
+    ws_complete = pending_ws & _table("ws_done")[ws_next]
     out = _select(own_char, fresh, _select(ws_complete, spaced, piece.replace(ws=ws_next)))
     return out, split
 
@@ -544,33 +550,31 @@ def _answer_step(st: ParserState, names: ActionNames, c) -> ParserState:
     pushed = st.replace(
         stack_node=jnp.where(slots == new, _table("tag_next")[0, c], st.stack_node),
         stack_floor=jnp.where(slots == new, 0, st.stack_floor),
-        stack_snap=_select(slots == new, jax.tree.map(lambda x: jnp.broadcast_to(x, (STACK,)), st.piece), st.stack_snap),
+        stack_snap=_select(slots == new, st.piece, st.stack_snap),
         depth=st.depth + 1,
         base=jnp.maximum(st.base, st.depth + 1 - STACK),
         piece=eaten,
     )
     # a tag completes: undo its characters; the candidate below must now complete a later stage
+    # (if it cannot, the next character it reads fails it, and every open one with it)
     below = (st.depth - 2) % STACK
-    below_floor = jnp.maximum(st.stack_floor[below], stage)
-    below_ok = (st.depth - 1 > st.base) & ((_table("tag_mask")[st.stack_node[below]] >> below_floor) != 0)
     popped = st.replace(
-        stack_floor=jnp.where(slots == below, below_floor, st.stack_floor),
+        stack_floor=jnp.where(slots == below, jnp.maximum(st.stack_floor[below], stage), st.stack_floor),
         depth=st.depth - 1,
-        base=jnp.where(below_ok, st.base, st.depth - 1),
         piece=snap,
     )
     # an ordinary character: the top candidate goes on, or every open candidate fails
-    text = st.replace(
+    plain = st.replace(
         stack_node=jnp.where(slots == slot, node, st.stack_node),
         base=jnp.where(survives, st.base, st.depth),
         piece=eaten,
     )
-    text = _record(text, split, st.piece)
+    plain = _record(plain, split, st.piece)
     # the raw </answer>: its '<' opened the top candidate, whose snapshot ends the answer
     closed = st.replace(phase=jnp.full_like(st.phase, DONE), close=close)
     closed = _record(closed, True, _finish(snap))
 
-    out = _select(c == _LT, pushed, _select(completes, popped, text)).replace(close=close)
+    out = _select(c == _LT, pushed, _select(completes, popped, plain)).replace(close=close)
     return _select(_table("close_accept")[close], closed, out)
 
 
@@ -580,8 +584,6 @@ def _byte_step(st: ParserState, names: ActionNames, c, on) -> ParserState:
     answering = on & (st.phase == ANSWER)
     st = _select(searching, _search_step(st, c), st)
     return _select(answering, _answer_step(st, names, c), st)
-
-
 
 
 def parser_feed_bytes(state: ParserState, names: ActionNames, data, lengths) -> ParserState:
@@ -599,9 +601,13 @@ def parser_feed_bytes(state: ParserState, names: ActionNames, data, lengths) -> 
 
 
 def parser_feed_tokens(tables: ParserTables, state: ParserState, token_ids, active) -> ParserState:
-    """Feed one sampled token per row (int32[B]); rows with ``active`` False are left unchanged."""
+    """Feed one sampled token per row (int32[B]); rows with ``active`` False are left unchanged.
+
+    Ids past the table (a model's padded vocab) add no text, as in ``tokenizer.decode``.
+    """
     active = jnp.asarray(active, bool)
-    lengths = jnp.where(active, tables.token_lengths[token_ids], 0)
+    known = token_ids < tables.token_lengths.shape[0]
+    lengths = jnp.where(active & known, tables.token_lengths[token_ids], 0)
     data = tables.token_bytes[token_ids].astype(jnp.int32)
     state = parser_feed_bytes(state, tables.names, data, lengths)
     return state.replace(n_tokens=state.n_tokens + active)

@@ -324,7 +324,7 @@ def make_rollout(plan: RolloutPlan, responder=None):
 
         # parse the answers on token ids
         parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, name_tables(tables, c.env_states))
-        in_response = jnp.arange(R)[None] < n_out[:, None]
+        in_response = jnp.arange(out.tokens.shape[1])[None] < n_out[:, None]
         parsed = parsing.parse_response_tokens(
             parser_tables, out.tokens, in_response, plan.max_actions_per_turn, plan.enable_think
         )

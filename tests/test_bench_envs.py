@@ -41,15 +41,15 @@ def test_reset_capacity_limits_fresh_levels_and_serves_waiting_rows_first():
     first, _ = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(0), batch))
     loop = bench_envs.make_loop(env, batch, steps, reset_capacity=2)
     waiting = jnp.zeros((batch,), bool)
-    states, waiting, counted = loop(first, first, waiting, jax.random.PRNGKey(1))
+    states, waiting, counted, _ = loop(first, first, waiting, jax.random.PRNGKey(1))
     assert int(counted) == batch + 2 * (steps - 1)
     assert int(waiting.sum()) == batch - 2
     # Waiting rows are served before newly finished ones: rows 0-1 at step 1, then 2-3, ...
     one_step = bench_envs.make_loop(env, batch, 1, reset_capacity=2)
     nobody = jnp.zeros((batch,), bool)
-    _, waiting, _ = one_step(first, first, nobody, jax.random.PRNGKey(1))
+    _, waiting, _, _ = one_step(first, first, nobody, jax.random.PRNGKey(1))
     np.testing.assert_array_equal(np.asarray(waiting), [False, False, True, True, True, True])
-    _, waiting, _ = one_step(first, first, waiting, jax.random.PRNGKey(2))
+    _, waiting, _, _ = one_step(first, first, waiting, jax.random.PRNGKey(2))
     np.testing.assert_array_equal(np.asarray(waiting), [True, True, False, False, True, True])
 
 

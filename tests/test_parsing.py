@@ -36,7 +36,8 @@ def _token_tables(name):
 
 def _tables(name, names) -> parsing.ParserTables:
     table, lengths = _token_tables(name)
-    return parsing.ParserTables(jnp.asarray(table), jnp.asarray(lengths), parsing.encode_action_names(names, NAME_BYTES))
+    names = parsing.encode_action_names(names, NAME_BYTES)
+    return parsing.ParserTables(jnp.asarray(table), jnp.asarray(lengths), names)
 
 
 def _pad(rows, height=B, width=T):
@@ -112,18 +113,22 @@ def test_oracle_lazy_think_and_failed_tags():
 
 def test_oracle_removes_tags_stage_by_stage():
     # removing <think> forms </think>, which the next stage removes; the pieces join to "Up"
-    r = parsing.parse_response_text("</think><answer>U</th<think>ink>p || |<|im_end|>|Down</answer>", SOKOBAN, 5)
+    text = "</think><answer>U</th<think>ink>p || |<|im_end|>|Down</answer>"
+    r = parsing.parse_response_text(text, SOKOBAN, 5)
     assert r.actions == ("Up", "Down") and r.action_ids == (0, 1)
     # a tag that forms only after a *later* stage is kept: "<think>" stays, the piece is unknown
     r = parsing.parse_response_text("</think><answer><thi</think>nk>Up</answer>", SOKOBAN, 5)
     assert r.actions == ("<think>Up",) and r.format_penalty
 
 
-def test_oracle_rejects_bad_action_names():
+def test_action_names_are_checked_and_padded():
     with pytest.raises(ValueError, match="differ case-insensitively"):
         parsing.parse_response_text("", ["Up", "UP"], 1)
     with pytest.raises(ValueError, match="ASCII"):
         parsing.encode_action_names(["Up", "Ünter"])
+    names = parsing.encode_action_names([("Up", "DOWN"), ("Left",)], max_name_bytes=5)
+    assert names.lengths.tolist() == [[2, 4], [4, 0]]  # the empty name never matches
+    assert names.bytes[0, 1].tolist() == list(b"down\0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +168,8 @@ def test_token_bytes_need_a_byte_level_tokenizer():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    word_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))
+    word_level = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    word_level = PreTrainedTokenizerFast(tokenizer_object=word_level)
     with pytest.raises(ValueError, match="byte-level BPE"):
         parsing.build_token_bytes_table(word_level)
 
@@ -239,8 +245,9 @@ def test_one_token_at_a_time_matches_scan(qwen_tokenizer):
     state = parsing.init_parser_state(B, K, enable_think=True)
     for t in range(max(map(len, rows))):
         state = feed(tables, state, ids[:, t], active[:, t])
-    # tokens fed after the end of a row change nothing
+    # inactive tokens, and ids past the tokenizer (a model's padded vocab), change nothing
     state = feed(tables, state, ids[:, 0], jnp.zeros(B, bool))
+    state = feed(tables, state, jnp.full(B, len(qwen_tokenizer) + 7), jnp.ones(B, bool))
     stepped = jax.device_get(parsing.parser_result(state))
     scanned = jax.device_get(_parse(tables, ids, active, K, jnp.ones(B, bool)))
     for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(scanned)):
@@ -254,7 +261,8 @@ def test_think_tokens_count_tokens_before_the_closing_one(qwen_tokenizer):
 
     think, answer = ids("I", " will", " go"), ids(" <", "answer", ">", "Up", "</", "answer", ">")
     split_close, whole_close = ids("</", "think", ">"), [qwen_tokenizer.convert_tokens_to_ids("</think>")]
-    rows = [think + split_close + answer, think + whole_close + answer, whole_close + answer, answer, answer[3:]]
+    rows = [think + split_close + answer, think + whole_close + answer, whole_close + answer]
+    rows += [answer, answer[3:]]  # no </think>; no thinking at all
     assert parsing.decode_response(qwen_tokenizer, rows[0]) == "I will go</think> <answer>Up</answer>"
     assert parsing.decode_response(qwen_tokenizer, rows[1]) == "I will go</think> <answer>Up</answer>"
     result = _run("qwen", rows, [SOKOBAN] * 5, [True, True, True, True, False])
@@ -269,9 +277,10 @@ def test_bandit_names_per_row(smollm2_tokenizer):
     bank = parsing.encode_action_names(arms)
     order = np.array([0, 1, 1, 2, 3] + [0] * (B - 5))  # each row's arm order, as the env state says
     table, lengths = _token_tables("smollm2")
-    tables = parsing.ParserTables(jnp.asarray(table), jnp.asarray(lengths), jax.tree.map(lambda a: a[order], bank))
-    texts = ["</think><answer> dragon </answer>", "</think><answer>DRAGON</answer>", "</think><answer>phoenix</answer>",
-             "</think><answer>Librarian</answer>", "</think><answer>Trader || dragon</answer>"]
+    names = jax.tree.map(lambda a: a[order], bank)
+    tables = parsing.ParserTables(jnp.asarray(table), jnp.asarray(lengths), names)
+    answers = [" dragon ", "DRAGON", "phoenix", "Librarian", "Trader || dragon"]
+    texts = [f"</think><answer>{a}</answer>" for a in answers]
     ids, active = _pad([smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts])
     result = jax.device_get(_parse(tables, ids, active, K, jnp.ones(B, bool)))
     assert result.action_ids[:5, :2].tolist() == [[1, -1], [0, -1], [1, -1], [1, -1], [1, -1]]
@@ -305,8 +314,11 @@ def _tag_chain(draw):
     return text
 
 
-JUNK = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(CHARS, max_size=3), _tag_chain()), max_size=10).map("".join)
-SHORT_JUNK = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(CHARS, max_size=2)), max_size=3).map("".join)
+JUNK = st.lists(st.sampled_from(FRAGMENTS) | st.text(CHARS, max_size=3) | _tag_chain(), max_size=10)
+JUNK = JUNK.map("".join)
+SHORT_JUNK = st.lists(st.sampled_from(FRAGMENTS) | st.text(CHARS, max_size=2), max_size=3).map("".join)
+SEPARATOR = st.sampled_from(["||", " || ", "|||", "||||", "|", "| |"])
+NAME_SET = st.sampled_from(range(len(NAME_SETS)))
 SPACE = st.sampled_from(["", "", " ", "  ", "\n", " \t\n", "\u3000", "\u00a0", "\x0b"])
 
 
@@ -323,17 +335,17 @@ def _action(draw, names):
 @st.composite
 def _shaped_reply(draw):
     """(text, name set, enable_think) that usually matches: think, answer pieces, tail."""
-    names, think = draw(st.sampled_from(range(len(NAME_SETS)))), draw(st.booleans())
+    names, think = draw(NAME_SET), draw(st.booleans())
     action = _action(NAME_SETS[names])
     pieces = draw(st.lists(st.one_of(action, action, action, SHORT_JUNK), min_size=1, max_size=5))
-    seps = draw(st.lists(st.sampled_from(["||", " || ", "|||", "||||", "|", "| |"]), min_size=len(pieces), max_size=len(pieces)))
-    answer = "".join(p + s for p, s in zip(pieces, seps))[: draw(st.sampled_from([None] * 4 + [0, 3, 10, 20]))]
+    answer = "".join(piece + draw(SEPARATOR) for piece in pieces)
+    answer = answer[: draw(st.sampled_from([None] * 4 + [0, 3, 10, 20]))]  # sometimes cut short
     head = f"{draw(JUNK)}</think>{draw(SPACE)}<answer>" if think else ""
     return f"{head}{answer}</answer>{draw(JUNK)}", names, think
 
 
 BATCH = st.lists(
-    st.one_of(st.tuples(JUNK, st.sampled_from(range(len(NAME_SETS))), st.booleans()), _shaped_reply(), _shaped_reply()),
+    st.one_of(st.tuples(JUNK, NAME_SET, st.booleans()), _shaped_reply(), _shaped_reply()),
     min_size=B,
     max_size=B,
 )
@@ -364,11 +376,12 @@ def test_property_random_token_ids(seeds):
     """Arbitrary token ids (any bytes, broken UTF-8, special tokens) mixed with tag tokens."""
     tokenizer = _tokenizer("qwen")
     useful = sorted({i for f in FRAGMENTS for i in tokenizer.encode(f, add_special_tokens=False)})
-    rows, names, thinks = [], [], []
-    for seed, think in seeds:
+    rows = []
+    for seed, _ in seeds:
         rng = np.random.default_rng(seed)
-        row = [int(rng.choice(useful)) if rng.random() < 0.7 else int(rng.integers(len(tokenizer))) for _ in range(rng.integers(0, T))]
-        if "\u212a" in parsing.decode_response(tokenizer, row):
-            row = []
-        rows.append(row), names.append(NAME_SETS[seed % 3]), thinks.append(think)
-    _assert_agrees("qwen", rows, names, thinks)
+        length = rng.integers(0, T)
+        any_id = rng.integers(len(tokenizer), size=length)
+        row = np.where(rng.random(length) < 0.7, rng.choice(useful, length), any_id).tolist()
+        rows.append([] if "\u212a" in parsing.decode_response(tokenizer, row) else row)
+    names = [NAME_SETS[seed % len(NAME_SETS)] for seed, _ in seeds]
+    _assert_agrees("qwen", rows, names, [think for _, think in seeds])

@@ -177,26 +177,27 @@ def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
     """Grouped-query softmax attention of q [B, T, heads, d] over key blocks, normalised jointly.
 
     Splitting keys into blocks lets the cached path attend to "the cache" and "the new tokens"
-    without concatenating (copying) the cache. Scores and softmax are float32.
+    without concatenating (copying) the cache. The T query steps and the heads sharing a kv head
+    are folded into one axis, so each (row, kv head) is one plain matrix product with its keys.
+    Scores and softmax are float32.
     """
     B, T, H, D = q.shape
     kv_heads = blocks[0][0].shape[1]
-    qg = q.reshape(B, T, kv_heads, H // kv_heads, D)
-    scores = [
-        jnp.where(
-            allowed[:, None, None],
-            jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5,
-            _MASKED,
-        )
-        for k, _, allowed in blocks
-    ]
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    G = H // kv_heads
+    qg = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+
+    def scores(k: Array, allowed: Array) -> Array:
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+        allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
+        return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
+
+    probs = jax.nn.softmax(jnp.concatenate([scores(k, allowed) for k, _, allowed in blocks], axis=-1), axis=-1)
     out, start = 0.0, 0
     for k, v, _ in blocks:
         p = probs[..., start : start + k.shape[2]].astype(v.dtype)
-        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v, preferred_element_type=jnp.float32)
+        out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
         start += k.shape[2]
-    return out.astype(q.dtype).reshape(B, T, H, D)
+    return out.astype(q.dtype).reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 
 def _cudnn_applies(q: Array) -> bool:

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+
 import numpy as np
 
 from starpo_jax import bundled
@@ -45,8 +46,8 @@ def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "f
     """``(Decoder, tokenizer)`` from a bundled name, GGUF file, local HF folder or hub id.
 
     ``dtype`` is the compute dtype ("float32" or "bfloat16"); ``param_dtype`` the dtype the weights
-    are kept in (default: ``dtype``). The config is checked before any weight is read, so a wrong
-    model fails fast.
+    are kept in (default: ``dtype``). For a folder, the config and tokenizer are checked before any
+    weight is read, so a wrong checkpoint fails fast.
     """
     kind, path = resolve_source(source)
     dtypes = {"dtype": dtype, "param_dtype": param_dtype or dtype}
@@ -55,10 +56,12 @@ def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "f
 
         hf_config, tensors = read_gguf(path)
         config = model_config(hf_config, path, **dtypes)
+        tokenizer = load_tokenizer(path)
     else:
         config = model_config(read_hf_config(path), path / "config.json", **dtypes)
+        tokenizer = load_tokenizer(path)
         tensors = read_safetensors(path)
-    return build_decoder(config, tensors, path), load_tokenizer(path)
+    return build_decoder(config, tensors, path), tokenizer
 
 
 def model_config(hf_config: dict, origin: Path, **overrides):
@@ -164,17 +167,23 @@ def _read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
                              "corrupt.") from err
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")  # one of these holds the vocabulary
+
+
 def load_tokenizer(path: Path):
     """transformers tokenizer (with its chat template) of a checkpoint folder or a GGUF file."""
     from transformers import AutoTokenizer
 
+    # transformers 5 quietly builds an empty tokenizer for a folder without vocabulary files.
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); save the "
+                             "tokenizer into the checkpoint folder with tokenizer.save_pretrained(folder).")
     try:
         if path.is_file():
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ModelLoadError(f"Could not load a tokenizer from {path} ({err}); a checkpoint folder needs "
-                             "tokenizer.json (or vocab.json + merges.txt), a GGUF file tokenizer.ggml.* metadata.") from err
+        raise ModelLoadError(f"Could not load a tokenizer from {path} ({err}).") from err
 
 
 def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:

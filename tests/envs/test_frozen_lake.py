@@ -8,7 +8,13 @@ import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 
 import envs_jax
-from envs_jax.frozen_lake import FrozenLake, board_letters, generate_random_map, move
+from envs_jax.frozen_lake import (
+    FrozenLake,
+    board_letters,
+    generate_random_map,
+    goal_reachable,
+    move,
+)
 from envs_jax.solvers.frozen_lake_dp import optimal_success_probability
 
 LEFT, DOWN, RIGHT, UP = range(4)
@@ -159,6 +165,22 @@ def host_goal_reachable(rows) -> bool:
                 seen.add((nr, nc))
                 queue.append((nr, nc))
     return False
+
+
+def test_goal_reachable_agrees_with_host_bfs():
+    # Random boards with many holes, so that about half are unsolvable.
+    rng = np.random.default_rng(7)
+    boards = []
+    for _ in range(400):
+        board = rng.choice(np.array(["F", "H"]), (5, 5), p=[0.55, 0.45])
+        start, goal = rng.choice(25, size=2, replace=False)
+        board.flat[start], board.flat[goal] = "S", "G"
+        boards.append(["".join(row) for row in board])
+    codes = jnp.array([[["FHSG".index(ch) for ch in row] for row in b] for b in boards], jnp.int8)
+    ours = np.asarray(jax.jit(jax.vmap(goal_reachable))(codes))
+    truth = np.array([host_goal_reachable(b) for b in boards])
+    assert 0.2 < truth.mean() < 0.8
+    np.testing.assert_array_equal(ours, truth)
 
 
 def test_reset_vmapped_maps_are_solvable_and_deterministic(env):

@@ -19,6 +19,10 @@ from starpo_jax.models.gguf_reader import read_gguf
 from starpo_jax.models.loading import ModelLoadError, load_model, save_model
 from starpo_jax.sampling import generate
 
+# On a shared 2-core machine torch's second intra-op thread mostly spins: one thread runs the
+# reference model up to 15x faster.
+torch.set_num_threads(1)
+
 # hidden/intermediate are multiples of 256 so that K-quant blocks fit every row.
 TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=128)
@@ -115,7 +119,8 @@ def assert_same_config(hf_config: dict, reference) -> None:
     # GGUF stores floats as float32.
     assert np.float32(hf_config["rms_norm_eps"]) == np.float32(reference.rms_norm_eps)
     assert np.float32(hf_config["rope_theta"]) == np.float32(reference.rope_parameters["rope_theta"])
-    assert hf_config["head_dim"] == getattr(reference, "head_dim", reference.hidden_size // reference.num_attention_heads)
+    default_head_dim = reference.hidden_size // reference.num_attention_heads
+    assert hf_config["head_dim"] == getattr(reference, "head_dim", default_head_dim)
 
 
 # --- tiny files -------------------------------------------------------------------------------
@@ -225,6 +230,13 @@ def test_unknown_tensor_is_a_clear_error(tmp_path):
                overrides={"rope_freqs.weight": np.ones(32, np.float32)})
     with pytest.raises(ModelLoadError, match="'rope_freqs.weight' that a Llama/Qwen2 decoder has no place for"):
         read_gguf(path)
+
+
+def test_gguf_without_tokenizer_metadata_is_a_clear_error(tmp_path):
+    path = tmp_path / "no_tokenizer.gguf"
+    write_gguf(path, tiny_hf_model("llama", tie=True), [Q.Q8_0])
+    with pytest.raises(ModelLoadError, match="Could not load a tokenizer from .*no_tokenizer.gguf"):
+        load_model(path)
 
 
 # --- the bundled SmolLM2 file -----------------------------------------------------------------

@@ -19,6 +19,10 @@ from starpo_jax.models.loading import (
     save_model,
 )
 
+# On a shared 2-core machine torch's second intra-op thread mostly spins: one thread runs the
+# reference model up to 15x faster.
+torch.set_num_threads(1)
+
 QWEN_VOCAB = 151936  # Qwen2.5's embedding rows; the tokenizer's ids all fit.
 MESSAGES = [{"role": "system", "content": "You are a Sokoban solver."},
             {"role": "user", "content": "Push the box onto the target. <answer>Up</answer>?"}]
@@ -176,8 +180,16 @@ def test_folder_without_config_is_a_clear_error(tmp_path):
 
 
 def test_folder_without_weights_is_a_clear_error(tmp_path, tied_folder):
-    shutil.copy(tied_folder[0] / "config.json", tmp_path)
+    folder = shutil.copytree(tied_folder[0], tmp_path / "ckpt")
+    (folder / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="has neither model.safetensors nor model.safetensors.index.json"):
+        load_model(folder)
+
+
+def test_folder_without_tokenizer_is_a_clear_error(tmp_path, tied_folder):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tied_folder[0] / name, tmp_path)
+    with pytest.raises(ModelLoadError, match="has no tokenizer files"):
         load_model(tmp_path)
 
 

@@ -1,0 +1,104 @@
+"""The compiled training iteration: it runs, it learns, and it learns for the right reason.
+
+The learning test trains a tiny random decoder on a Bandit whose risky arm always pays (1.0 vs
+0.1). To keep the test short the responder samples only the arm's name (a two-way choice between
+the first tokens of the two names, from the policy's own logits) and completes the answer; the
+update then sees the whole response under the full vocabulary. RL must raise the probability of
+naming the rewarded arm; with the advantage sign flipped, or the loss mask moved off the response,
+it does not.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import envs_jax
+from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.rollout import RolloutPlan, TagPlan, build_tables, stop_tokens_for
+from starpo_jax.sampling import DecodeOutput, append
+from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
+
+ARMS = ("Phoenix", "Dragon")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArmResponder:
+    """Samples which arm to name from the policy's logits for the names' first tokens."""
+
+    responses: np.ndarray  # int32[2, R]: "Phoenix</answer><|im_end|>", "Dragon..." token ids
+    lengths: np.ndarray  # int32[2]
+    max_len: int
+
+    def init(self, model, batch_size):
+        from starpo_jax.sampling import init_cache
+
+        return init_cache(model.merge().config, batch_size, self.max_len)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        cache, logits = append(model, cache, prompt_ids, num_new)
+        first = jnp.asarray(self.responses[:, 0])
+        choice = jax.random.categorical(key, logits[:, first] / temperature)
+        tokens = jnp.asarray(self.responses)[choice]
+        logprobs = jnp.zeros(tokens.shape, jnp.float32)
+        return DecodeOutput(tokens, logprobs, jnp.where(active, jnp.asarray(self.lengths)[choice], 0), cache, logits)
+
+
+def _setup(tokenizer, settings_overrides=None):
+    env = envs_jax.make("Bandit", hi_arm_hiscore_prob=1.0)
+    plan = RolloutPlan(
+        tags=(TagPlan("Bandit", env, 4, 1),), group_size=8, max_turn=1, max_actions_per_turn=1,
+        response_length=8, max_len=320, enable_think=False,
+    )
+    tables = build_tables(tokenizer, plan)
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables))
+    stop = tables.tags[0].prompts.stop_token_id
+    ids = [tokenizer.encode(f"{arm}</answer>", add_special_tokens=False) + [stop] for arm in ARMS]
+    width = max(map(len, ids))
+    responses = np.array([i + [0] * (width - len(i)) for i in ids], np.int32)
+    responder = ArmResponder(responses, np.array([len(i) for i in ids], np.int32), plan.max_len)
+    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tokenizer))
+    model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+    settings = TrainSettings(
+        adv_estimator="grpo", reward_method="mean_std", kept_groups=4, ppo_mini_batch_size=32,
+        micro_batch_size=8, logprob_chunk=64, **(settings_overrides or {}),
+    )
+    hyper = Hyperparams.create(
+        actor_lr=3e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+        entropy_coeff=0.0, kl_loss_coef=0.0, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0,
+        lam=1.0, high_level_gamma=0.95,
+    )
+    return plan, tables, responder, model, settings, hyper
+
+
+def _train(plan, tables, responder, model, settings, hyper, steps):
+    step = jax.jit(make_train_step(settings, model.graphdef, plan, responder))
+    state = init_train_state(settings, model, jax.random.PRNGKey(0))
+    history = []
+    for _ in range(steps):
+        state, metrics = step(state, tables, hyper, jax.random.PRNGKey(1))
+        history.append(float(metrics["train/Bandit/success"]))
+    return state, history
+
+
+@pytest.fixture(scope="module")
+def bandit(smollm2_tokenizer):
+    return _setup(smollm2_tokenizer)
+
+
+def test_rl_raises_success(bandit):
+    state, history = _train(*bandit, steps=12)
+    early, late = np.mean(history[:3]), np.mean(history[-3:])
+    assert late >= 0.9 and late > early + 0.2, history
+
+
+def test_flipped_advantage_does_not_learn(bandit, monkeypatch):
+    import starpo_jax.advantages as adv
+
+    original = adv.grpo_outcome
+    monkeypatch.setattr(adv, "grpo_outcome", lambda *a, **k: jax.tree.map(lambda x: -x, original(*a, **k)))
+    _, history = _train(*bandit, steps=12)
+    assert np.mean(history[-3:]) < 0.5, history
