@@ -6,6 +6,10 @@ a comment says otherwise. Env files (``sokoban.py``, ``frozen_lake.py``, ``bandi
 ``python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3``.
 """
 
+import copy
+from collections.abc import Mapping
+from typing import Any
+
 from ml_collections import ConfigDict
 
 
@@ -21,6 +25,24 @@ def env_split(tags, n_groups, group_size, seed):
     )
 
 
+def with_overrides(config: ConfigDict, changes: Mapping[str, Any]) -> ConfigDict:
+    """A copy of ``config`` with ``changes`` ({"section.key": value}) applied in order.
+
+    Every key must already exist (ConfigDict would silently add a misspelt one); a whole section
+    such as ``envs.overrides`` may be replaced by a dict.
+    """
+    config = copy.deepcopy(config)
+    for path, value in changes.items():
+        *parents, key = path.split(".")
+        node = config
+        for name in [*parents, key]:
+            if not isinstance(node, ConfigDict) or name not in node:
+                raise ValueError(f"Config key {path!r} does not exist; check its spelling against configs/base.py.")
+            parent, node = node, node[name]
+        parent[key] = value
+    return config
+
+
 def get_config() -> ConfigDict:
     c = ConfigDict()
     c.model = ConfigDict(
@@ -30,6 +52,9 @@ def get_config() -> ConfigDict:
             # Random weights of a named preset instead of a checkpoint (tests, benchmarks).
             random_init_preset="",
             dtype="bfloat16",  # compute dtype; master weights stay float32
+            # A Jinja chat template replacing the tokenizer's ("" keeps it); the rollout needs one
+            # that renders past messages verbatim (ChatML: Qwen2.5, SmolLM2).
+            chat_template="",
         )
     )
     c.envs = ConfigDict()
@@ -132,6 +157,7 @@ def get_config() -> ConfigDict:
             output_dir="runs/default",
             resume=False,
             log_trajectories=20,
+            export_hf=True,  # save the final policy as a Hugging Face folder (hf_policy/)
         )
     )
     return c

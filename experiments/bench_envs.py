@@ -298,11 +298,10 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     envs = {name: envs_jax.make(name) for name in args.envs}
-    resets = {name: jax.jit(jax.vmap(env.reset)) for name, env in envs.items()}
-    grid = [(name, b, m) for name in args.envs for b in args.batch_sizes for m in args.modes]
     numpy_rates = {name: {} for name in args.envs}
     results = []
-    with tqdm(total=len(args.envs) * len(args.modes) + len(grid), desc="bench_envs") as bar:
+    total = len(args.envs) * len(args.modes) * (1 + len(args.batch_sizes))
+    with tqdm(total=total, desc="bench_envs") as bar:
         for name, env in envs.items():
             for mode in args.modes:
                 bar.set_postfix_str(f"numpy {name} {mode}")
@@ -314,16 +313,19 @@ def run(args) -> dict:
                 ]
                 numpy_rates[name][mode] = statistics.median(rates)
                 bar.update()
-        for name, batch, mode in grid:
-            bar.set_postfix_str(f"jax {name} batch={batch} {mode}")
+        for name, env in envs.items():
             share = args.reset_share if args.reset_share is not None else RESET_SHARE[name]
-            first = first_states(resets[name], jax.random.PRNGKey(args.seed), batch)
-            row = jax_measurement(envs[name], first, batch, args.steps, mode, args.repeats, share,
-                                  args.seed)
-            row = {"env": name, "batch": batch, "mode": mode, **row}
-            row["speedup_vs_numpy"] = row["steps_per_s"] / numpy_rates[name][mode]
-            results.append(row)
-            bar.update()
+            batched_reset = jax.jit(jax.vmap(env.reset))
+            for batch in args.batch_sizes:
+                first = first_states(batched_reset, jax.random.PRNGKey(args.seed), batch)
+                for mode in args.modes:
+                    bar.set_postfix_str(f"jax {name} batch={batch} {mode}")
+                    row = jax_measurement(env, first, batch, args.steps, mode, args.repeats, share,
+                                          args.seed)
+                    row = {"env": name, "batch": batch, "mode": mode, **row}
+                    row["speedup_vs_numpy"] = row["steps_per_s"] / numpy_rates[name][mode]
+                    results.append(row)
+                    bar.update()
     device = jax.devices()[0]
     return {
         "meta": {

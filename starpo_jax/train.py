@@ -291,7 +291,10 @@ def rollout_metrics(traj: Trajectories, plan: RolloutPlan, prefix: str) -> dict[
 
 
 def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, responder=None):
-    """Returns ``train_step(state, tables, hyper, key) -> (state, metrics)``; jit it whole."""
+    """Returns ``train_step(state, tables, hyper, key) -> (state, metrics)``; jit it whole.
+
+    Its two phases are also exposed, ``train_step.collect(state, tables, key) -> Trajectories`` and
+    ``train_step.learn(state, traj, hyper)``, for a driver that times them apart."""
     rollout = make_rollout(plan, responder)
     G, N = plan.num_groups, plan.group_size
     k = settings.kept_groups
@@ -418,12 +421,15 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         carry, metrics = jax.lax.scan(one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs)
         return carry, jax.tree.map(jnp.mean, metrics)
 
-    def train_step(state: TrainState, tables, hyper: Hyperparams, key):
+    def collect(state: TrainState, tables, key) -> Trajectories:
+        """The rollout phase: fresh levels, then the policy plays them (weights in compute dtype)."""
         level_key, rollout_key = jax.random.split(jax.random.fold_in(key, state.step))
-        # sample with weights in the compute dtype (bf16 on GPU): half the bytes per decode step
         compute_dtype = jnp.dtype(nnx.merge(graphdef, state.actor).config.dtype)
         policy = ModelState(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), state.actor))
-        traj = rollout(policy, tables, initial_states_from_key(plan, level_key), rollout_key, temperature)
+        return rollout(policy, tables, initial_states_from_key(plan, level_key), rollout_key, temperature)
+
+    def learn(state: TrainState, traj: Trajectories, hyper: Hyperparams):
+        """The update phase: filter, advantages, critic and actor updates."""
         metrics = rollout_metrics(traj, plan, "train")
         batch, prep_metrics = prepare(state, traj, hyper)
         metrics |= prep_metrics
@@ -453,4 +459,9 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         )
         return new_state, metrics
 
+    def train_step(state: TrainState, tables, hyper: Hyperparams, key):
+        return learn(state, collect(state, tables, key), hyper)
+
+    train_step.collect = collect
+    train_step.learn = learn
     return train_step

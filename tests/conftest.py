@@ -5,6 +5,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 import pytest
+import torch
+
+# torch is only the parity oracle; one thread keeps it from fighting JAX for the two CI cores
+# (measured: 16x slower reference generate with 2 threads under load).
+torch.set_num_threads(1)
 
 from starpo_jax import bundled
 

@@ -1,0 +1,75 @@
+"""The rollout benchmark's smoke mode runs both modes end to end and writes the JSON it promises."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import bench_rollout
+
+ROWS, TURNS, RESPONSE = 2 * 2, 2, 8
+METRICS = {
+    "wall_s", "run_s", "compile_s", "generated_tokens", "env_steps", "turns_played", "episodes_solved",
+    "tokens_per_s", "env_steps_per_s",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench_rollout.json"
+    report = bench_rollout.main(["--quick", "--models", "tiny-random", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    return report
+
+
+def test_report_describes_workload_and_machine(report):
+    w = report["workload"]
+    assert (w["env"], w["rows"], w["max_turn"], w["response_length"], w["dtype"]) == (
+        "SimpleSokoban", ROWS, TURNS, RESPONSE, "float32",
+    )  # fmt: skip
+    assert report["machine"]["jax_platform"] == "cpu" and report["date"]
+    (row,) = report["results"]
+    assert (row["model"], row["weights"]) == ("tiny-random", "random")
+    assert "roofline" not in row  # only on a GPU with a known bandwidth
+
+
+@pytest.mark.parametrize("mode", bench_rollout.MODES)
+def test_both_modes_play_the_fixed_workload_of_a_random_model(report, mode):
+    (row,) = report["results"]
+    m = row[mode]
+    assert METRICS <= m.keys()
+    # a random model never stops and never names an action: every row plays every turn in full
+    assert m["turns_played"] == ROWS * TURNS
+    assert m["generated_tokens"] == ROWS * TURNS * RESPONSE
+    assert m["env_steps"] == 0 and m["env_steps_per_s"] == 0
+    assert m["compile_s"] > 0 and m["wall_s"] > 0 and len(m["run_s"]) == 1
+    assert m["tokens_per_s"] == pytest.approx(m["generated_tokens"] / m["wall_s"])
+
+
+def test_speedup_compares_token_rates(report):
+    (row,) = report["results"]
+    assert row["speedup"] == pytest.approx(row["compiled"]["tokens_per_s"] / row["baseline"]["tokens_per_s"])
+    assert row["identical_episode_rows"] == 1.0
+    # prompt widths are padded to the bucket, so generate compiles at most once per turn
+    buckets = row["baseline"]["prompt_buckets"]
+    assert 1 <= len(buckets) <= TURNS and all(width % 256 == 0 for width in buckets)
+
+
+def test_baseline_episode_follows_ragen_turn_semantics():
+    """Seed 10001 is solved by Right, Up, Left (spec §1.10); the host turn must run valid actions in
+    order, drop unknown names, stop at the solve, and record RAGEN's reward text."""
+    import envs_jax
+    from starpo_jax.rollout import RolloutPlan, TagPlan
+
+    env = envs_jax.make("SimpleSokoban")
+    plan = RolloutPlan(tags=(TagPlan("SimpleSokoban", env, 1, 10),), group_size=1, max_turn=3)
+    host = bench_rollout.HostEnv.of(env)
+    state = env.reset_from_seed(10001)
+    episode = bench_rollout.HostEpisode(env, state, env.action_names, 10, [{"state": host.render(state), "actions_left": 10}])
+    bench_rollout.host_turn(episode, host, "go</think><answer>Right || Jump</answer>", plan)
+    assert (episode.num_actions, episode.num_turns, episode.done) == (1, 1, False)
+    assert episode.history[0]["llm_response"] == "<think>go</think><answer>Right || Jump</answer>"
+    bench_rollout.host_turn(episode, host, "ok</think><answer>Up || Left || Down</answer>", plan)
+    assert episode.done and episode.success and episode.num_actions == 3  # Down is never executed
+    np.testing.assert_allclose(episode.history[1]["reward"], -0.1 + 10.9, atol=1e-9)
+    assert episode.history[2]["actions_left"] == 7

@@ -1,0 +1,97 @@
+"""``python -m experiments.run`` end to end on a tiny random model: logs, validation dumps, checkpoints,
+exact resume, the exported Hugging Face folder, and clear errors for bad config and checkpoints."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = [
+    "--config=configs/base.py",
+    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
+    "--config.model.random_init_preset=tiny-llama",
+    "--config.model.dtype=float32",
+    "--config.envs.train.tags=('FrozenLake','Bandit')",
+    "--config.envs.train.n_groups=(1,1)",
+    "--config.envs.train.group_size=2",
+    "--config.envs.val.tags=('FrozenLake',)",
+    "--config.envs.val.n_groups=(2,)",
+    "--config.rollout.max_turn=2",
+    "--config.rollout.response_length=6",
+    "--config.rollout.max_model_len=640",
+    "--config.filter.ratio=0.5",
+    "--config.actor.ppo_mini_batch_size=2",
+    "--config.actor.micro_batch_size=2",
+    "--config.trainer.total_steps=2",
+    "--config.trainer.test_freq=2",
+    "--config.trainer.save_freq=1",
+    "--config.trainer.log_trajectories=1",
+]
+
+
+def run(*args, check=True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run", *TINY, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    return proc
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_lines(rows):
+    return [r for r in rows if "train/reward/mean" in r]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    run(f"--config.trainer.output_dir={out}")
+    return out
+
+
+def test_outputs(full_run):
+    rows = read_metrics(full_run)
+    train = train_lines(rows)
+    assert [r["step"] for r in train] == [1, 2]
+    for key in ("train/FrozenLake/success", "train/Bandit/pass@2", "rollout/in_group_std", "actor/entropy_loss",
+                "actor/grad_norm", "critic/vf_loss", "critic/vf_explained_var", "actor/pg_clipfrac",
+                "actor/ppo_kl", "train/response_length", "timing_s/gen", "timing_s/update",
+                "perf/generated_tokens_per_s", "perf/env_steps_per_s"):
+        assert key in train[0], key
+    val = [r for r in rows if "val-env/FrozenLake/success" in r]
+    assert [r["step"] for r in val] == [0, 2]
+    dump = [json.loads(line) for line in (full_run / "val" / "step_2.jsonl").read_text().splitlines()]
+    assert len(dump) == 2 and dump[0]["turns"] and {"observation", "think", "answer", "actions", "reward"} <= set(dump[0]["turns"][0])
+    assert "State:" in dump[0]["turns"][0]["observation"]
+    assert any(p.name.startswith("events") for p in (full_run / "tb").iterdir())
+    assert (full_run / "hf_policy" / "config.json").exists() and (full_run / "hf_policy" / "model.safetensors").exists()
+
+
+def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
+    run(f"--config.trainer.output_dir={tmp_path}", "--max_steps=1")
+    run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True")
+    full, resumed = train_lines(read_metrics(full_run)), train_lines(read_metrics(tmp_path))
+    assert len(resumed) == 2
+    for a, b in zip(full, resumed):
+        for key in ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "train/response_length"):
+            assert a[key] == b[key], key
+
+
+def test_config_and_checkpoint_errors(tmp_path):
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.rollout.max_trun=3", check=False)
+    assert proc.returncode != 0 and "max_trun" in proc.stderr
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.envs.train.tags=('Sokobon',)",
+               "--config.envs.train.n_groups=(2,)", check=False)
+    assert proc.returncode == 2 and "Sokobon" in proc.stderr and "Known envs" in proc.stderr
+    proc = run(f"--config.trainer.output_dir={tmp_path / 'none'}", "--config.trainer.resume=True", check=False)
+    assert proc.returncode == 2 and "No checkpoint" in proc.stderr
