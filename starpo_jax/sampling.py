@@ -51,17 +51,33 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
     return KVCache.init(config, batch_size, max_len)
 
 
-@jax.jit
-def append(model: ModelState, cache: KVCache, tokens: Array, num_new: Array) -> tuple[KVCache, Array]:
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def append(
+    model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = 128
+) -> tuple[KVCache, Array]:
     """Prefill / continue: append tokens [B, T] (row b's first ``num_new[b]`` are real) to the cache.
 
     Returns the cache and the float32 logits [B, V] after each row's last new token. A row with
     ``num_new == 0`` is left unchanged and its logits are meaningless: mark it inactive in ``decode``.
+    Long blocks go through the model ``chunk_size`` tokens at a time (a lax.scan), so attention
+    scores never exceed [B, heads, chunk_size, cache length] whatever the prompt length.
     """
     decoder = model.merge()
-    hidden, cache = decoder.extend(tokens, num_new, cache)
-    last = jnp.maximum(num_new - 1, 0)
-    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    B, T = tokens.shape
+    num_chunks = -(-T // chunk_size)
+    size = min(T, chunk_size)
+    chunks = jnp.pad(tokens, ((0, 0), (0, num_chunks * size - T))).reshape(B, num_chunks, size).swapaxes(0, 1)
+
+    def step(carry, xs):
+        cache, last_hidden = carry
+        index, chunk = xs
+        real = jnp.clip(num_new - index * size, 0, size)
+        hidden, cache = decoder.extend(chunk, real, cache)
+        at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
+        return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
+
+    init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
+    (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
     return cache, decoder.logits(last_hidden)
 
 

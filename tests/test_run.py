@@ -95,3 +95,38 @@ def test_config_and_checkpoint_errors(tmp_path):
     assert proc.returncode == 2 and "Sokobon" in proc.stderr and "Known envs" in proc.stderr
     proc = run(f"--config.trainer.output_dir={tmp_path / 'none'}", "--config.trainer.resume=True", check=False)
     assert proc.returncode == 2 and "No checkpoint" in proc.stderr
+
+
+def evaluate(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+
+
+def test_evaluate_a_run_folder(full_run, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = evaluate("--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "2",
+                    "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"FrozenLake"} and report["results"]["FrozenLake"]["levels"] == 2
+    assert "FrozenLake" in proc.stdout and "success %" in proc.stdout
+
+
+def test_evaluate_the_bundled_model_on_bandit(tmp_path):
+    out = tmp_path / "eval.json"
+    proc = evaluate("--model", "smollm2-135m-instruct", "--suite", "bandit", "--levels", "2", "--batch", "2",
+                    "--max-turn", "1", "--response-length", "24", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"Bandit", "BanditTest"}
+    assert all(0.0 <= r["success"] <= 1.0 for r in results.values())
+
+
+def test_evaluate_errors():
+    proc = evaluate("--model", "smollm2-135m-instruct", "--suite", "chess")
+    assert proc.returncode == 2 and "Unknown suite 'chess'" in proc.stderr
+    proc = evaluate("--model", "/nonexistent/model.gguf", "--suite", "bandit")
+    assert proc.returncode == 2 and "/nonexistent/model.gguf" in proc.stderr
