@@ -8,10 +8,12 @@ Action ids are positions in the prompt: action 0 pulls the arm named first, acti
 second (RAGEN's ``action_lookup`` ``{1: name_a, 2: name_b}``, shifted to 0-based). Because the order
 changes per episode, the names of the actions live in the state, not on the env:
 
-- ``arm_names(state)`` (host): the two names in action-id order, for parsing and prompts;
-- ``first_is_hi(state)`` / ``action_is_hi(state, action)`` (jittable): which action is the risky
-  arm, so a rollout can map each row's parsed answer to the arm without leaving the device;
-- ``lo_hi_names``: the names of the safe and risky arm, to tokenise once for all rows.
+- ``action_name_orders`` (the two possible orders, safe arm first or risky arm first) and
+  ``action_name_order(state)`` (jittable index into them, = ``hi_first``): the text env interface
+  the rollout uses to parse each row's answer against its own names;
+- ``arm_names(state)`` (host): the two names in action-id order;
+- ``first_is_hi(state)`` / ``action_is_hi(state, action)`` (jittable): which action is the risky arm;
+- ``lo_hi_names``: the names of the safe and risky arm.
 
 ``action_names`` therefore raises: there is no episode-independent list.
 
@@ -161,8 +163,8 @@ class Bandit(TextEnv):
     @property
     def action_names(self) -> tuple[str, ...]:
         raise AttributeError(
-            "Bandit action names change every episode (the arm order is random): "
-            "use env.arm_names(state), or env.lo_hi_names with env.first_is_hi(state) in jitted code."
+            "Bandit action names change every episode (the arm order is random): use "
+            "env.action_name_orders[env.action_name_order(state)] or env.arm_names(state)."
         )
 
     # ---- text --------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Environment throughput: the pure-JAX envs under ``jit`` + ``vmap`` against plain NumPy.
 
-For every env, batch size and mode, a compiled ``lax.scan`` runs ``--steps`` steps of the whole batch
-with uniformly random actions, and we report environment steps per second (median of ``--repeats``
-timed runs; compile time reported apart). Two modes:
+For every env, batch size and mode, a compiled loop steps the whole batch with uniformly random
+actions, and we report environment steps per second (median of ``--repeats`` timed runs of about
+``--seconds`` each; compile time reported apart). Two modes:
 
 - ``step``: dynamics only. A row that finishes restarts from its own first state (same level), so
   every step is a live one and no level is generated.
-- ``reset``: auto-reset, so procedural level generation is inside the timed loop. Each scan step
+- ``reset``: auto-reset, so procedural level generation is inside the timed loop. Each step
   generates a fixed number of fresh levels, ``reset capacity = ceil(reset_share × batch)``, and
   hands them to the rows that finished (rows already waiting first); finished rows beyond the
   capacity wait (they are stepped but not counted). Generating a level for *every* row at every
@@ -53,7 +53,7 @@ DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
 MODES = ("step", "reset")
 
-#: Fresh levels generated per scan step, as a share of the batch: the rate at which episodes end
+#: Fresh levels generated per step, as a share of the batch: the rate at which episodes end
 #: under random actions, with about 3x slack (Bandit: every step; FrozenLake: mean episode ≈ 10
 #: steps; Sokoban: most episodes run to the 100-step limit).
 RESET_SHARE = {"Bandit": 1.0, "FrozenLake": 1 / 4, "SimpleSokoban": 1 / 32, "LargerSokoban": 1 / 32}
@@ -172,9 +172,9 @@ def select_rows(mask, on_true, on_false):
     return jax.tree.map(pick, on_true, on_false)
 
 
-def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
-    """``loop(first, states, waiting, key) -> (states, waiting, counted_steps, checksum)``:
-    ``num_steps`` random steps of the batch.
+def make_loop(env, batch: int, reset_capacity: int | None):
+    """``loop(first, states, waiting, key, num_steps) -> (states, waiting, counted_steps, checksum)``:
+    ``num_steps`` (a runtime value) random steps of the batch.
 
     ``reset_capacity=None``: finished rows restart from ``first``. Otherwise each step generates
     ``reset_capacity`` fresh levels; finished rows take them, those already waiting first, and the
@@ -185,15 +185,14 @@ def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
     step = jax.vmap(env.step)
     reset = jax.vmap(env.reset)
 
-    def body(first, carry):
-        states, waiting, key = carry
-        key, action_key, reset_key = jax.random.split(key, 3)
+    def advance(first, states, waiting, key):
+        action_key, reset_key = jax.random.split(key)
         actions = jax.random.randint(action_key, (batch,), 0, num_actions)
         states, timestep = step(states, actions)
         outputs = jax.tree.leaves((timestep.reward, timestep.observation, timestep.extras))
-        per_step = (jnp.sum(~waiting), sum(jnp.sum(x, dtype=jnp.float32) for x in outputs))
+        checksum = sum(jnp.sum(x, dtype=jnp.float32) for x in outputs)
         if reset_capacity is None:
-            return (select_rows(timestep.last(), first, states), waiting, key), per_step
+            return select_rows(timestep.last(), first, states), waiting, checksum
         # Rows already waiting are served first, then the newly finished, each in row order.
         newly = timestep.last() & ~waiting
         rank = jnp.where(waiting, jnp.cumsum(waiting), jnp.sum(waiting) + jnp.cumsum(newly)) - 1
@@ -201,14 +200,17 @@ def make_loop(env, batch: int, num_steps: int, reset_capacity: int | None):
         takes = finished & (rank < reset_capacity)
         fresh, _ = reset(jax.random.split(reset_key, reset_capacity))
         fresh_rows = jax.tree.map(lambda x: x[jnp.clip(rank, 0, reset_capacity - 1)], fresh)
-        states = select_rows(takes, fresh_rows, states)
-        return (states, finished & ~takes, key), per_step
+        return select_rows(takes, fresh_rows, states), finished & ~takes, checksum
 
-    def loop(first, states, waiting, key):
-        (states, waiting, _), (counted, checksum) = jax.lax.scan(
-            lambda carry, _: body(first, carry), (states, waiting, key), None, num_steps
-        )
-        return states, waiting, jnp.sum(counted), jnp.sum(checksum)
+    def loop(first, states, waiting, key, num_steps):
+        def body(i, carry):
+            states, waiting, counted, checksum = carry
+            counted += jnp.sum(~waiting)
+            states, waiting, step_sum = advance(first, states, waiting, jax.random.fold_in(key, i))
+            return states, waiting, counted, checksum + step_sum
+
+        init = (states, waiting, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+        return jax.lax.fori_loop(0, num_steps, body, init)
 
     return jax.jit(loop)
 
@@ -220,27 +222,34 @@ def first_states(batched_reset, key, batch: int, chunk: int = 4096):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
-def jax_measurement(env, first, batch, num_steps, mode, repeats, reset_share, seed) -> dict:
-    """Compile time and median steps/s of the compiled loop, run from the ``batch`` states ``first``
-    (after one warm-up run)."""
+def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_steps, seed) -> dict:
+    """Compile time and median steps/s of the compiled loop, run from the ``batch`` states ``first``.
+
+    A 2-step warm-up run calibrates the number of steps per timed run to about ``seconds`` (between
+    2 and ``max_steps``); the runs continue one another.
+    """
     key = jax.random.PRNGKey(seed)
     states, waiting = first, jnp.zeros((batch,), bool)
     capacity = None if mode == "step" else max(1, math.ceil(reset_share * batch))
 
     start = time.perf_counter()
-    loop = make_loop(env, batch, num_steps, capacity).lower(first, states, waiting, key).compile()
+    loop = make_loop(env, batch, capacity).lower(first, states, waiting, key, 2).compile()
     compile_s = time.perf_counter() - start
 
-    def run(states, waiting, r):
-        return jax.block_until_ready(loop(first, states, waiting, jax.random.fold_in(key, r)))
+    def run(states, waiting, r, num_steps):
+        start = time.perf_counter()
+        states, waiting, n, _ = jax.block_until_ready(
+            loop(first, states, waiting, jax.random.fold_in(key, r), num_steps)
+        )
+        return states, waiting, int(n), time.perf_counter() - start
 
-    states, waiting, _, _ = run(states, waiting, 0)
+    states, waiting, _, warm_s = run(states, waiting, 0, 2)
+    num_steps = int(min(max_steps, max(2, round(seconds / (warm_s / 2)))))
     times, counted = [], []
     for r in range(1, repeats + 1):
-        start = time.perf_counter()
-        states, waiting, n, _ = run(states, waiting, r)
-        times.append(time.perf_counter() - start)
-        counted.append(int(n))
+        states, waiting, n, elapsed = run(states, waiting, r, num_steps)
+        times.append(elapsed)
+        counted.append(n)
     return {
         "steps_per_s": statistics.median(n / t for n, t in zip(counted, times)),
         "compile_s": compile_s,
@@ -254,7 +263,7 @@ def jax_measurement(env, first, batch, num_steps, mode, repeats, reset_share, se
 # --------------------------------------------------------------------------- driver
 
 
-QUICK = {"batch_sizes": "1,16", "steps": 16, "repeats": 2, "numpy_seconds": 0.05}
+QUICK = {"batch_sizes": "1,16", "seconds": 0.05, "repeats": 2, "numpy_seconds": 0.05}
 
 
 def parse_args(argv=None):
@@ -267,7 +276,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
                         help="comma-separated batch sizes")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: step, reset")
-    parser.add_argument("--steps", type=int, default=128, help="scan length of one timed run")
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="target duration of one timed run (sets its number of steps)")
+    parser.add_argument("--max-steps", type=int, default=10_000, help="most steps in one timed run")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
     parser.add_argument("--numpy-seconds", type=float, default=1.0,
                         help="duration of each NumPy baseline run (3 runs, median)")
@@ -276,7 +287,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_results/bench_envs.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: batch sizes 1,16, 16 steps, 2 repeats, 0.05 s baselines")
+                        help="smoke run: batch sizes 1,16, 2 repeats of 0.05 s, 0.05 s baselines")
     args = parser.parse_args(argv)
     if args.quick:  # smaller defaults; explicit flags still win
         for name, value in QUICK.items():
@@ -291,8 +302,8 @@ def parse_args(argv=None):
     bad_modes = [m for m in args.modes if m not in MODES]
     if bad_modes:
         parser.error(f"unknown mode(s) {', '.join(bad_modes)}; choose from {', '.join(MODES)}")
-    if not args.batch_sizes or min(args.batch_sizes) < 1 or args.steps < 1 or args.repeats < 1:
-        parser.error("batch sizes, --steps and --repeats must be positive")
+    if not args.batch_sizes or min(args.batch_sizes) < 1 or args.max_steps < 2 or args.repeats < 1:
+        parser.error("batch sizes and --repeats must be positive, --max-steps at least 2")
     return args
 
 
@@ -320,8 +331,8 @@ def run(args) -> dict:
                 first = first_states(batched_reset, jax.random.PRNGKey(args.seed), batch)
                 for mode in args.modes:
                     bar.set_postfix_str(f"jax {name} batch={batch} {mode}")
-                    row = jax_measurement(env, first, batch, args.steps, mode, args.repeats, share,
-                                          args.seed)
+                    row = jax_measurement(env, first, batch, mode, args.repeats, share,
+                                          args.seconds, args.max_steps, args.seed)
                     row = {"env": name, "batch": batch, "mode": mode, **row}
                     row["speedup_vs_numpy"] = row["steps_per_s"] / numpy_rates[name][mode]
                     results.append(row)

@@ -12,7 +12,7 @@ from experiments import bench_envs
 def test_quick_run_writes_a_complete_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench_envs.main(
-        ["--quick", "--envs", "Bandit,FrozenLake", "--batch-sizes", "3", "--steps", "8",
+        ["--quick", "--envs", "Bandit,FrozenLake", "--batch-sizes", "3", "--max-steps", "8",
          "--out", str(out)]
     )
     report = json.loads(out.read_text())
@@ -24,7 +24,7 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys):
     rows = {(r["env"], r["batch"], r["mode"]): r for r in report["results"]}
     assert set(rows) == {(e, 3, m) for e in ("Bandit", "FrozenLake") for m in ("step", "reset")}
     for (name, _, mode), r in rows.items():
-        assert r["steps_per_s"] > 0 and r["compile_s"] > 0 and r["num_steps"] == 8
+        assert r["steps_per_s"] > 0 and r["compile_s"] > 0 and 2 <= r["num_steps"] <= 8
         assert r["speedup_vs_numpy"] == pytest.approx(r["steps_per_s"] / report["numpy"][name][mode])
         assert 0 < r["active_share"] <= 1
     # Step mode restarts finished rows; Bandit's reset capacity is the whole batch: nobody waits.
@@ -39,17 +39,15 @@ def test_reset_capacity_limits_fresh_levels_and_serves_waiting_rows_first():
     env = envs_jax.make("Bandit")
     batch, steps = 6, 5
     first, _ = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(0), batch))
-    loop = bench_envs.make_loop(env, batch, steps, reset_capacity=2)
-    waiting = jnp.zeros((batch,), bool)
-    states, waiting, counted, _ = loop(first, first, waiting, jax.random.PRNGKey(1))
+    loop = bench_envs.make_loop(env, batch, reset_capacity=2)
+    nobody = jnp.zeros((batch,), bool)
+    _, waiting, counted, _ = loop(first, first, nobody, jax.random.PRNGKey(1), steps)
     assert int(counted) == batch + 2 * (steps - 1)
     assert int(waiting.sum()) == batch - 2
     # Waiting rows are served before newly finished ones: rows 0-1 at step 1, then 2-3, ...
-    one_step = bench_envs.make_loop(env, batch, 1, reset_capacity=2)
-    nobody = jnp.zeros((batch,), bool)
-    _, waiting, _, _ = one_step(first, first, nobody, jax.random.PRNGKey(1))
+    _, waiting, _, _ = loop(first, first, nobody, jax.random.PRNGKey(1), 1)
     np.testing.assert_array_equal(np.asarray(waiting), [False, False, True, True, True, True])
-    _, waiting, _, _ = one_step(first, first, waiting, jax.random.PRNGKey(2))
+    _, waiting, _, _ = loop(first, first, waiting, jax.random.PRNGKey(2), 1)
     np.testing.assert_array_equal(np.asarray(waiting), [True, True, False, False, True, True])
 
 

@@ -118,9 +118,15 @@ def test_same_key_same_payout(env):
     assert not np.array_equal(np.asarray(a.key), np.asarray(s.key))  # the key advances
 
 
-def test_action_names_point_to_arm_names(env):
-    with pytest.raises(AttributeError, match="arm_names"):
+def test_action_names_follow_the_episodes_arm_order(env):
+    with pytest.raises(AttributeError, match="action_name_orders"):
         env.action_names
+    for hi_first in (False, True):
+        s = state(hi_first)
+        order = jax.jit(env.action_name_order)(s)
+        assert env.action_name_orders[int(order)] == env.arm_names(s)
+        assert env.render_text(s).count(f"named {env.arm_names(s)[0]} and") == 1
+        assert bool(env.action_is_hi(s, 0)) == hi_first
     assert env.lo_hi_names == ("Phoenix", "Dragon")
     test_env = envs_jax.make("BanditTest")
     assert test_env.arm_names(state(hi_first=False)) == ("Trader", "Librarian")
