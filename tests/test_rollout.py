@@ -187,3 +187,49 @@ def test_paths_are_the_intended_ones(setup):
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     assert int(traj.tokens[4, end]) == stop and not traj.loss_mask[4, end]
     assert traj.turn_penalised[4, 0]
+
+
+@pytest.fixture(scope="module")
+def smollm2_rollout():
+    """The bundled SmolLM2 plays two turns of every env (one batch, three tags)."""
+    from starpo_jax.models.decoder import ModelState
+    from starpo_jax.models.loading import load_model
+
+    model, tok = load_model("smollm2-135m-instruct")
+    model = ModelState.split(model)
+    tags = (
+        TagPlan("SimpleSokoban", envs_jax.make("SimpleSokoban"), 1, 10),
+        TagPlan("FrozenLake", envs_jax.make("FrozenLake"), 1, 10),
+        TagPlan("Bandit", envs_jax.make("Bandit"), 1, 1),
+    )
+    plan = RolloutPlan(tags=tags, group_size=2, max_turn=2, response_length=16, max_len=1024)
+    tables = build_tables(tok, plan)
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
+    init = initial_states_from_seeds(plan, 123)
+    traj = jax.device_get(make_rollout(plan)(model, tables, init, jax.random.PRNGKey(0), 1.0))
+    return model, tok, plan, traj
+
+
+def test_real_model_rollout_on_every_env(smollm2_rollout):
+    model, tok, plan, traj = smollm2_rollout
+    env_texts = [tags.env.render_text(s) for tags, s in zip(plan.tags, [
+        tags.env.reset_from_seed(123 + i) for i, tags in enumerate(plan.tags)])]
+    for b in range(plan.batch_size):
+        first = tok.decode(traj.tokens[b, : traj.turn_start[b, 0]])
+        assert env_texts[b // 2] in first  # the level of seed 123 + group
+        assert int(traj.loss_mask[b].sum()) == int(traj.response_tokens[b]) > 0
+        assert 1 <= int(traj.num_turns[b]) <= 2
+
+
+def test_kv_cache_continuation_equals_a_fresh_forward(smollm2_rollout):
+    """The log-probs the sampler saw across turns (cache appended turn by turn) equal those of one
+    forward pass over the finished conversation."""
+    from starpo_jax.train import token_logprobs
+
+    model, tok, plan, traj = smollm2_rollout
+    logp, _ = jax.jit(token_logprobs, static_argnums=(0, 5, 6, 7))(
+        model.graphdef, model.params, jnp.asarray(traj.tokens), jnp.asarray(traj.length),
+        jnp.asarray(traj.loss_mask), 1.0, 128, plan.max_turn * plan.response_length,
+    )
+    mask = traj.loss_mask
+    np.testing.assert_allclose(np.asarray(logp)[mask], traj.sampler_logprobs[mask], atol=2e-3)

@@ -34,6 +34,10 @@ def tiny_hf_model(name: str, seed: int = 0):
     return config, model
 
 
+# One jitted forward for every test: modules of the same config and dtype share its compilation.
+forward = jax.jit(lambda model, tokens, positions, mask: model(tokens, positions, mask))
+
+
 def state_dict_numpy(model) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
@@ -62,7 +66,7 @@ def test_logits_match_transformers_on_a_padded_batch(pair):
         expected = hf(
             input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
         ).logits.numpy()
-    logits = np.asarray(jax.jit(lambda m, *a: m(*a))(model, tokens, positions, mask))
+    logits = np.asarray(forward(model, tokens, positions, mask))
     real = mask.astype(bool)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
     np.testing.assert_allclose(logits[real], expected[real], atol=1e-4, rtol=0)
@@ -121,8 +125,7 @@ def test_bf16_forward_is_close_to_fp32(pair):
     )
     assert bf16.layers.q_proj[...].dtype == jnp.bfloat16
     tokens, positions, mask = ragged_batch(config.vocab_size)
-    forward = jax.jit(lambda m: m(tokens, positions, mask))
-    ref, out = np.asarray(forward(model)), forward(bf16)
+    ref, out = np.asarray(forward(model, tokens, positions, mask)), forward(bf16, tokens, positions, mask)
     assert out.dtype == jnp.float32
     real = mask.astype(bool)
     err = np.abs(np.asarray(out) - ref)[real]

@@ -157,3 +157,32 @@ def test_sample_logits_filters_and_logprobs():
     scaled = jax.nn.log_softmax(logits[0] / 0.5)
     np.testing.assert_allclose(logprobs[0], scaled[tokens[0]], atol=1e-6)
     assert tokens[1] == 0 and np.isclose(logprobs[1], np.log(0.5))  # greedy row: log_softmax(logits)
+
+
+def test_chunked_prefill_equals_one_block(tiny):
+    _, _, model = tiny
+    rows = [np.random.default_rng(5).integers(0, 256, n) for n in (17, 12, 3)]
+    tokens, lengths = right_padded(rows, 18)
+    empty = sampling.init_cache(preset("tiny-qwen2"), B, CACHE)
+    whole_cache, whole = sampling.append(model, empty, tokens, lengths)
+    chunked_cache, chunked = sampling.append(model, empty, tokens, lengths, chunk_size=4)  # 5 chunks, some empty
+    np.testing.assert_array_equal(chunked_cache.lengths, lengths)
+    np.testing.assert_allclose(chunked, whole, atol=1e-5)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(chunked_cache.k[:, b, :, :n], whole_cache.k[:, b, :, :n], atol=1e-5)
+
+
+def test_bfloat16_sampling_runs_and_follows_fp32(tiny, prompts):
+    config, hf, model = tiny
+    tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    bf16 = ModelState.split(
+        decoder_from_hf_tensors(preset("tiny-qwen2", dtype="bfloat16", param_dtype="bfloat16"), tensors)
+    )
+    tokens, lengths = right_padded(prompts, 8)
+    cache, logits = sampling.append(bf16, sampling.init_cache(bf16.merge().config, B, CACHE), tokens, lengths)
+    assert cache.k.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    out = sampling.decode(bf16, cache, logits, jax.random.key(0), max_new_tokens=NEW, temperature=0.0)
+    reference = run(model, prompts, temperature=0.0)
+    np.testing.assert_array_equal(out.lengths, [NEW] * B)
+    assert np.isfinite(np.asarray(out.logprobs)).all()
+    np.testing.assert_array_equal(out.tokens[:, 0], reference.tokens[:, 0])  # first greedy token agrees
