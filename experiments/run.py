@@ -53,6 +53,9 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
 
 def main(argv) -> int:
     del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
     import jax
     from flax import nnx
     from tensorboardX import SummaryWriter

@@ -84,6 +84,7 @@ def format_record(record: dict) -> str:
     for i, turn in enumerate(record["turns"], 1):
         state = turn["observation"].split("State:\n")[-1].split("\nYou have")[0]
         lines.append(f"  turn {i} state:\n    " + state.replace("\n", "\n    "))
-        lines.append(f"  think: {turn['think'][:200]!r}")
-        lines.append(f"  answer: {turn['answer']!r} -> actions {turn['actions']} reward {turn['reward']:+.2f}")
+        lines.append(f"  response: {turn['response'][:300]!r}")
+        lines.append(f"  answer: {turn['answer']!r} -> actions {turn['actions']} reward {turn['reward']:+.2f}"
+                     + (" (format penalty)" if turn["format_penalty"] else ""))
     return "\n".join(lines)
