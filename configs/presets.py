@@ -72,6 +72,9 @@ def _bandit_arms(train_lo: str, train_hi: str, test_lo: str, test_hi: str) -> di
     }
 
 
+BANDIT_NORMAL = _bandit_arms("Engineer", "Teacher", "Trader", "Librarian")
+BANDIT_REV = _bandit_arms("Teacher", "Engineer", "Librarian", "Trader")
+
 # (env_groups, steps, test_freq) for Online-k: k = optimizer steps per rollout with filter 0.25
 # (8k groups x 16 kept at 25 % = 32k trajectories = k mini-batches of 32).
 ONLINE = {2: (16, 100, 5), 5: (40, 40, 2), 10: (80, 20, 1)}
@@ -143,10 +146,10 @@ PRESETS: dict[str, dict] = {
     },
     # Table 4 and Fig. 11: Bandit reasoning generalisation (train arms -> test arms). The paper's
     # text describes "rev" the other way round (spec §1.1); these are the script's names.
-    "bandit_normal": _bandit_arms("Engineer", "Teacher", "Trader", "Librarian"),
-    "bandit_normal_nothink": {**_bandit_arms("Engineer", "Teacher", "Trader", "Librarian"), **NOTHINK},
-    "bandit_rev": _bandit_arms("Teacher", "Engineer", "Librarian", "Trader"),
-    "bandit_rev_nothink": {**_bandit_arms("Teacher", "Engineer", "Librarian", "Trader"), **NOTHINK},
+    "bandit_normal": BANDIT_NORMAL,
+    "bandit_normal_nothink": {**BANDIT_NORMAL, **NOTHINK},
+    "bandit_rev": BANDIT_REV,
+    "bandit_rev_nothink": {**BANDIT_REV, **NOTHINK},
     # Model-size runs (section 5.2 of train_all.sh): only the checkpoint changes.
     **{name: {"model.source": source} for name, source in MODELS.items()},
 }

@@ -32,6 +32,7 @@ mode.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -187,7 +188,7 @@ def make_loop(env, batch: int, reset_capacity: int | None):
 
     def advance(first, states, waiting, key):
         action_key, reset_key = jax.random.split(key)
-        actions = jax.random.randint(action_key, (batch,), 0, num_actions)
+        actions = jnp.floor(num_actions * jax.random.uniform(action_key, (batch,))).astype(jnp.int32)
         states, timestep = step(states, actions)
         outputs = jax.tree.leaves((timestep.reward, timestep.observation, timestep.extras))
         checksum = sum(jnp.sum(x, dtype=jnp.float32) for x in outputs)
@@ -225,8 +226,8 @@ def first_states(batched_reset, key, batch: int, chunk: int = 4096):
 def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_steps, seed) -> dict:
     """Compile time and median steps/s of the compiled loop, run from the ``batch`` states ``first``.
 
-    A 2-step warm-up run calibrates the number of steps per timed run to about ``seconds`` (between
-    2 and ``max_steps``); the runs continue one another.
+    Warm-up runs of growing length calibrate the number of steps per timed run to about ``seconds``
+    (between 2 and ``max_steps``); all runs continue one another.
     """
     key = jax.random.PRNGKey(seed)
     states, waiting = first, jnp.zeros((batch,), bool)
@@ -236,18 +237,26 @@ def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_
     loop = make_loop(env, batch, capacity).lower(first, states, waiting, key, 2).compile()
     compile_s = time.perf_counter() - start
 
-    def run(states, waiting, r, num_steps):
+    run_keys = (jax.random.fold_in(key, r) for r in itertools.count())
+
+    def run(states, waiting, num_steps):
         start = time.perf_counter()
         states, waiting, n, _ = jax.block_until_ready(
-            loop(first, states, waiting, jax.random.fold_in(key, r), num_steps)
+            loop(first, states, waiting, next(run_keys), num_steps)
         )
         return states, waiting, int(n), time.perf_counter() - start
 
-    states, waiting, _, warm_s = run(states, waiting, 0, 2)
-    num_steps = int(min(max_steps, max(2, round(seconds / (warm_s / 2)))))
+    # Warm up and calibrate: grow the run until it takes a quarter of the target time.
+    num_steps = 2
+    while True:
+        states, waiting, _, elapsed = run(states, waiting, num_steps)
+        if elapsed >= seconds / 4 or num_steps >= max_steps:
+            break
+        num_steps = min(max_steps, num_steps * 8)
+    num_steps = int(min(max_steps, max(2, round(num_steps * seconds / elapsed))))
     times, counted = [], []
-    for r in range(1, repeats + 1):
-        states, waiting, n, elapsed = run(states, waiting, r, num_steps)
+    for _ in range(repeats):
+        states, waiting, n, elapsed = run(states, waiting, num_steps)
         times.append(elapsed)
         counted.append(n)
     return {
@@ -344,9 +353,10 @@ def run(args) -> dict:
             "backend": jax.default_backend(),
             "device": getattr(device, "device_kind", str(device)),
             "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(),  # other work on the machine skews the rates
             "machine": platform.machine(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "args": {k: v for k, v in vars(args).items()},
+            "args": dict(vars(args)),
         },
         "numpy": numpy_rates,
         "results": results,

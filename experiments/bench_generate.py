@@ -1,7 +1,7 @@
 """Generation throughput of starpo_jax's sampler next to transformers' ``generate``.
 
     python -m experiments.bench_generate                      # smollm2-135m-instruct + Qwen2.5-0.5B shape
-    python -m experiments.bench_generate --batch-sizes 1,8,32 --out results/bench_cpu.json
+    python -m experiments.bench_generate --batch-sizes 1,8,32 --out bench_results/bench_cpu.json
     python -m experiments.bench_generate --quick              # seconds: tiny model, smoke test
 
 Workload (fixed, stop tokens disabled): B random prompts of --prompt-len tokens, --new-tokens new
@@ -171,7 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-max-batch", type=int, default=None, help="skip transformers above this batch")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. machine load)")
-    parser.add_argument("--out", default="results/bench_generate.json")
+    parser.add_argument("--out", default="bench_results/bench_generate.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, batch 2, 8 + 8 tokens")
     args = parser.parse_args(argv)
     if args.quick:

@@ -10,8 +10,9 @@ Workload: ``--groups`` × ``--group-size`` SimpleSokoban episodes (default 8 × 
 temperature 1 with top-k off and top-p 1, stopping at the chat template's end of turn. Episodes
 depend on what the model writes, so the stop tokens stay on and the workload is whatever the model
 does from a fixed ``--seed``: group g plays RAGEN's level of seed ``seed + g`` and turn t samples
-with ``fold_in(key(seed), t)``, the same in both modes. A random model never stops and never names an action, so its workload is
-fixed: every row plays every turn at the full response length, with no env steps.
+with ``fold_in(key(seed), t)``, the same in both modes. A random model never stops and never
+names an action, so its workload is fixed: every row plays every turn at the full response length,
+with no env steps (``env_steps_per_s`` is 0).
 
 Modes:
 
@@ -33,8 +34,9 @@ Modes:
   agree) says how close they came.
 
 Metrics, per model and mode: ``wall_s`` (median of ``--repeats`` timed runs, compile excluded);
-``compile_s`` (compiled: ``jit(...).lower(...).compile()``; baseline: its first run, which compiles
-``generate`` for every prompt bucket and the env step, minus the median steady run);
+``compile_s`` (``jit(...).lower(...).compile()`` of the compiled rollout, or of ``generate`` for
+each prompt width the baseline meets; the baseline's first, untimed run also compiles its small
+env-step and render functions and is reported as ``first_run_s``);
 ``generated_tokens`` (sum of ``response_tokens``: sampled tokens, stop tokens included),
 ``env_steps`` (sum of ``num_actions``), ``turns_played``, ``episodes_solved``; ``tokens_per_s`` and
 ``env_steps_per_s`` (median over the timed runs of count / wall time); ``speedup`` =
@@ -57,8 +59,8 @@ JSON (``--out``): ``date``, ``workload`` (env, groups, group_size, rows, max_tur
 max_actions_per_traj, dtype, temperature, seed, bucket, repeats), ``machine`` (jax_platform,
 device_kind, cpu_count, jax, note) and ``results``: one entry per model with ``model``,
 ``weights``, ``num_params``, ``max_len``, ``compiled`` and ``baseline`` (the metrics above;
-baseline adds ``prompt_buckets``), ``speedup``, ``identical_episode_rows`` and, on a GPU,
-``roofline``.
+baseline adds ``prompt_buckets`` and ``first_run_s``), ``speedup``, ``identical_episode_rows`` and,
+on a GPU, ``roofline``.
 """
 
 from __future__ import annotations
@@ -291,7 +293,8 @@ def host_turn(episode: HostEpisode, host: HostEnv, text: str, plan: RolloutPlan)
 
 
 def conversation_text(episode: HostEpisode, tokenizer, plan: RolloutPlan, prefix: str) -> str:
-    messages = prompts.build_messages(episode.history, prefix, 100, plan.enable_think)
+    max_tokens = 100  # the "Max response length" the prompt states: build_tables' default, RAGEN's value
+    messages = prompts.build_messages(episode.history, prefix, max_tokens, plan.enable_think)
     return prompts.chat_text(tokenizer, messages, add_generation_prompt=True, enable_think=plan.enable_think)
 
 
@@ -306,13 +309,20 @@ def padded_batch(ids: dict[int, list[int]], batch: int, bucket: int, pad_id: int
     return tokens, lengths
 
 
-def host_rollout(subject: Subject, plan: RolloutPlan, host_envs, init_states, key, bucket: int, buckets: set) -> Episodes:
-    """The baseline: the same rollout, orchestrated turn by turn from host Python."""
+def host_rollout(
+    subject: Subject, plan: RolloutPlan, host_envs, init_states, key, bucket: int, compile_s: dict
+) -> Episodes:
+    """The baseline: the same rollout, orchestrated turn by turn from host Python.
+
+    ``generate`` is compiled ahead of time for each new prompt width, timed into ``compile_s``
+    (width -> seconds); later calls of that width reuse the executable.
+    """
     tokenizer, R = subject.tokenizer, plan.response_length
     episodes = start_episodes(plan, host_envs, init_states)
     tag_of_row = np.concatenate([np.full(sl.stop - sl.start, i) for i, sl in enumerate(plan.row_slices())])
     prefixes = [prompts.env_instruction(t.env, t.max_actions_per_traj) for t in plan.tags]
     stop_tokens = jnp.asarray(plan.stop_tokens, jnp.int32)
+    settings = dict(max_new_tokens=R, temperature=1.0, stop_tokens=stop_tokens, pad_id=plan.pad_id)
     for turn in range(plan.max_turn):
         playing = [b for b, e in enumerate(episodes) if not e.done]
         texts = [conversation_text(episodes[b], tokenizer, plan, prefixes[tag_of_row[b]]) for b in playing]
@@ -326,11 +336,12 @@ def host_rollout(subject: Subject, plan: RolloutPlan, host_envs, init_states, ke
         if not ids:
             break
         tokens, lengths = padded_batch(ids, len(episodes), bucket, plan.pad_id)
-        buckets.add(tokens.shape[1])
-        out = sampling.generate(
-            subject.model, tokens, lengths, jax.random.fold_in(key, turn), max_new_tokens=R,
-            cache_size=tokens.shape[1] + R, temperature=1.0, stop_tokens=stop_tokens, pad_id=plan.pad_id,
-        )  # fmt: skip
+        width = tokens.shape[1]
+        args = (subject.model, tokens, lengths, jax.random.fold_in(key, turn))
+        kwargs = dict(settings, cache_size=width + R)
+        if width not in compile_s:
+            _, compile_s[width] = timed(lambda: sampling.generate.lower(*args, **kwargs).compile())
+        out = sampling.generate(*args, **kwargs)
         response_ids, response_lengths = jax.device_get((out.tokens, out.lengths))
         for b in ids:
             n = int(response_lengths[b])
@@ -347,16 +358,17 @@ def host_rollout(subject: Subject, plan: RolloutPlan, host_envs, init_states, ke
 def bench_baseline(subject: Subject, plan, init_states, key, repeats: int, bucket: int, bar) -> tuple[dict, Episodes]:
     """A first run that compiles what it meets, then ``repeats`` timed runs with the same inputs."""
     host_envs = [HostEnv.of(t.env) for t in plan.tags]
-    buckets: set[int] = set()
-    run = lambda: host_rollout(subject, plan, host_envs, init_states, key, bucket, buckets)  # noqa: E731
+    compile_s: dict[int, float] = {}
+    run = lambda: host_rollout(subject, plan, host_envs, init_states, key, bucket, compile_s)  # noqa: E731
     _, first_s = timed(run)
     bar.update()
     runs = []
     for _ in range(repeats):
         runs.append(timed(run))
         bar.update()
-    result = summarise(runs, compile_s=max(first_s - statistics.median(t for _, t in runs), 0.0))
-    result["prompt_buckets"] = sorted(buckets)
+    result = summarise(runs, compile_s=sum(compile_s.values()))
+    result["prompt_buckets"] = sorted(compile_s)
+    result["first_run_s"] = first_s
     return result, runs[-1][0]
 
 
@@ -367,7 +379,8 @@ def decode_roofline(traj, subject: Subject, plan: RolloutPlan, wall_s: float, ba
     """HBM-bound time of the compiled rollout's decode (see the module docstring)."""
     config = subject.model.merge().config
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(subject.model.params))
-    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    kv_itemsize = jnp.dtype(config.dtype).itemsize
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_itemsize
     played = np.asarray(traj.turn_played)
     response_len = np.where(played, np.asarray(traj.turn_end) - np.asarray(traj.turn_start), 0)
     decode_steps = int(response_len.max(axis=0).sum())
@@ -392,7 +405,9 @@ def decode_roofline(traj, subject: Subject, plan: RolloutPlan, wall_s: float, ba
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: {DEFAULT_MODELS})")
+    parser.add_argument(
+        "--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: {DEFAULT_MODELS})"
+    )
     parser.add_argument("--env", default="SimpleSokoban", help="an envs_jax registry name")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=16)
@@ -402,9 +417,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-len", type=int, default=None, help="context per row (default: enough for every turn)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per model and mode (median)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="run the host-loop baseline")
-    parser.add_argument("--bucket", type=int, default=256, help="baseline prompt widths are padded to multiples of this")
-    parser.add_argument("--seed", type=int, default=0, help="first level seed and sampling key (the same for both modes)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="run the host loop")
+    parser.add_argument("--bucket", type=int, default=256, help="baseline prompt widths: multiples of this")
+    parser.add_argument("--seed", type=int, default=0, help="first level seed and sampling key (both modes)")
     parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. machine load)")
     parser.add_argument("--out", default="bench_results/bench_rollout.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 groups x 2, 2 turns, 8 tokens, 1 repeat")
@@ -429,7 +444,9 @@ def bench_model(name: str, args, dtype: str, bandwidth: float | None, bar) -> di
     row = {"model": name, "weights": subject.weights, "num_params": subject.num_params, "max_len": plan.max_len}
     row["compiled"], traj = bench_compiled(subject, plan, tables, init_states, rollout_key, args.repeats, bar)
     if args.baseline:
-        row["baseline"], episodes = bench_baseline(subject, plan, init_states, rollout_key, args.repeats, args.bucket, bar)
+        row["baseline"], episodes = bench_baseline(
+            subject, plan, init_states, rollout_key, args.repeats, args.bucket, bar
+        )
         row["speedup"] = row["compiled"]["tokens_per_s"] / row["baseline"]["tokens_per_s"]
         compiled = Episodes(traj.response_tokens, traj.num_actions, traj.num_turns, traj.success)
         row["identical_episode_rows"] = float(np.mean(np.all(compiled.signature() == episodes.signature(), axis=1)))
@@ -439,7 +456,10 @@ def bench_model(name: str, args, dtype: str, bandwidth: float | None, bar) -> di
 
 
 def table(results: list[dict]) -> str:
-    header = f"{'model':<24} {'mode':<9} {'wall s':>8} {'compile s':>9} {'tokens':>8} {'tok/s':>9} {'steps':>6} {'steps/s':>8} {'speedup':>7}"
+    header = (
+        f"{'model':<24} {'mode':<9} {'wall s':>8} {'compile s':>9} {'tokens':>8} {'tok/s':>9} "
+        f"{'steps':>6} {'steps/s':>8} {'speedup':>7}"
+    )
     lines = [header, "-" * len(header)]
     for row in results:
         for mode in MODES:

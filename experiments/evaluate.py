@@ -112,6 +112,7 @@ def evaluate(args) -> dict:
             tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
             legend_from_env_symbols=config.envs.legend_from_env_symbols,
             chat_template=config.model.get("chat_template", "") or None,
+            vocab_size=model.merge().config.vocab_size,
         )
         plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables))
         rollout = make_rollout(plan)

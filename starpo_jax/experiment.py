@@ -206,6 +206,7 @@ def build_experiment(config: ConfigDict) -> Experiment:
         tables[name] = build_tables(
             tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
             legend_from_env_symbols=config.envs.legend_from_env_symbols, chat_template=chat_template,
+            vocab_size=model.merge().config.vocab_size,
         )
     stops = stop_tokens_for(tokenizer, tables["train"])
     train_plan = dataclasses.replace(train_plan, stop_tokens=stops)

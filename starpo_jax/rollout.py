@@ -133,7 +133,8 @@ class Trajectories:
 
 
 def build_tables(
-    tokenizer, plan: RolloutPlan, *, max_tokens: int = 100, legend_from_env_symbols=False, chat_template=None
+    tokenizer, plan: RolloutPlan, *, max_tokens: int = 100, legend_from_env_symbols=False, chat_template=None,
+    vocab_size: int | None = None,
 ) -> RolloutTables:
     """Tokenise every prompt piece and action name of the plan's tags (host, once)."""
     tags = []
@@ -152,7 +153,9 @@ def build_tables(
             chat_template=chat_template,
         )
         tags.append(TagTables(tables, _padded_names(tag.env.action_name_orders, max_actions, max_name)))
-    token_bytes, token_lengths = parsing.build_token_bytes_table(tokenizer)
+    # vocab_size: the model's logit count, which may exceed the tokenizer's (Qwen2.5: 151,936 vs
+    # 151,665); ids past the tokenizer add no text, as they decode to nothing on the host.
+    token_bytes, token_lengths = parsing.build_token_bytes_table(tokenizer, vocab_size)
     return RolloutTables(tuple(tags), jnp.asarray(token_bytes), jnp.asarray(token_lengths))
 
 

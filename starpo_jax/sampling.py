@@ -160,7 +160,7 @@ def decode(
     A row stops after emitting one of its stop tokens (``stop_tokens``: [K] for all rows or [B, K],
     -1 = unused), when the budget is spent, or when its cache row is full. Rows with
     ``active[b] = False`` generate nothing and their cache row is untouched. The loop ends as soon as
-    every row is done.
+    every row is done. Step t draws with ``fold_in(key, t)``: give each call (each turn) its own key.
     """
     decoder = model.merge()
     B = last_logits.shape[0]

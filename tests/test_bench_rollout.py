@@ -65,7 +65,8 @@ def test_baseline_episode_follows_ragen_turn_semantics():
     plan = RolloutPlan(tags=(TagPlan("SimpleSokoban", env, 1, 10),), group_size=1, max_turn=3)
     host = bench_rollout.HostEnv.of(env)
     state = env.reset_from_seed(10001)
-    episode = bench_rollout.HostEpisode(env, state, env.action_names, 10, [{"state": host.render(state), "actions_left": 10}])
+    history = [{"state": host.render(state), "actions_left": 10}]
+    episode = bench_rollout.HostEpisode(env, state, env.action_names, 10, history)
     bench_rollout.host_turn(episode, host, "go</think><answer>Right || Jump</answer>", plan)
     assert (episode.num_actions, episode.num_turns, episode.done) == (1, 1, False)
     assert episode.history[0]["llm_response"] == "<think>go</think><answer>Right || Jump</answer>"
@@ -73,3 +74,38 @@ def test_baseline_episode_follows_ragen_turn_semantics():
     assert episode.done and episode.success and episode.num_actions == 3  # Down is never executed
     np.testing.assert_allclose(episode.history[1]["reward"], -0.1 + 10.9, atol=1e-9)
     assert episode.history[2]["actions_left"] == 7
+
+
+def test_roofline_counts_decode_steps_and_context_reads():
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+
+    subject = bench_rollout.Subject("tiny", ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0))), None, "")
+    # row 0 generates positions 3, 4, 5 (turn 1) and 8 (turn 2); row 1 generates position 3, then stops playing
+    loss_mask = np.zeros((2, 10), bool)
+    loss_mask[0, [3, 4, 5, 8]] = loss_mask[1, 3] = True
+    traj = SimpleNamespace(
+        turn_played=np.array([[True, True], [True, False]]),
+        turn_start=np.array([[3, 8], [3, 0]]),
+        turn_end=np.array([[6, 9], [4, 0]]),
+        loss_mask=loss_mask,
+        response_tokens=np.array([4, 1]),
+    )
+    plan = SimpleNamespace(batch_size=2, max_len=10)
+    r = bench_rollout.decode_roofline(traj, subject, plan, wall_s=2.0, bandwidth=1e9)
+    weights = subject.num_params * 4  # float32
+    kv = 2 * 3 * 1 * 16 * 4  # K and V, 3 layers, 1 kv head, 16 dims, float32
+    assert (r["decode_steps"], r["kv_token_reads"], r["weight_bytes"]) == (3 + 1, 3 + 4 + 5 + 8 + 3, weights)
+    assert r["ideal_s"] == pytest.approx((4 * weights + 23 * kv) / 1e9)
+    assert r["fraction"] == pytest.approx(r["ideal_s"] / 2.0)
+    assert r["fraction_full_cache"] == pytest.approx(4 * (weights + 2 * 10 * kv) / 1e9 / 2.0)
+    assert r["ceiling_tokens_per_s"] == pytest.approx(5 / r["ideal_s"])
+
+
+def test_unknown_model_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        bench_rollout.parse_args(["--models", "gpt-9"])
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err

@@ -225,6 +225,7 @@ def test_model_presets_only_change_the_checkpoint():
 def test_quickstart_is_small_and_validates_before_and_after_training():
     config = load("quickstart.py")
     assert (config.model.source, config.model.dtype) == ("smollm2-135m-instruct", "float32")
+    assert not config.rollout.enable_think  # a 135M model answers, but does not finish thinking, in 48 tokens
     train, val, settings = plans(config)
     assert (train.num_groups, train.group_size) == (2, 4)
     assert settings.kept_groups * train.group_size == settings.ppo_mini_batch_size == 8

@@ -12,9 +12,9 @@ Layout choices:
   ``heads`` because 2 kv heads rarely divide a tensor-parallel axis), ``kv`` (the per-head feature
   axis, MaxText's name), ``mlp``. Activations carry the same names through
   ``with_logical_constraint``, a no-op until a rules table is set.
-- The KV cache is ``[layers, batch, kv_heads, length, head_dim]``: each head's keys are contiguous,
+- The KV cache is ``[layers, batch, kv_heads, max_len, head_dim]``: each head's keys are contiguous,
   so the decode-time score and value products are plain batched matrix products. (The
-  ``[.., length, kv_heads, ..]`` layout measured 4x slower for decode attention on CPU.)
+  ``[.., max_len, kv_heads, ..]`` layout measured 4x slower for decode attention on CPU.)
 - Rows of a cache are ragged: each has its own length. ``extend`` writes each row's new tokens at
   that row's offset, continues its positions from there, and attends to the cached prefix
   (``slot < length``) plus the new block (causal); only the real tokens of the block are written.
@@ -22,8 +22,13 @@ Layout choices:
   observation to a live cache.
 - Attention is masked dense attention with the softmax in float32. For full sequences on GPU in
   bf16/fp16 it is ``jax.nn.dot_product_attention(implementation="cudnn")`` (flash attention); the
-  cached path keeps dense attention over the fixed cache, whose cost is dominated by reading the
-  cache anyway.
+  cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
+  reading the cache anyway.
+
+Known cost: the layer scan hands each block its cache slice through a dynamic slice, which XLA
+materialises (a copy of one layer's cache per block, about 20% of a decode step at batch 32 on
+CPU). Removing it needs an attention kernel that reads the stacked cache in place (e.g. Pallas);
+so does reading only up to the longest live row instead of all max_len slots.
 """
 
 from __future__ import annotations
@@ -130,6 +135,8 @@ class KVCache:
 
         Row b's first ``num_new[b]`` tokens are real. Padding, and anything past ``max_len``, is sent
         to an out-of-range slot and dropped, so rows with nothing new are left exactly as they were.
+        (Writing past ``max_len`` is a caller error that cannot raise inside jit: those tokens are
+        lost; ``decode`` stops a row when its cache row is full.)
         """
         rows = jnp.arange(positions.shape[0])[:, None]
         real = jnp.arange(positions.shape[1])[None, :] < num_new[:, None]
@@ -207,8 +214,13 @@ def _cudnn_applies(q: Array) -> bool:
 def self_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
     """Attention within one full sequence: q [B, T, H, d], k/v [B, T, kv_heads, d], allowed [B, T, T]."""
     if _cudnn_applies(q):
-        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], is_causal=True, implementation="cudnn")
+        return fused_attention(q, k, v, allowed, implementation="cudnn")
     return attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
+
+
+def fused_attention(q: Array, k: Array, v: Array, allowed: Array, implementation: str) -> Array:
+    """``jax.nn.dot_product_attention`` with our mask; "cudnn" is flash attention on NVIDIA GPUs."""
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], is_causal=True, implementation=implementation)
 
 
 def sequence_mask(segment_ids: Array) -> Array:
@@ -277,15 +289,17 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.config.dtype))
         return _constrain(x, ("batch", None, "embed"))
 
-    def _scan_blocks(self, x: Array, positions: Array, extra_xs, attention_for) -> tuple[Array, tuple[Array, Array]]:
-        """Run the stacked blocks with one lax.scan; `attention_for(extra)` builds a block's attention."""
+    def _scan_blocks(self, x: Array, positions: Array, attention, per_layer=None) -> tuple[Array, tuple[Array, Array]]:
+        """All blocks in one lax.scan over the stacked weights. ``attention(q, k, v, layer_input)``
+        computes a block's attention, where ``layer_input`` is this layer's slice of ``per_layer``
+        (its KV cache), scanned alongside the weights. Returns final-normed x and each layer's k, v."""
         c = self.config
 
         def body(x, xs):
-            params, extra = xs
-            return decoder_block(c, params, x, positions, attention_for(extra))
+            params, layer_input = xs
+            return decoder_block(c, params, x, positions, lambda q, k, v: attention(q, k, v, layer_input))
 
-        x, kv = jax.lax.scan(body, x, (self.layers.arrays(), extra_xs))
+        x, kv = jax.lax.scan(body, x, (self.layers.arrays(), per_layer))
         return rms_norm(x, self.final_norm[...], c.rms_norm_eps), kv
 
     def hidden_states(self, tokens: Array, positions: Array, segment_ids: Array | None = None) -> Array:
@@ -298,9 +312,7 @@ class Decoder(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
         allowed = sequence_mask(segment_ids.astype(jnp.int32))
-        x, _ = self._scan_blocks(
-            self._embed(tokens), positions, None, lambda _: lambda q, k, v: self_attention(q, k, v, allowed)
-        )
+        x, _ = self._scan_blocks(self._embed(tokens), positions, lambda q, k, v, _: self_attention(q, k, v, allowed))
         return x
 
     def logits(self, hidden: Array) -> Array:
@@ -326,16 +338,12 @@ class Decoder(nnx.Module):
         cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
         causal = jnp.tril(jnp.ones((T, T), bool))[None]  # [1, T, T]
 
-        def attention_for(layer_cache):
-            k_cache, v_cache = layer_cache
+        def attention(q, k, v, layer_cache):
+            k_cache, v_cache = layer_cache  # [B, kv_heads, S, d]
+            new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
+            return attend(q, [(k_cache, v_cache, cached), new])
 
-            def attention(q, k, v):
-                new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
-                return attend(q, [(k_cache, v_cache, cached), new])
-
-            return attention
-
-        x, (k_new, v_new) = self._scan_blocks(self._embed(tokens), positions, (cache.k, cache.v), attention_for)
+        x, (k_new, v_new) = self._scan_blocks(self._embed(tokens), positions, attention, (cache.k, cache.v))
         return x, cache.write(k_new, v_new, positions, num_new.astype(jnp.int32))
 
 

@@ -181,3 +181,15 @@ def test_presets_and_config_errors():
         ModelConfig.from_hf_config({**preset("tiny-llama").to_hf_config(), "rope_scaling": {"rope_type": "llama3"}})
     with pytest.raises(ValueError, match="dtype='float16'"):
         preset("tiny-llama", dtype="float16")
+
+
+def test_fused_attention_call_matches_dense_attention():
+    """The jax.nn.dot_product_attention call used on GPU (run here with XLA) agrees with ours."""
+    from starpo_jax.models.decoder import attend, fused_attention, sequence_mask
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 6, 4, 16))
+    k, v = (jax.random.normal(key, (2, 6, 2, 16)) for key in keys[1:])
+    allowed = sequence_mask(jnp.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2]]))
+    dense = attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
+    np.testing.assert_allclose(fused_attention(q, k, v, allowed, "xla"), dense, atol=1e-5)
