@@ -130,3 +130,24 @@ def test_evaluate_errors():
     assert proc.returncode == 2 and "Unknown suite 'chess'" in proc.stderr
     proc = evaluate("--model", "/nonexistent/model.gguf", "--suite", "bandit")
     assert proc.returncode == 2 and "/nonexistent/model.gguf" in proc.stderr
+
+
+def test_sweep_trains_a_grid_in_one_program(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep", *TINY, f"--config.trainer.output_dir={tmp_path}",
+         "--config.trainer.total_steps=1", "--sweep", "actor.lr=0,1e-3", "--sweep", "filter.ratio=0.5,1.0"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    assert [r["setting"] for r in rows] == [
+        {"actor.lr": 0.0, "filter.ratio": 0.5}, {"actor.lr": 0.0, "filter.ratio": 1.0},
+        {"actor.lr": 1e-3, "filter.ratio": 0.5}, {"actor.lr": 1e-3, "filter.ratio": 1.0},
+    ]
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 0.0, 1e-3, 1e-3])
+    assert [r["rollout/filter_kept_groups"] for r in rows] == [1, 2, 1, 2]
+    bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--sweep", "rollout.max_turn=1,2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert bad.returncode == 2 and "cannot be swept" in bad.stderr
