@@ -22,9 +22,11 @@ both are ``StepType.LAST``. ``extras`` holds per-step ``success``, ``action_is_e
 from __future__ import annotations
 
 import abc
+from functools import cached_property
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+from jumanji import specs
 from jumanji.env import Environment
 from jumanji.types import StepType, TimeStep
 
@@ -106,10 +108,16 @@ class TextEnv(Environment, abc.ABC):
 class GridEnv(TextEnv, abc.ABC):
     """A text env whose observation is a grid of symbols, one glyph per cell."""
 
+    #: The glyph of each symbol id, e.g. Sokoban ``("#", "_", "O", "√", "X", "P", "S")``; set in ``__init__``.
+    grid_symbols: tuple[str, ...] = ()
+
     @property
-    @abc.abstractmethod
     def symbols(self) -> tuple[str, ...]:
-        """The glyph of each symbol id, e.g. Sokoban ``("#", "_", "O", "√", "X", "P", "S")``."""
+        return self.grid_symbols
+
+    @cached_property
+    def action_spec(self):
+        return specs.DiscreteArray(len(self.action_names), name="action")
 
     @property
     @abc.abstractmethod

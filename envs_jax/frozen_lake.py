@@ -189,19 +189,11 @@ class FrozenLake(GridEnv):
             (self.size, self.size), jnp.int32, minimum=0, maximum=5, name="grid"
         )
 
-    @cached_property
-    def action_spec(self):
-        return specs.DiscreteArray(4, name="action")
-
     # ---- text --------------------------------------------------------------------------------
 
     @property
     def action_names(self) -> tuple[str, ...]:
         return ACTION_NAMES
-
-    @property
-    def symbols(self) -> tuple[str, ...]:
-        return self.grid_symbols
 
     @property
     def grid_shape(self) -> tuple[int, int]:

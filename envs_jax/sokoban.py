@@ -188,19 +188,11 @@ class Sokoban(GridEnv):
     def observation_spec(self):
         return specs.BoundedArray(self.dim_room, jnp.int32, minimum=0, maximum=6, name="grid")
 
-    @cached_property
-    def action_spec(self):
-        return specs.DiscreteArray(4, name="action")
-
     # ---- text --------------------------------------------------------------------------------
 
     @property
     def action_names(self) -> tuple[str, ...]:
         return ACTION_NAMES
-
-    @property
-    def symbols(self) -> tuple[str, ...]:
-        return self.grid_symbols
 
     @property
     def grid_shape(self) -> tuple[int, int]:
