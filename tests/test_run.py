@@ -15,8 +15,8 @@ TINY = [
     "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
     "--config.model.random_init_preset=tiny-llama",
     "--config.model.dtype=float32",
-    "--config.envs.train.tags=('FrozenLake','Bandit')",
-    "--config.envs.train.n_groups=(1,1)",
+    "--config.envs.train.tags=('SimpleSokoban','FrozenLake','Bandit')",
+    "--config.envs.train.n_groups=(1,1,1)",
     "--config.envs.train.group_size=2",
     "--config.envs.val.tags=('FrozenLake',)",
     "--config.envs.val.n_groups=(2,)",
@@ -63,7 +63,7 @@ def test_outputs(full_run):
     rows = read_metrics(full_run)
     train = train_lines(rows)
     assert [r["step"] for r in train] == [1, 2]
-    for key in ("train/FrozenLake/success", "train/Bandit/pass@2", "rollout/in_group_std", "actor/entropy_loss",
+    for key in ("train/SimpleSokoban/success", "train/FrozenLake/success", "train/Bandit/pass@2", "rollout/in_group_std", "actor/entropy_loss",
                 "actor/grad_norm", "critic/vf_loss", "critic/vf_explained_var", "actor/pg_clipfrac",
                 "actor/ppo_kl", "train/response_length", "timing_s/gen", "timing_s/update",
                 "perf/generated_tokens_per_s", "perf/env_steps_per_s"):
@@ -146,7 +146,7 @@ def test_sweep_trains_a_grid_in_one_program(tmp_path):
         {"actor.lr": 1e-3, "filter.ratio": 0.5}, {"actor.lr": 1e-3, "filter.ratio": 1.0},
     ]
     assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 0.0, 1e-3, 1e-3])
-    assert [r["rollout/filter_kept_groups"] for r in rows] == [1, 2, 1, 2]
+    assert [r["rollout/filter_kept_groups"] for r in rows] == [1, 3, 1, 3]
     bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--sweep", "rollout.max_turn=1,2"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
