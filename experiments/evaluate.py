@@ -89,9 +89,9 @@ def evaluate(args) -> dict:
     import jax
     from tqdm import tqdm
 
-    from starpo_jax.experiment import ConfigError, rollout_plan, to_compute_dtype
+    from starpo_jax.experiment import ConfigError, rollout_plan
     from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
-    from starpo_jax.train import rollout_metrics
+    from starpo_jax.train import rollout_metrics, sampling_policy
 
     tags = suite_tags(args.suite)
     config, model, tokenizer = load_config_and_model(args.model, args)
@@ -99,7 +99,7 @@ def evaluate(args) -> dict:
         config.rollout.max_turn = args.max_turn
     if args.response_length:
         config.rollout.response_length = args.response_length
-    policy = to_compute_dtype(model, model.params)
+    policy = sampling_policy(model.graphdef, model.params)
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:

@@ -38,7 +38,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     t0 = time.perf_counter()
     traj = jax.block_until_ready(val_rollout(policy_of(state), exp.val_tables, val_init, key, cfg.rollout.val_temperature))
     seconds = time.perf_counter() - t0
-    metrics = {k.replace("val/", "val-env/", 1): float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val").items()}
+    metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds
     records = dumps.trajectory_records(traj, exp.val_plan, exp.tokenizer, cfg.envs.val.seed)
     dumps.write_jsonl(records, out / "val" / f"step_{step}.jsonl")
@@ -62,11 +62,11 @@ def main(argv) -> int:
     from tqdm import tqdm
 
     from starpo_jax import checkpoint
-    from starpo_jax.experiment import ConfigError, build_experiment, to_compute_dtype
+    from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.metrics import CollapseWatch
     from starpo_jax.models.loading import ModelLoadError, save_model
     from starpo_jax.rollout import initial_states_from_seeds, make_rollout
-    from starpo_jax.train import init_train_state, make_train_step
+    from starpo_jax.train import init_train_state, make_train_step, sampling_policy
 
     cfg = _CONFIG.value
     try:
@@ -84,7 +84,7 @@ def main(argv) -> int:
     val_rollout = make_rollout(exp.val_plan)
     val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
-    policy_of = lambda s: to_compute_dtype(exp.model, s.actor)  # noqa: E731
+    policy_of = lambda s: sampling_policy(exp.model.graphdef, s.actor)  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
 
     mgr = checkpoint.manager(out / "checkpoints")

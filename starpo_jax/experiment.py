@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -50,7 +48,7 @@ def load_policy(config: ConfigDict):
         raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', not {dtype!r}.")
     if config.model.random_init_preset:
         # Random weights of a preset (tests and benchmarks); the tokenizer still comes from `source`.
-        _, tokenizer = _tokenizer_only(config.model.source)
+        tokenizer = _tokenizer_only(config.model.source)
         cfg = dataclasses.replace(
             preset(config.model.random_init_preset), vocab_size=len(tokenizer), dtype=dtype, param_dtype="float32"
         )
@@ -61,15 +59,14 @@ def load_policy(config: ConfigDict):
 
 
 def _tokenizer_only(source: str):
+    """The tokenizer of a model source, without reading its weights ("qwen2.5": the bundled one)."""
     if source == bundled.SMOLLM2_NAME:
-        return None, bundled.smollm2_tokenizer()
+        return bundled.smollm2_tokenizer()  # cached
     if source == "qwen2.5":
-        return None, bundled.qwen_tokenizer()
-    from pathlib import Path
-
+        return bundled.qwen_tokenizer()
     from starpo_jax.models.loading import load_tokenizer, resolve_source
 
-    return None, load_tokenizer(resolve_source(source)[1] if Path(str(source)).suffix != ".gguf" else Path(source))
+    return load_tokenizer(resolve_source(source)[1])
 
 
 def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
@@ -222,9 +219,3 @@ def build_experiment(config: ConfigDict) -> Experiment:
         settings=train_settings(config, train_plan),
         hyper=hyperparams(config),
     )
-
-
-def to_compute_dtype(model: ModelState, params) -> ModelState:
-    """The policy for sampling: weights cast once to the compute dtype."""
-    dtype = jnp.dtype(model.merge().config.dtype)
-    return ModelState(model.graphdef, jax.tree.map(lambda p: p.astype(dtype), params))

@@ -217,14 +217,11 @@ def _pad_to(ids, width: int, pad_id: int):
     return jnp.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad_id)
 
 
-def _per_tag(plan: RolloutPlan, fn, *row_args):
-    """Run ``fn(tag_index, tag, *row_args[slice])`` for each tag's rows; concatenate the outputs.
-
-    Token outputs of different widths are padded to the widest."""
-    outs = []
-    for i, (tag, sl) in enumerate(zip(plan.tags, plan.row_slices())):
-        outs.append(fn(i, tag, *[jax.tree.map(lambda x: x[sl], a) for a in row_args]))
-    return outs
+def _per_row(plan: RolloutPlan, per_tag_values) -> jax.Array:
+    """int32[B]: each tag's value repeated over that tag's rows."""
+    return jnp.concatenate(
+        [jnp.full((sl.stop - sl.start,), v, jnp.int32) for v, sl in zip(per_tag_values, plan.row_slices())]
+    )
 
 
 def _concat_ids(outs, pad_id):
@@ -292,6 +289,8 @@ def make_rollout(plan: RolloutPlan, responder=None):
     """
     B, T, R = plan.batch_size, plan.max_turn, plan.response_length
     responder = responder or LLMResponder(plan)
+    budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
+    tag_id = _per_row(plan, range(len(plan.tags)))
 
     def name_tables(tables: RolloutTables, env_states):
         def per_tag(i, tag, states):
@@ -334,9 +333,7 @@ def make_rollout(plan: RolloutPlan, responder=None):
         ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
 
         # step the envs, tag by tag
-        actions_left_before = jnp.concatenate(
-            [jnp.full((sl.stop - sl.start,), t.max_actions_per_traj, jnp.int32) for t, sl in zip(plan.tags, plan.row_slices())]
-        ) - c.num_actions
+        actions_left_before = budget - c.num_actions
         new_states, results, next_prompts = [], [], []
         for i, (tag, sl) in enumerate(zip(plan.tags, plan.row_slices())):
             step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
@@ -355,9 +352,6 @@ def make_rollout(plan: RolloutPlan, responder=None):
         res = jax.tree.map(lambda *xs: jnp.concatenate(xs), *results)
         prompt_ids, prompt_len = _concat_ids(next_prompts, plan.pad_id)
 
-        budget = jnp.concatenate(
-            [jnp.full((sl.stop - sl.start,), t.max_actions_per_traj, jnp.int32) for t, sl in zip(plan.tags, plan.row_slices())]
-        )
         num_actions = c.num_actions + res.num_executed
         finished = active & (res.env_done | (num_actions >= budget))
         penalised = active & parsed.format_penalty
@@ -425,9 +419,6 @@ def make_rollout(plan: RolloutPlan, responder=None):
         turns = jnp.maximum(carry.num_turns, 1)
         env_reward = jnp.sum(rec["reward"], axis=1)
         group_id = jnp.arange(B, dtype=jnp.int32) // plan.group_size
-        tag_id = jnp.concatenate(
-            [jnp.full((sl.stop - sl.start,), i, jnp.int32) for i, sl in enumerate(plan.row_slices())]
-        )
         return Trajectories(
             tokens=carry.tokens,
             loss_mask=carry.loss_mask,
