@@ -146,6 +146,8 @@ def get_config() -> ConfigDict:
             warmup_steps=0,
         )
     )
+    # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning. With
+    # LoRA the learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr.
     c.lora = ConfigDict(dict(rank=0, alpha=64, actor_lr=1e-5, critic_lr=1e-4))
     c.trainer = ConfigDict(
         dict(

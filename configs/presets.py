@@ -105,6 +105,8 @@ PRESETS: dict[str, dict] = {
     "starpo_grpo": STARPO_GRPO,
     "starpo_s_grpo": GRPO,
     "nothink": NOTHINK,
+    # App. D / config/base-lora.yaml: LoRA rank 64, alpha 64 on all linear layers (lr 1e-5 / 1e-4).
+    "lora": {"lora.rank": 64, "lora.alpha": 64},
     # Fig. 7: keep the top r of groups by reward std, on StarPO-S (PPO) and StarPO-S with GRPO.
     **{f"filter_{r}": {"filter.ratio": r} for r in (0.25, 0.5, 0.75, 1.0)},
     **{f"grpo_filter_{r}": {**GRPO, "filter.ratio": r} for r in (0.25, 0.5, 0.75, 1.0)},

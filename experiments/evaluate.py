@@ -58,7 +58,7 @@ def load_config_and_model(source: str, args):
     from configs import base
     from starpo_jax import checkpoint
     from starpo_jax.experiment import load_policy, train_settings, rollout_plan
-    from starpo_jax.train import init_train_state
+    from starpo_jax.train import init_train_state, policy_weights
 
     run_dir = Path(source)
     if (run_dir / "config.json").is_file() and (run_dir / "checkpoints").is_dir():
@@ -69,7 +69,7 @@ def load_config_and_model(source: str, args):
 
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
         state, _, step = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), state)
-        model = dataclasses.replace(model, params=state.actor)
+        model = dataclasses.replace(model, params=policy_weights(settings, state))
         print(f"loaded {run_dir} at step {step}")
         return config, model, tokenizer
     config = base.get_config()

@@ -66,7 +66,8 @@ def main(argv) -> int:
     from starpo_jax.metrics import CollapseWatch
     from starpo_jax.models.loading import ModelLoadError, save_model
     from starpo_jax.rollout import initial_states_from_seeds, make_rollout
-    from starpo_jax.train import init_train_state, make_train_step, sampling_policy
+    from starpo_jax.models.lora import save_adapter
+    from starpo_jax.train import init_train_state, make_train_step, policy_weights, sampling_policy
 
     cfg = _CONFIG.value
     try:
@@ -84,7 +85,7 @@ def main(argv) -> int:
     val_rollout = make_rollout(exp.val_plan)
     val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
-    policy_of = lambda s: sampling_policy(exp.model.graphdef, s.actor)  # noqa: E731
+    policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
 
     mgr = checkpoint.manager(out / "checkpoints")
@@ -147,8 +148,13 @@ def main(argv) -> int:
     bar.close()
     writer.close()
     if stop == total and cfg.trainer.export_hf:
-        folder = save_model(nnx.merge(exp.model.graphdef, state.actor), exp.tokenizer, out / "hf_policy")
+        policy = nnx.merge(exp.model.graphdef, policy_weights(exp.settings, state))
+        folder = save_model(policy, exp.tokenizer, out / "hf_policy")
         log(f"policy saved as a Hugging Face checkpoint: {folder}")
+        if exp.settings.lora_rank:
+            folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
+                                  base_model=str(cfg.model.source))
+            log(f"LoRA adapters saved for peft: {folder}")
     log(f"done: {stop} steps, outputs in {out}")
     return 0
 

@@ -24,6 +24,8 @@ from ml_collections import config_flags
 SWEEPABLE = {
     "actor.lr": "actor_lr",
     "critic.lr": "critic_lr",
+    "lora.actor_lr": "actor_lr",  # the learning rates when lora.rank > 0
+    "lora.critic_lr": "critic_lr",
     "actor.clip_ratio_low": "clip_ratio_low",
     "actor.clip_ratio_high": "clip_ratio_high",
     "actor.clip_ratio_c": "clip_ratio_c",
@@ -58,6 +60,17 @@ def parse_sweeps(specs: list[str]) -> dict[str, list[float]]:
     return sweeps
 
 
+_LORA_LRS = {"actor.lr": "lora.actor_lr", "critic.lr": "lora.critic_lr"}  # full fine-tuning -> LoRA
+
+
+def check_lora_keys(sweeps: dict[str, list[float]], lora_rank: int) -> None:
+    """Sweeping a learning rate the run does not use would silently change nothing."""
+    for full, lora in _LORA_LRS.items():
+        unused, used = (full, lora) if lora_rank > 0 else (lora, full)
+        if unused in sweeps:
+            raise ValueError(f"--sweep {unused} has no effect with lora.rank={lora_rank}; sweep {used} instead.")
+
+
 def grid(sweeps: dict[str, list[float]]) -> list[dict[str, float]]:
     keys = list(sweeps)
     return [dict(zip(keys, combo)) for combo in itertools.product(*(sweeps[k] for k in keys))]
@@ -74,11 +87,13 @@ def main(argv) -> int:
 
     from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.train import init_train_state, make_train_step
+    from starpo_jax.train import init_train_state, make_train_step, replicate
 
     cfg = _CONFIG.value
     try:
-        settings_grid = grid(parse_sweeps(FLAGS.sweep))
+        sweeps = parse_sweeps(FLAGS.sweep)
+        check_lora_keys(sweeps, cfg.lora.rank)
+        settings_grid = grid(sweeps)
         if "filter.ratio" in settings_grid[0]:  # room for the largest kept batch
             cfg.filter.ratio = max(s["filter.ratio"] for s in settings_grid)
         exp = build_experiment(cfg)
@@ -87,13 +102,15 @@ def main(argv) -> int:
         return 2
     n = len(settings_grid)
     hyper = exp.hyper
-    for key, field in SWEEPABLE.items():
-        values = [s.get(key, float(getattr(hyper, field))) for s in settings_grid]
-        hyper = hyper.replace(**{field: jnp.asarray(values, jnp.float32)})
+    hyper = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,)), hyper)
+    for key in settings_grid[0]:
+        hyper = hyper.replace(**{SWEEPABLE[key]: jnp.asarray([s[key] for s in settings_grid], jnp.float32)})
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
-    states = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), state)
+    states, state_axes = replicate(state, n)
     step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
-    sweep_step = jax.jit(jax.vmap(step, in_axes=(0, None, 0, None)), donate_argnums=0)
+    sweep_step = jax.jit(
+        jax.vmap(step, in_axes=(state_axes, None, 0, None), out_axes=(state_axes, 0)), donate_argnums=0
+    )
     key = jax.random.PRNGKey(cfg.trainer.seed)
 
     out = Path(cfg.trainer.output_dir)

@@ -149,14 +149,17 @@ def train_settings(config: ConfigDict, plan: RolloutPlan) -> TrainSettings:
         actor_grad_clip=a.grad_clip,
         critic_grad_clip=config.critic.grad_clip,
         cliprange_value=config.critic.cliprange_value,
+        lora_rank=int(config.lora.rank),
+        lora_alpha=float(config.lora.alpha),
     )
 
 
 def hyperparams(config: ConfigDict) -> Hyperparams:
     a, alg = config.actor, config.algorithm
+    lrs = config.lora if config.lora.rank > 0 else {"actor_lr": a.lr, "critic_lr": config.critic.lr}
     return Hyperparams.create(
-        actor_lr=a.lr,
-        critic_lr=config.critic.lr,
+        actor_lr=lrs["actor_lr"],
+        critic_lr=lrs["critic_lr"],
         clip_ratio_low=a.clip_ratio_low,
         clip_ratio_high=a.clip_ratio_high,
         clip_ratio_c=a.clip_ratio_c,
@@ -189,6 +192,10 @@ def check_choices(config: ConfigDict) -> None:
             raise ConfigError(f"{path} = {value!r} is not one of {', '.join(choices)}.")
     if not 0 < config.filter.ratio <= 1:
         raise ConfigError(f"filter.ratio must be in (0, 1], not {config.filter.ratio}.")
+    if not (isinstance(config.lora.rank, int) and config.lora.rank >= 0):
+        raise ConfigError(f"lora.rank must be a whole number >= 0 (0 = full fine-tuning), not {config.lora.rank!r}.")
+    if config.lora.rank and not config.lora.alpha > 0:
+        raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
 
 
 def build_experiment(config: ConfigDict) -> Experiment:

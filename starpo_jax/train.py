@@ -18,6 +18,9 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
   (parameters and moments unchanged) and counted in ``actor/skipped_steps``.
 - The critic is its own copy of the backbone with a linear value head (trained; with LoRA the
   original froze it by accident, quirk 11).
+- LoRA (``lora_rank > 0``, ``starpo_jax.models.lora``): the actor and the critic each train a set of
+  adapters over one shared frozen base (``TrainState.base``); the reference is the base itself.
+  Weights are merged before sampling and inside each loss, so decoding pays nothing for adapters.
 - KL: ``use_kl_loss`` adds ``kl_loss_coef · KL`` to the actor loss; ``kl_in_reward`` subtracts
   ``kl_in_reward_coef · KL`` from the token rewards. Both really act (quirk 10).
 """
@@ -25,6 +28,7 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -36,6 +40,7 @@ from flax import nnx
 from starpo_jax import advantages as adv
 from starpo_jax import filtering, losses, rewards
 from starpo_jax.masked import masked_mean
+from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
 
@@ -69,6 +74,8 @@ class TrainSettings:
     critic_grad_clip: float = 1.0
     cliprange_value: float = 0.5
     logprob_chunk: int = 512  # positions per chunk when computing log-probs from hidden states
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_alpha: float = 64.0
 
     @property
     def uses_critic(self) -> bool:
@@ -77,6 +84,10 @@ class TrainSettings:
     @property
     def uses_ref(self) -> bool:
         return self.use_kl_loss or self.kl_in_reward
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
 
 @flax.struct.dataclass
@@ -103,7 +114,7 @@ class Hyperparams:
 
 @flax.struct.dataclass
 class Critic:
-    backbone: nnx.State
+    backbone: nnx.State | lora.Adapters  # its decoder weights, or its LoRA adapters over the base
     head_w: jax.Array  # [D]
     head_b: jax.Array  # []
 
@@ -111,12 +122,28 @@ class Critic:
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    actor: nnx.State
+    actor: nnx.State | lora.Adapters  # what the actor trains: its weights, or its LoRA adapters
     actor_opt: Any
     critic: Critic | None
     critic_opt: Any
-    ref: nnx.State | None
+    ref: nnx.State | None  # a frozen copy of the initial actor (full fine-tuning with a KL term)
     skipped_steps: jax.Array
+    base: nnx.State | None = None  # with LoRA: the frozen initial weights under both sets of adapters
+
+
+def with_adapters(settings: TrainSettings, base: nnx.State | None, trained) -> nnx.State:
+    """Full decoder weights from what trains: the weights themselves, or base + merged adapters."""
+    return trained if base is None else lora.merge(base, trained, settings.lora_scale)
+
+
+def policy_weights(settings: TrainSettings, state: TrainState) -> nnx.State:
+    """The actor's full decoder weights (what samples, what gets exported)."""
+    return with_adapters(settings, state.base, state.actor)
+
+
+def reference_weights(state: TrainState) -> nnx.State:
+    """The frozen reference policy: the initial weights (with LoRA, the base with adapters off)."""
+    return state.base if state.base is not None else state.ref
 
 
 # ---- optimiser ---------------------------------------------------------------------------------
@@ -213,19 +240,29 @@ def sampling_policy(graphdef, params) -> ModelState:
 
 
 def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainState:
-    """Actor, critic (same checkpoint + a fresh value head) and reference from one model."""
-    actor = model.params
+    """Actor, critic (same checkpoint + a fresh value head) and reference from one model.
+
+    Full fine-tuning copies the weights for the critic and the reference; LoRA keeps one frozen
+    base and gives the actor and the critic fresh adapters (the merged model starts as the base)."""
+    config = model.merge().config
+    head_key, actor_key, critic_key = jax.random.split(key, 3)
+    if settings.lora_rank:
+        base, ref = model.params, None
+        actor = lora.init_adapters(config, settings.lora_rank, actor_key)
+        critic_backbone = lora.init_adapters(config, settings.lora_rank, critic_key)
+    else:
+        base, actor = None, model.params
+        ref = jax.tree.map(jnp.copy, actor) if settings.uses_ref else None
+        critic_backbone = jax.tree.map(jnp.copy, actor)
     actor_tx = optimizer(settings.actor_grad_clip, settings.betas, settings.actor_weight_decay)
     critic = critic_opt = None
     if settings.uses_critic:
-        hidden_size = model.merge().config.hidden_size
         critic = Critic(
-            backbone=jax.tree.map(jnp.copy, actor),
-            head_w=0.02 * jax.random.normal(key, (hidden_size,), jnp.float32),
+            backbone=critic_backbone,
+            head_w=0.02 * jax.random.normal(head_key, (config.hidden_size,), jnp.float32),
             head_b=jnp.zeros((), jnp.float32),
         )
         critic_opt = optimizer(settings.critic_grad_clip, settings.betas, settings.critic_weight_decay).init(critic)
-    ref = jax.tree.map(jnp.copy, actor) if settings.uses_ref else None
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         actor=actor,
@@ -234,7 +271,17 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
         critic_opt=critic_opt,
         ref=ref,
         skipped_steps=jnp.zeros((), jnp.int32),
+        base=base,
     )
+
+
+def replicate(state: TrainState, n: int) -> tuple[TrainState, TrainState]:
+    """``n`` copies of a train state for ``jax.vmap`` over hyperparameters, and the vmap axes to
+    use for it (in and out). What trains is stacked on a new leading axis; a LoRA base is frozen,
+    so all copies share one (axis None) instead of holding n."""
+    trained = state.replace(base=None)
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), trained).replace(base=state.base)
+    return stacked, jax.tree.map(lambda _: 0, trained)
 
 
 # ---- the batch the update sees -----------------------------------------------------------------
@@ -328,6 +375,9 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
             micro,
         )
 
+    def critic_weights(critic: Critic, base) -> Critic:
+        return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
+
     def prepare(state: TrainState, traj: Trajectories, hyper: Hyperparams):
         """Filter, then everything the update needs: old/ref log-probs, values, advantages."""
         raw = traj.env_reward.reshape(G, N)
@@ -335,13 +385,14 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         kept, valid = filtering.gather_kept_groups(traj, keep, k, N)
         mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
         seqs = {"tokens": kept.tokens, "length": kept.length, "mask": mask > 0}
-        old_logp, _ = logprobs_of(state.actor, seqs)
+        old_logp, _ = logprobs_of(policy_weights(settings, state), seqs)
         if settings.use_sampler_logprobs:
             old_logp = kept.sampler_logprobs
         old_logp = jax.lax.stop_gradient(old_logp)
-        ref_logp = logprobs_of(state.ref, seqs)[0] if settings.uses_ref else jnp.zeros_like(old_logp)
+        ref_logp = logprobs_of(reference_weights(state), seqs)[0] if settings.uses_ref else jnp.zeros_like(old_logp)
+        critic = critic_weights(state.critic, state.base) if settings.uses_critic else None
         values = (
-            _map_micro(lambda b: token_values(graphdef, state.critic, b["tokens"], b["length"]), seqs, micro)
+            _map_micro(lambda b: token_values(graphdef, critic, b["tokens"], b["length"]), seqs, micro)
             * mask
             if settings.uses_critic
             else jnp.zeros_like(old_logp)
@@ -389,7 +440,8 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         batch = UpdateBatch(kept.tokens, kept.length, mask, old_logp, ref_logp, values, advantages, returns)
         return batch, metrics
 
-    def actor_loss_fn(params, b: UpdateBatch, hyper):
+    def actor_loss_fn(trained, b: UpdateBatch, hyper, base):
+        params = with_adapters(settings, base, trained)
         logp, entropy = token_logprobs(graphdef, params, b.tokens, b.length, b.mask > 0, temperature, chunk, max_policy)
         return losses.actor_loss(
             logp, entropy, b.old_logp, b.advantages, b.mask,
@@ -399,8 +451,8 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
             kl_kind=settings.kl_loss_type,
         )
 
-    def critic_loss_fn(critic, b: UpdateBatch, hyper):
-        values = token_values(graphdef, critic, b.tokens, b.length)
+    def critic_loss_fn(critic, b: UpdateBatch, hyper, base):
+        values = token_values(graphdef, critic_weights(critic, base), b.tokens, b.length)
         return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, settings.loss_agg_mode)
 
     def accumulate(loss_fn, params, micro_batches, hyper):
@@ -431,7 +483,7 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
     def collect(state: TrainState, tables, key) -> Trajectories:
         """The rollout phase: fresh levels, then the policy plays them (weights in compute dtype)."""
         level_key, rollout_key = jax.random.split(jax.random.fold_in(key, state.step))
-        return rollout(sampling_policy(graphdef, state.actor), tables, initial_states_from_key(plan, level_key), rollout_key, temperature)
+        return rollout(sampling_policy(graphdef, policy_weights(settings, state)), tables, initial_states_from_key(plan, level_key), rollout_key, temperature)
 
     def learn(state: TrainState, traj: Trajectories, hyper: Hyperparams):
         """The update phase: filter, advantages, critic and actor updates."""
@@ -442,11 +494,11 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         critic, critic_opt = state.critic, state.critic_opt
         if settings.uses_critic:
             (critic, critic_opt, _), critic_metrics = update(
-                critic_loss_fn, critic_tx, critic, critic_opt, batch, hyper.critic_lr, hyper, "critic"
+                functools.partial(critic_loss_fn, base=state.base), critic_tx, critic, critic_opt, batch, hyper.critic_lr, hyper, "critic"
             )
             metrics |= critic_metrics
         (actor, actor_opt, skipped), actor_metrics = update(
-            actor_loss_fn, actor_tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
+            functools.partial(actor_loss_fn, base=state.base), actor_tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
         )
         train_actor = state.step >= settings.critic_warmup
         actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)

@@ -151,3 +151,24 @@ def test_sweep_trains_a_grid_in_one_program(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
     assert bad.returncode == 2 and "cannot be swept" in bad.stderr
+
+
+def test_lora_run_exports_adapters_and_evaluates(tmp_path):
+    out = tmp_path / "lora"
+    # Multi-turn Sokoban / FrozenLake trajectories also take bi-level GAE end to end here.
+    run(f"--config.trainer.output_dir={out}", "--config.lora.rank=2", "--config.trainer.total_steps=1",
+        "--config.trainer.test_freq=0", "--config.algorithm.adv_estimator=bilevel_gae")
+    train = train_lines(read_metrics(out))
+    assert len(train) == 1 and train[0]["actor/lr"] == pytest.approx(1e-5)  # lora.actor_lr, not actor.lr
+    assert train[0]["critic/vf_loss"] > 0 and train[0]["critic/advantages/mean"] == train[0]["critic/advantages/mean"]
+    adapter = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 2 and (out / "lora_adapter" / "adapter_model.safetensors").exists()
+    assert (out / "hf_policy" / "model.safetensors").exists()  # the merged policy
+    proc = evaluate("--model", str(out), "--suite", "FrozenLake", "--levels", "1", "--batch", "1",
+                    "--out", str(tmp_path / "eval.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--config.lora.rank=2",
+                          "--sweep", "actor.lr=0,1e-3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert bad.returncode == 2 and "sweep lora.actor_lr instead" in bad.stderr

@@ -95,6 +95,11 @@ def _layer_weights(c: ModelConfig) -> dict[str, _Weight]:
     return weights
 
 
+def linear_layer_weights(c: ModelConfig) -> dict[str, tuple[int, int, str]]:
+    """The blocks' linear weights (what LoRA adapts): name -> (in features, out features, HF name)."""
+    return {name: (w.hf_shape[1], w.hf_shape[0], w.hf_name) for name, w in _layer_weights(c).items() if w.linear}
+
+
 def _new_param(w: _Weight, key: Array, dtype, num_layers: int | None = None) -> nnx.Param:
     lead = () if num_layers is None else (num_layers,)
     shape = lead + w.shape

@@ -17,12 +17,14 @@ there is one weight-mapping path for all formats. Anything wrong with the input 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -197,21 +199,14 @@ def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
 
     from starpo_jax.models.decoder import decoder_to_hf_tensors
 
-    folder = Path(folder).expanduser().absolute()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
+    with atomic_folder(folder) as staging:
         hf_config = _hf_config_for_saving(model.config, tokenizer)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         tensors = {name: value.astype(_numpy_dtype(model.config.param_dtype))  # the dtype config.json states
                    for name, value in decoder_to_hf_tensors(model).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(str(staging))
-        _move_into_place(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return folder
+    return Path(folder).expanduser().absolute()
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -228,6 +223,22 @@ def _hf_config_for_saving(config, tokenizer) -> dict:
         if hf_config.get(key) is None and token_id is not None:
             hf_config[key] = token_id
     return hf_config
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty staging folder next to ``folder``; when the block finishes it replaces
+    ``folder``, and if it raises the staging folder is deleted. A crash never leaves a half-written
+    ``folder``."""
+    folder = Path(folder).expanduser().absolute()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        yield staging
+        _move_into_place(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _move_into_place(staging: Path, folder: Path) -> None:
