@@ -87,11 +87,9 @@ def _on_gpu() -> bool:
 
 def evaluate(args) -> dict:
     import jax
-    from tqdm import tqdm
 
-    from starpo_jax.experiment import ConfigError, rollout_plan
-    from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
-    from starpo_jax.train import rollout_metrics, sampling_policy
+    from starpo_jax import sharding
+    from starpo_jax.train import sampling_policy
 
     tags = suite_tags(args.suite)
     config, model, tokenizer = load_config_and_model(args.model, args)
@@ -99,20 +97,38 @@ def evaluate(args) -> dict:
         config.rollout.max_turn = args.max_turn
     if args.response_length:
         config.rollout.response_length = args.response_length
-    policy = sampling_policy(model.graphdef, model.params)
+    mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model))
+    with sharding.use_mesh(mesh):
+        policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
+        results = evaluate_tags(args, tags, config, policy, tokenizer, mesh)
+    return {"model": args.model, "suite": args.suite, "temperature": args.temperature,
+            "device": jax.devices()[0].device_kind, "devices": len(mesh.devices.flat), "results": results}
+
+
+def evaluate_tags(args, tags, config, policy, tokenizer, mesh) -> dict:
+    """Success and friends per env tag, over ``args.levels`` fixed levels each."""
+    import jax
+    from tqdm import tqdm
+
+    from starpo_jax import sharding
+    from starpo_jax.experiment import ConfigError, rollout_plan
+    from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
+    from starpo_jax.train import rollout_metrics
+
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:
         batch = min(args.batch, args.levels)
         if args.levels % batch:
             raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
+        sharding.check_batch(mesh, **{"--batch": batch})
         config.envs.val.tags, config.envs.val.n_groups, config.envs.val.group_size = (tag,), (batch,), 1
         plan = rollout_plan(config, "val", tokenizer)
         tables = build_tables(
             tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
             legend_from_env_symbols=config.envs.legend_from_env_symbols,
             chat_template=config.model.get("chat_template", "") or None,
-            vocab_size=model.merge().config.vocab_size,
+            vocab_size=policy.merge().config.vocab_size,
         )
         plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables))
         rollout = make_rollout(plan)
@@ -135,8 +151,7 @@ def evaluate(args) -> dict:
             "seconds": time.perf_counter() - t0,
         }
     bar.close()
-    return {"model": args.model, "suite": args.suite, "temperature": args.temperature,
-            "device": jax.devices()[0].device_kind, "results": results}
+    return results
 
 
 def format_table(report: dict) -> str:

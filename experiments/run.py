@@ -56,25 +56,34 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
+    from starpo_jax import sharding
+    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.models.loading import ModelLoadError
+
+    try:
+        exp = build_experiment(_CONFIG.value)
+    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    with sharding.use_mesh(exp.mesh):
+        return train(exp)
+
+
+def train(exp) -> int:
+    """The training loop of a built experiment (inside its mesh)."""
     import jax
     from flax import nnx
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
-    from starpo_jax import checkpoint
-    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax import checkpoint, sharding
     from starpo_jax.metrics import CollapseWatch
-    from starpo_jax.models.loading import ModelLoadError, save_model
-    from starpo_jax.rollout import initial_states_from_seeds, make_rollout
+    from starpo_jax.models.loading import save_model
     from starpo_jax.models.lora import save_adapter
+    from starpo_jax.rollout import initial_states_from_seeds, make_rollout
     from starpo_jax.train import init_train_state, make_train_step, policy_weights, sampling_policy
 
-    cfg = _CONFIG.value
-    try:
-        exp = build_experiment(cfg)
-    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = exp.config
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
@@ -84,7 +93,7 @@ def main(argv) -> int:
     collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
     val_rollout = make_rollout(exp.val_plan)
     val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
-    state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
+    state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
 

@@ -81,13 +81,9 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
-    import jax
-    import jax.numpy as jnp
-    from tqdm import tqdm
-
+    from starpo_jax import sharding
     from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.train import init_train_state, make_train_step, replicate
 
     cfg = _CONFIG.value
     try:
@@ -100,12 +96,26 @@ def main(argv) -> int:
     except (ValueError, ConfigError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    with sharding.use_mesh(exp.mesh):
+        return sweep(exp, settings_grid)
+
+
+def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
+    """Train every setting of the grid side by side (inside the experiment's mesh)."""
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from starpo_jax import sharding
+    from starpo_jax.train import init_train_state, make_train_step, replicate
+
+    cfg = exp.config
     n = len(settings_grid)
     hyper = exp.hyper
     hyper = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,)), hyper)
     for key in settings_grid[0]:
         hyper = hyper.replace(**{SWEEPABLE[key]: jnp.asarray([s[key] for s in settings_grid], jnp.float32)})
-    state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
+    state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
     states, state_axes = replicate(state, n)
     step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
     sweep_step = jax.jit(

@@ -33,11 +33,12 @@ TINY = [
 ]
 
 
-def run(*args, check=True):
+def run(*args, check=True, devices=1):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.run", *TINY, *args],
         cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
     )
     if check and proc.returncode != 0:
         raise AssertionError(proc.stderr[-4000:])
@@ -95,6 +96,19 @@ def test_config_and_checkpoint_errors(tmp_path):
     assert proc.returncode == 2 and "Sokobon" in proc.stderr and "Known envs" in proc.stderr
     proc = run(f"--config.trainer.output_dir={tmp_path / 'none'}", "--config.trainer.resume=True", check=False)
     assert proc.returncode == 2 and "No checkpoint" in proc.stderr
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.mesh.model=2", check=False)
+    assert proc.returncode == 2 and "mesh.model=2" in proc.stderr
+
+
+def test_run_on_two_devices_checkpoints_and_resumes(tmp_path):
+    """Data parallel over 2 simulated devices (mesh.data=-1 takes both): the sharded state is
+    checkpointed, resumed and exported."""
+    run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.test_freq=0", "--max_steps=1", devices=2)
+    run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", devices=2)  # validates at 2
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in train_lines(rows)] == [1, 2]
+    assert [r["step"] for r in rows if "val-env/FrozenLake/success" in r] == [2]
+    assert (tmp_path / "hf_policy" / "model.safetensors").exists()
 
 
 def evaluate(*args):
