@@ -84,15 +84,18 @@ def median_time(fn, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def bench_jax(model: ModelState, config: ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
+def bench_jax(model: ModelState, config: ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int,
+              cache_size: int | None = None, windowed: bool = True) -> dict:
     B, P = prompts.shape
     lengths = np.full((B,), P, np.int32)
+    cache_size = cache_size or P + new_tokens
 
     def full(m, p, l, key):
-        return sampling.generate(m, p, l, key, max_new_tokens=new_tokens, temperature=1.0)
+        return sampling.generate(m, p, l, key, max_new_tokens=new_tokens, temperature=1.0, cache_size=cache_size,
+                                 windowed=windowed)
 
     def prefill(m, p, l):
-        return sampling.append(m, sampling.init_cache(config, B, P + new_tokens), p, l)
+        return sampling.append(m, sampling.init_cache(config, B, cache_size), p, l)
 
     start = time.perf_counter()
     full_c = jax.jit(full).lower(model, prompts, lengths, jax.random.key(0)).compile()
@@ -165,6 +168,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--cache-size", type=int, default=None,
+                        help="KV cache slots per row (default prompt + new tokens); a multi-turn rollout reserves "
+                             "more (RAGEN: 3600). When larger, the JAX side also runs decoding in the whole cache "
+                             "(no window) and reports window_speedup")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--repeats", type=int, default=3, help="timed JAX runs per setting (median)")
     parser.add_argument("--hf-repeats", type=int, default=1, help="timed transformers runs per setting (median)")
@@ -189,6 +196,7 @@ def main(argv=None) -> dict:
     report = {
         "workload": {
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": dtype,
+            "cache_size": args.cache_size or args.prompt_len + args.new_tokens,
             "sampling": "temperature 1.0, top-k off, top-p 1.0, stop tokens disabled",
             "tokens_per_s": "batch * new_tokens / median wall time of prefill + decode; compile time apart",
         },
@@ -207,7 +215,11 @@ def main(argv=None) -> dict:
         for batch in map(int, args.batch_sizes.split(",")):
             prompts = np.random.default_rng(batch).integers(0, config.vocab_size, (batch, args.prompt_len), np.int32)
             row = {"model": name, "weights": weights, "num_params": num_params, "batch": batch}
-            row["jax"] = bench_jax(model, config, prompts, args.new_tokens, args.repeats)
+            row["jax"] = bench_jax(model, config, prompts, args.new_tokens, args.repeats, args.cache_size)
+            if args.cache_size and args.cache_size > args.prompt_len + args.new_tokens:
+                row["jax_whole_cache"] = bench_jax(model, config, prompts, args.new_tokens, args.repeats,
+                                                   args.cache_size, windowed=False)
+                row["window_speedup"] = row["jax"]["tokens_per_s"] / row["jax_whole_cache"]["tokens_per_s"]
             if hf is not None and (args.hf_max_batch is None or batch <= args.hf_max_batch):
                 row["transformers"] = bench_transformers(hf, prompts, args.new_tokens, args.hf_repeats, hf_device)
                 row["speedup_vs_transformers"] = row["jax"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
@@ -228,6 +240,8 @@ def summary(row: dict) -> str:
         f"{row['model']:<24} B={row['batch']:<4} jax {row['jax']['tokens_per_s']:9.1f} tok/s "
         f"(decode {row['jax']['decode_tokens_per_s']:9.1f}, compile {row['jax']['compile_s']:.1f}s)"
     )
+    if "window_speedup" in row:
+        text += f" | whole cache {row['jax_whole_cache']['tokens_per_s']:9.1f} tok/s | window x{row['window_speedup']:.2f}"
     if "transformers" in row:
         text += f" | transformers {row['transformers']['tokens_per_s']:8.1f} tok/s | x{row['speedup_vs_transformers']:.2f}"
     if "roofline" in row:

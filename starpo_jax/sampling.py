@@ -19,6 +19,14 @@ top-k off there anyway). Greedy rows (temperature 0) report ``log_softmax(logits
 
 Randomness: step t uses ``jax.random.fold_in(key, t)`` for the whole batch, so the same key gives
 the same tokens bit for bit.
+
+Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
+rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
+of it. ``decode`` therefore runs in the smallest of a few static windows (``decode_windows``: the
+whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
+budget: the window's slots are copied out once per call, decoded in, and copied back, so each step
+reads only the window. One ``lax.switch`` per call picks it; the results are the same as decoding
+in the whole cache, since no live row can reach the window's end.
 """
 
 from __future__ import annotations
@@ -129,6 +137,18 @@ def _stop_table(stop_tokens: Array | None, batch_size: int) -> Array:
     return stop_tokens
 
 
+#: Caches shorter than this decode in full: a smaller window would save little and cost compile time.
+MIN_WINDOWED_CACHE = 1024
+
+
+def decode_windows(max_len: int) -> tuple[int, ...]:
+    """The cache sizes a decode call may run in, ascending: ``max_len``, and for long caches
+    ``max_len`` / 2, / 4, / 8 rounded down to multiples of 128."""
+    if max_len < MIN_WINDOWED_CACHE:
+        return (max_len,)
+    return tuple(sorted({max_len} | {(max_len >> k) // 128 * 128 for k in (1, 2, 3)}))
+
+
 @struct.dataclass
 class _LoopState:
     step: Array
@@ -140,7 +160,7 @@ class _LoopState:
     done: Array
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed"))
 def decode(
     model: ModelState,
     cache: KVCache,
@@ -154,6 +174,7 @@ def decode(
     stop_tokens: Array | None = None,
     active: Array | None = None,
     pad_id: int = 0,
+    windowed: bool = True,
 ) -> DecodeOutput:
     """Sample up to ``max_new_tokens`` tokens per row, starting from ``last_logits`` [B, V].
 
@@ -161,6 +182,7 @@ def decode(
     -1 = unused), when the budget is spent, or when its cache row is full. Rows with
     ``active[b] = False`` generate nothing and their cache row is untouched. The loop ends as soon as
     every row is done. Step t draws with ``fold_in(key, t)``: give each call (each turn) its own key.
+    ``windowed=False`` always decodes in the whole cache (for comparison; see the module docstring).
     """
     decoder = model.merge()
     B = last_logits.shape[0]
@@ -189,20 +211,36 @@ def decode(
             done=s.done | (live & stopped) | (cache.lengths >= cache.max_len),
         )
 
-    init = _LoopState(
-        step=jnp.zeros((), jnp.int32),
-        cache=cache,
-        logits=last_logits.astype(jnp.float32),
-        tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
-        logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
-        lengths=jnp.zeros((B,), jnp.int32),
-        done=~active | (cache.lengths >= cache.max_len),
-    )
-    s = jax.lax.while_loop(cond, body, init)
+    def decode_in(cache: KVCache) -> _LoopState:
+        init = _LoopState(
+            step=jnp.zeros((), jnp.int32),
+            cache=cache,
+            logits=last_logits.astype(jnp.float32),
+            tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+            logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
+            lengths=jnp.zeros((B,), jnp.int32),
+            done=~active | (cache.lengths >= cache.max_len),
+        )
+        return jax.lax.while_loop(cond, body, init)
+
+    def in_window(size: int):
+        def decode_in_head(full: KVCache) -> _LoopState:
+            s = decode_in(full.head(size))
+            return s.replace(cache=full.with_head(s.cache))
+
+        return decode_in if size == cache.max_len else decode_in_head
+
+    windows = decode_windows(cache.max_len) if windowed else (cache.max_len,)
+    if len(windows) == 1:
+        s = decode_in(cache)
+    else:
+        needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
+        branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
+        s = jax.lax.switch(branch, [in_window(size) for size in windows], cache)
     return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=s.cache, last_logits=s.logits)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size", "top_k", "top_p", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size", "top_k", "top_p", "pad_id", "windowed"))
 def generate(
     model: ModelState,
     prompts: Array,
@@ -216,6 +254,7 @@ def generate(
     top_p: float = 1.0,
     stop_tokens: Array | None = None,
     pad_id: int = 0,
+    windowed: bool = True,
 ) -> DecodeOutput:
     """One program: an empty cache, prefill of right-padded prompts [B, T], then ``decode``.
 
@@ -237,4 +276,5 @@ def generate(
         stop_tokens=stop_tokens,
         active=prompt_lengths > 0,
         pad_id=pad_id,
+        windowed=windowed,
     )

@@ -32,3 +32,10 @@ def test_roofline_of_qwen25_half_b_on_h100():
     assert r["tokens_per_s"] == pytest.approx(128 * 3.35e12 / r["bytes_per_step"])
     assert bench_generate.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert bench_generate.hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+
+
+def test_cache_size_compares_windowed_and_whole_cache_decoding(tmp_path):
+    report = bench_generate.main(["--quick", "--no-hf", "--cache-size", "1024", "--out", str(tmp_path / "b.json")])
+    (row,) = report["results"]
+    assert report["workload"]["cache_size"] == 1024 and "transformers" not in row
+    assert row["window_speedup"] == pytest.approx(row["jax"]["tokens_per_s"] / row["jax_whole_cache"]["tokens_per_s"])

@@ -27,8 +27,9 @@ Layout choices:
 
 Known cost: the layer scan hands each block its cache slice through a dynamic slice, which XLA
 materialises (a copy of one layer's cache per block, about 20% of a decode step at batch 32 on
-CPU). Removing it needs an attention kernel that reads the stacked cache in place (e.g. Pallas);
-so does reading only up to the longest live row instead of all max_len slots.
+CPU). Removing it needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
+Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
+window of the cache (``KVCache.head``) just large enough for the live rows.
 """
 
 from __future__ import annotations
@@ -134,6 +135,16 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    def head(self, size: int) -> "KVCache":
+        """The first ``size`` slots of every row, as a smaller cache (a copy)."""
+        return KVCache(k=self.k[:, :, :, :size], v=self.v[:, :, :, :size], lengths=self.lengths)
+
+    def with_head(self, head: "KVCache") -> "KVCache":
+        """This cache with its first slots taken from ``head`` (the inverse of ``head``)."""
+        size = head.max_len
+        return KVCache(k=self.k.at[:, :, :, :size].set(head.k), v=self.v.at[:, :, :, :size].set(head.v),
+                       lengths=head.lengths)
 
     def write(self, k_new: Array, v_new: Array, positions: Array, num_new: Array) -> "KVCache":
         """Write the real part of k/v_new [layers, batch, T, kv_heads, head_dim] at `positions` [batch, T].

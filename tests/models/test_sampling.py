@@ -186,3 +186,32 @@ def test_bfloat16_sampling_runs_and_follows_fp32(tiny, prompts):
     np.testing.assert_array_equal(out.lengths, [NEW] * B)
     assert np.isfinite(np.asarray(out.logprobs)).all()
     np.testing.assert_array_equal(out.tokens[:, 0], reference.tokens[:, 0])  # first greedy token agrees
+
+
+def test_decode_windows():
+    assert sampling.decode_windows(320) == (320,)
+    assert sampling.decode_windows(3600) == (384, 896, 1792, 3600)
+
+
+@pytest.mark.parametrize("lengths", [(8, 5, 2), (300, 5, 2), (600, 5, 2)], ids=["window 128", "window 512", "whole"])
+def test_windowed_decode_equals_decoding_in_the_whole_cache(tiny, lengths):
+    """A long cache decodes in the smallest window holding the live rows; the third row is inactive
+    and longer than any window, and is left exactly as it was."""
+    _, _, model = tiny
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, 256, n) for n in lengths[:2]] + [rng.integers(0, 256, 900)]
+    tokens, prompt_lengths = right_padded(rows, 900)
+    cache, logits = sampling.append(model, sampling.init_cache(preset("tiny-qwen2"), B, 1024), tokens, prompt_lengths)
+    outs = [
+        sampling.decode(model, cache, logits, jax.random.key(1), max_new_tokens=16, temperature=1.0,
+                        active=np.array([True, True, False]), windowed=windowed)
+        for windowed in (True, False)
+    ]  # fmt: skip
+    windowed, whole = outs
+    np.testing.assert_array_equal(windowed.tokens, whole.tokens)
+    np.testing.assert_array_equal(windowed.lengths, whole.lengths)
+    np.testing.assert_allclose(windowed.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(windowed.last_logits, whole.last_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(windowed.cache.lengths, whole.cache.lengths)
+    np.testing.assert_allclose(windowed.cache.k, whole.cache.k, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(windowed.cache.k[:, 2], cache.k[:, 2])
