@@ -52,8 +52,9 @@ every row stops), ``kv_token_reads`` = Σ over generated tokens of their positio
     fraction    = ideal time / measured wall time
 
 The wall time includes prefill, parsing and env steps, so the fraction is a lower bound on the
-decode loop's own efficiency. ``fraction_full_cache`` uses what the attention as written reads
-instead: every row's whole ``max_len`` cache at every decode step.
+decode loop's own efficiency. ``fraction_full_cache`` uses what decoding in the whole cache would
+read instead (every row's ``max_len`` slots at every decode step); decode runs in a window of the
+cache (``sampling.decode_windows``), so the truth lies between the two.
 
 JSON (``--out``): ``date``, ``workload`` (env, groups, group_size, rows, max_turn, response_length,
 max_actions_per_traj, dtype, temperature, seed, bucket, repeats), ``machine`` (jax_platform,

@@ -1,0 +1,22 @@
+"""The update benchmark's smoke mode: both modes run on the same batch and the JSON adds up."""
+
+import json
+
+import pytest
+
+from experiments import bench_train
+
+
+def test_quick_benchmark_compares_full_and_lora(tmp_path):
+    out = tmp_path / "bench.json"
+    report = bench_train.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    full, lora = report["results"]["full"], report["results"]["lora"]
+    assert (full["lora_rank"], lora["lora_rank"]) == (0, 4)
+    # Full fine-tuning trains actor + critic backbones and keeps a frozen reference; LoRA trains
+    # adapters and keeps the base, which is the same size as the reference.
+    assert lora["state_bytes"]["frozen"] == full["state_bytes"]["frozen"]
+    assert lora["state_bytes"]["trained"] < 0.05 * full["state_bytes"]["trained"]
+    assert full["state_bytes"]["optimizer"] == pytest.approx(2 * full["state_bytes"]["trained"], rel=1e-6)  # Adam: 2 moments
+    assert report["lora_over_full"]["wall_s"] == pytest.approx(lora["wall_s"] / full["wall_s"])
+    assert all(r["learn_bytes"]["temporaries"] > 0 and r["compile_s"] > 0 for r in (full, lora))
