@@ -21,9 +21,11 @@ Departures from RAGEN, documented:
 
 - [quirk §1.1 / §8.16] The paper says the safe arm pays 0.15; RAGEN's code pays 0.1. We keep the
   code's 0.1 as the default (``lo_arm_score``).
-- Payout draws use the JAX key in the state, not gymnasium's ``np_random`` stream, so a given seed
-  reproduces RAGEN's arm order (``reset_from_seed``) but not its payout sequence. ``payout`` is the
-  pure rule both share; the tests drive it with gymnasium's draws to reproduce RAGEN's golden step.
+- Payout draws hash the key in the state (``envs_jax.base.draw_bits``, a counter-based hash that
+  is much cheaper under ``vmap`` than ``jax.random``), not gymnasium's ``np_random`` stream, so a
+  given seed reproduces RAGEN's arm order (``reset_from_seed``) but not its payout sequence.
+  ``payout`` is the pure rule both share; the tests drive it with gymnasium's draws to reproduce
+  RAGEN's golden step.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ import numpy as np
 from flax import struct
 from jumanji import specs
 
-from envs_jax.base import TextEnv, first_timestep, make_timestep, step_extras
+from envs_jax.base import (
+    TextEnv,
+    bits_to_uniform,
+    draw_bits,
+    first_timestep,
+    make_timestep,
+    step_extras,
+)
 
 INIT_PROMPT = (
     "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
@@ -54,7 +63,7 @@ INIT_PROMPT = (
 @struct.dataclass
 class BanditState:
     hi_first: jnp.ndarray  # bool[]: the risky (high) arm is named first in the prompt
-    key: jnp.ndarray  # PRNG key for payouts
+    key: jnp.ndarray  # PRNG key for payouts (``draw_bits``)
 
 
 def gymnasium_rng(seed: int) -> np.random.Generator:
@@ -99,9 +108,9 @@ class Bandit(TextEnv):
 
     def step(self, state: BanditState, action):
         """Pull arm ``action`` (0: named first, 1: named second); the episode always ends."""
-        key, payout_key = jax.random.split(state.key)
+        key, bits = draw_bits(state.key)
         is_hi = self.action_is_hi(state, action)
-        reward = self.payout(is_hi, jax.random.uniform(payout_key))
+        reward = self.payout(is_hi, bits_to_uniform(bits))
         state = state.replace(key=key)
         timestep = make_timestep(
             state.hi_first,

@@ -17,9 +17,11 @@ Departures from RAGEN, documented:
 
 - ``max_steps`` (default 100) truncates an episode. RAGEN's env has no time limit; its rollout budget
   (turns × actions per turn) ends episodes long before, so the limit never binds there.
-- Slips use the JAX key in the state, not gymnasium's ``np_random``: ``reset_from_seed`` reproduces
-  RAGEN's map for a seed exactly, but not its slip sequence. ``step_in_direction`` is the
-  deterministic transition both share; the tests replay gymnasium's slips through it.
+- Slips hash the key in the state (``envs_jax.base.draw_bits``, a counter-based hash that is much
+  cheaper under ``vmap`` than ``jax.random``), not gymnasium's ``np_random``: ``reset_from_seed``
+  reproduces RAGEN's map for a seed exactly, but not its slip sequence. ``realised_direction`` (the
+  slip rule, given a uniform draw) and ``step_in_direction`` (the deterministic transition) are
+  what both share; the tests replay gymnasium's draws through them.
 - ``reset(key)`` draws maps from RAGEN's distribution (cells frozen with probability ``p``, start and
   goal uniform and distinct, rejected until the goal is reachable) with JAX randomness, so it is not
   seed-compatible; use ``reset_from_seed`` for RAGEN's levels (e.g. validation seeds 123..378).
@@ -36,7 +38,17 @@ from flax import struct
 from jumanji import specs
 
 from envs_jax.bandit import gymnasium_rng
-from envs_jax.base import GridEnv, first_timestep, make_timestep, parse_grid_text, step_extras
+from envs_jax.base import (
+    GridEnv,
+    bits_to_uniform,
+    cell_at,
+    cell_mask,
+    draw_bits,
+    first_timestep,
+    make_timestep,
+    parse_grid_text,
+    step_extras,
+)
 
 # Board cell codes (gymnasium's map letters F, H, S, G).
 FROZEN, HOLE, START, GOAL = 0, 1, 2, 3
@@ -55,7 +67,7 @@ class FrozenLakeState:
     board: jnp.ndarray  # int8[size, size] of FROZEN / HOLE / START / GOAL
     pos: jnp.ndarray  # int32[2] player (row, col)
     step_count: jnp.ndarray  # int32[] actions taken this episode
-    key: jnp.ndarray  # PRNG key for slips
+    key: jnp.ndarray  # PRNG key for slips (``draw_bits``)
 
 
 def move(pos, direction, size: int):
@@ -151,24 +163,24 @@ class FrozenLake(GridEnv):
 
     def step(self, state: FrozenLakeState, action):
         """Take ``action``; on slippery ice the realised direction is a random neighbour of it."""
-        key, slip_key = jax.random.split(state.key)
-        direction = self.realised_direction(slip_key, action)
+        key, bits = draw_bits(state.key)
+        direction = self.realised_direction(action, bits_to_uniform(bits))
         return self.step_in_direction(state.replace(key=key), direction)
 
-    def realised_direction(self, key, action):
-        """``action`` itself, or on slippery ice ``action + {-1, 0, 1}`` (mod 4) uniformly."""
+    def realised_direction(self, action, u):
+        """``action`` itself, or on slippery ice ``action - 1``, ``action``, ``action + 1`` (mod 4)
+        for a uniform draw ``u`` in the first, second, last third of [0, 1) (gymnasium's rule)."""
         action = jnp.asarray(action, jnp.int32)
         if not self.is_slippery:
             return action
-        # floor(3u) is uniform on {0, 1, 2} to within 1e-7, at a third of ``randint``'s cost.
-        offset = jnp.floor(3 * jax.random.uniform(key)).astype(jnp.int32) - 1
+        offset = jnp.floor(3 * u).astype(jnp.int32) - 1
         return (action + offset) % 4
 
     def step_in_direction(self, state: FrozenLakeState, direction):
         """The deterministic transition once the slip is known (gymnasium's ``P[s][a]`` entries)."""
-        absorbed = self._is_terminal_cell(state.board[state.pos[0], state.pos[1]])
+        absorbed = self._is_terminal_cell(cell_at(state.board, state.pos))
         pos = jnp.where(absorbed, state.pos, move(state.pos, direction, self.size))
-        cell = state.board[pos[0], pos[1]]
+        cell = cell_at(state.board, pos)
         on_goal = cell == GOAL
         terminated = self._is_terminal_cell(cell)
         moved = jnp.any(pos != state.pos)
@@ -200,12 +212,17 @@ class FrozenLake(GridEnv):
         return self.size, self.size
 
     def render_symbols(self, state: FrozenLakeState):
-        """Jittable ``int32[size, size]`` of RAGEN grid codes."""
-        cell_symbol = jnp.array([EMPTY, HOLE_SYM, EMPTY, GOAL_SYM], jnp.int32)  # F H S G
-        player_symbol = jnp.array([PLAYER, PLAYER_IN_HOLE, PLAYER, PLAYER_ON_GOAL], jnp.int32)
-        grid = cell_symbol[state.board]
-        r, c = state.pos[0], state.pos[1]
-        return grid.at[r, c].set(player_symbol[state.board[r, c]])
+        """Jittable ``int32[size, size]`` of RAGEN grid codes.
+
+        Elementwise selects rather than table lookups and a scatter: much cheaper under ``vmap``.
+        """
+        board = state.board
+        player = cell_mask(board.shape, state.pos)
+        hole = jnp.where(player, PLAYER_IN_HOLE, HOLE_SYM)
+        goal = jnp.where(player, PLAYER_ON_GOAL, GOAL_SYM)
+        frozen = jnp.where(player, PLAYER, EMPTY)  # frozen ice and the start
+        symbols = jnp.where(board == HOLE, hole, jnp.where(board == GOAL, goal, frozen))
+        return symbols.astype(jnp.int32)
 
     def state_from_text(self, text: str) -> FrozenLakeState:
         """A state from a rendered grid; the player's cell (if ``P``) becomes the start."""

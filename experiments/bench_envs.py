@@ -1,7 +1,7 @@
 """Environment throughput: the pure-JAX envs under ``jit`` + ``vmap`` against plain NumPy.
 
 For every env, batch size and mode, a compiled loop steps the whole batch with uniformly random
-actions, and we report environment steps per second (median of ``--repeats`` timed runs of about
+actions (``random_actions``: a hash, as cheap as the envs' own draws), and we report environment steps per second (median of ``--repeats`` timed runs of about
 ``--seconds`` each; compile time reported apart). Two modes:
 
 - ``step``: dynamics only. A row that finishes restarts from its own first state (same level), so
@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 import envs_jax
 from envs_jax import sokoban_reference
+from envs_jax.base import bits_to_uniform, hash_words
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
@@ -173,42 +174,59 @@ def select_rows(mask, on_true, on_false):
     return jax.tree.map(pick, on_true, on_false)
 
 
+def random_actions(key, step_index, batch: int, num_actions: int):
+    """int32[batch] uniform actions for one step: a hash of (key, step, row), no PRNG key splits.
+
+    ``jax.random`` here would cost more than the cheaper env steps themselves.
+    """
+    step_word = hash_words(hash_words(key[0], key[1]), step_index)
+    bits = hash_words(jnp.arange(batch, dtype=jnp.uint32), step_word)
+    return jnp.floor(num_actions * bits_to_uniform(bits)).astype(jnp.int32)
+
+
+def checksum(timestep, batch: int):
+    """Sum of every reward, observation and info flag, so the compiler cannot drop any part of the
+    step. The integer outputs are summed per row in int32 first: on XLA:CPU that is a good deal
+    cheaper than converting every cell to float32 and reducing it over the whole batch."""
+    counts = jax.tree.leaves((timestep.observation, timestep.extras))
+    per_row = sum(jnp.sum(x.reshape(batch, -1), axis=1, dtype=jnp.int32) for x in counts)
+    return jnp.sum(timestep.reward + per_row.astype(jnp.float32))
+
+
 def make_loop(env, batch: int, reset_capacity: int | None):
     """``loop(first, states, waiting, key, num_steps) -> (states, waiting, counted_steps, checksum)``:
-    ``num_steps`` (a runtime value) random steps of the batch.
+    ``num_steps`` (a runtime value) random steps of the batch, one compiled ``fori_loop``.
 
     ``reset_capacity=None``: finished rows restart from ``first``. Otherwise each step generates
     ``reset_capacity`` fresh levels; finished rows take them, those already waiting first, and the
-    others wait (``waiting``) and are not counted. ``checksum`` sums every reward, observation and
-    info flag, so the compiler cannot drop any part of the step.
+    others wait (``waiting``) and are not counted. ``checksum`` (see ``checksum``) keeps every
+    output of the step live.
     """
     num_actions = env.action_spec.num_values
     step = jax.vmap(env.step)
     reset = jax.vmap(env.reset)
 
-    def advance(first, states, waiting, key):
-        action_key, reset_key = jax.random.split(key)
-        actions = jnp.floor(num_actions * jax.random.uniform(action_key, (batch,))).astype(jnp.int32)
+    def advance(first, states, waiting, key, i):
+        actions = random_actions(key, i, batch, num_actions)
         states, timestep = step(states, actions)
-        outputs = jax.tree.leaves((timestep.reward, timestep.observation, timestep.extras))
-        checksum = sum(jnp.sum(x, dtype=jnp.float32) for x in outputs)
+        step_sum = checksum(timestep, batch)
         if reset_capacity is None:
-            return select_rows(timestep.last(), first, states), waiting, checksum
+            return select_rows(timestep.last(), first, states), waiting, step_sum
         # Rows already waiting are served first, then the newly finished, each in row order.
         newly = timestep.last() & ~waiting
         rank = jnp.where(waiting, jnp.cumsum(waiting), jnp.sum(waiting) + jnp.cumsum(newly)) - 1
         finished = waiting | newly
         takes = finished & (rank < reset_capacity)
-        fresh, _ = reset(jax.random.split(reset_key, reset_capacity))
+        fresh, _ = reset(jax.random.split(jax.random.fold_in(key, i), reset_capacity))
         fresh_rows = jax.tree.map(lambda x: x[jnp.clip(rank, 0, reset_capacity - 1)], fresh)
-        return select_rows(takes, fresh_rows, states), finished & ~takes, checksum
+        return select_rows(takes, fresh_rows, states), finished & ~takes, step_sum
 
     def loop(first, states, waiting, key, num_steps):
         def body(i, carry):
-            states, waiting, counted, checksum = carry
+            states, waiting, counted, total = carry
             counted += jnp.sum(~waiting)
-            states, waiting, step_sum = advance(first, states, waiting, jax.random.fold_in(key, i))
-            return states, waiting, counted, checksum + step_sum
+            states, waiting, step_sum = advance(first, states, waiting, key, i)
+            return states, waiting, counted, total + step_sum
 
         init = (states, waiting, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
         return jax.lax.fori_loop(0, num_steps, body, init)
@@ -217,10 +235,14 @@ def make_loop(env, batch: int, reset_capacity: int | None):
 
 
 def first_states(batched_reset, key, batch: int, chunk: int = 4096):
-    """``batch`` reset states, generated ``chunk`` at a time to bound the generators' memory."""
+    """``batch`` reset states, generated ``chunk`` at a time to bound the generators' memory.
+
+    Waits for them: JAX dispatches asynchronously, and generating Sokoban levels takes about a
+    millisecond each on CPU, which must not land in the first (calibration) run of the loop.
+    """
     keys = jax.random.split(key, batch)
     parts = [batched_reset(keys[i : i + chunk])[0] for i in range(0, batch, chunk)]
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+    return jax.block_until_ready(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts))
 
 
 def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_steps, seed) -> dict:

@@ -51,6 +51,30 @@ def test_reset_capacity_limits_fresh_levels_and_serves_waiting_rows_first():
     np.testing.assert_array_equal(np.asarray(waiting), [True, True, False, False, True, True])
 
 
+def test_random_actions_are_uniform_and_differ_by_step_and_key():
+    key, batch = jax.random.PRNGKey(0), 1 << 14
+    actions = np.asarray(bench_envs.random_actions(key, 0, batch, 4))
+    assert actions.min() == 0 and actions.max() == 3
+    shares = np.bincount(actions, minlength=4) / batch
+    assert np.all(np.abs(shares - 0.25) < 5 * np.sqrt(0.25 * 0.75 / batch))
+    next_step = np.asarray(bench_envs.random_actions(key, 1, batch, 4))
+    other_key = np.asarray(bench_envs.random_actions(jax.random.PRNGKey(1), 0, batch, 4))
+    for other in (next_step, other_key):
+        assert abs(np.mean(actions == other) - 0.25) < 0.02  # independent, not shifted copies
+    np.testing.assert_array_equal(actions, bench_envs.random_actions(key, 0, batch, 4))
+
+
+def test_checksum_counts_every_output():
+    env = envs_jax.make("SimpleSokoban")
+    states = jax.tree.map(lambda *x: jnp.stack(x), *(env.reset_from_seed(s) for s in range(3)))
+    _, ts = jax.vmap(env.step)(states, jnp.array([0, 1, 2]))
+    outputs = jax.tree.leaves((ts.reward, ts.observation, ts.extras))
+    expected = sum(float(np.sum(np.asarray(x, np.float64))) for x in outputs)
+    assert float(bench_envs.checksum(ts, 3)) == pytest.approx(expected, rel=1e-6)
+    bumped = ts.replace(observation=ts.observation.at[2, 5, 5].add(1))
+    assert float(bench_envs.checksum(bumped, 3)) == pytest.approx(expected + 1, rel=1e-6)
+
+
 def test_numpy_baselines_follow_the_rules():
     rng = np.random.default_rng(0)
     frozen = bench_envs.NumpyFrozenLake(envs_jax.make("FrozenLake"))

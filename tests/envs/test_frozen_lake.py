@@ -57,7 +57,7 @@ def test_golden_slips_of_seed_123(env, step_in_direction):
 
 
 def test_transitions_match_gymnasium(env, step_in_direction):
-    """Replay gymnasium's own slips (peeked from its RNG) through our transition, seed by seed."""
+    """Replay gymnasium's own draws (peeked from its RNG) through our slip rule and transition."""
     actions = np.random.default_rng(0).integers(4, size=(4, 12))
     for seed, episode in zip(range(200, 204), actions):
         gym = GymFrozenLake(desc=generate_random_map(4, 0.8, seed), is_slippery=True)
@@ -67,8 +67,10 @@ def test_transitions_match_gymnasium(env, step_in_direction):
         for a in episode:
             u = copy.deepcopy(gym.np_random).random()
             slip = int(np.argmax(np.cumsum([1 / 3] * 3) > u))  # gymnasium's categorical_sample
+            direction = env.realised_direction(a, u)
+            assert int(direction) == (a - 1 + slip) % 4
             _, reward, terminated, _, _ = gym.step(int(a))
-            s, ts = step_in_direction(s, (a - 1 + slip) % 4)
+            s, ts = step_in_direction(s, direction)
             assert pos(s) == divmod(gym.s, 4)
             assert float(ts.reward) == reward and bool(ts.discount == 0) == terminated
 
