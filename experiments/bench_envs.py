@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +48,7 @@ import envs_jax
 from envs_jax import sokoban_reference
 from envs_jax.base import bits_to_uniform, hash_words
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
+from experiments.bench_report import write_report
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
@@ -403,10 +402,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     report = run(args)
     print(format_table(report))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(report, args.out)
     return report
 
 

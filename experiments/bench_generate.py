@@ -26,18 +26,15 @@ and the fraction is decode tokens/s divided by that. Bandwidths: H100 SXM 3.35 T
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.bench_report import machine, write_report
 from starpo_jax import sampling
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
 
@@ -200,10 +197,7 @@ def main(argv=None) -> dict:
             "sampling": "temperature 1.0, top-k off, top-p 1.0, stop tokens disabled",
             "tokens_per_s": "batch * new_tokens / median wall time of prefill + decode; compile time apart",
         },
-        "machine": {
-            "jax_platform": device.platform, "device_kind": device.device_kind, "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(), "jax": jax.__version__, "note": args.note,
-        },
+        "machine": machine(args.note),
         "results": [],
     }  # fmt: skip
     for name in args.models.split(","):
@@ -228,10 +222,7 @@ def main(argv=None) -> dict:
                 row["roofline"]["fraction"] = row["jax"]["decode_tokens_per_s"] / row["roofline"]["tokens_per_s"]
             report["results"].append(row)
             print(summary(row), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"[bench] wrote {out}")
+    write_report(report, args.out)
     return report
 
 

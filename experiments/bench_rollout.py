@@ -69,13 +69,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import math
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -84,6 +80,8 @@ import numpy as np
 from flax import nnx
 from jumanji.types import StepType
 from tqdm import tqdm
+
+from experiments.bench_report import machine, write_report
 
 import envs_jax
 from envs_jax.base import GridEnv, symbols_to_text
@@ -494,10 +492,7 @@ def main(argv=None) -> dict:
             "response_length": args.response_length, "max_actions_per_traj": args.max_actions_per_traj,
             "dtype": dtype, "temperature": 1.0, "seed": args.seed, "bucket": args.bucket, "repeats": args.repeats,
         },
-        "machine": {
-            "jax_platform": device.platform, "device_kind": device.device_kind, "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(), "jax": jax.__version__, "note": args.note,
-        },
+        "machine": machine(args.note),
         "results": [],
     }  # fmt: skip
     runs_per_model = len(MODES if args.baseline else MODES[:1]) * (1 + args.repeats)
@@ -506,10 +501,7 @@ def main(argv=None) -> dict:
             bar.set_postfix_str(name)
             report["results"].append(bench_model(name, args, dtype, bandwidth, bar))
     print(table(report["results"]), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"[bench] wrote {out}")
+    write_report(report, args.out)
     return report
 
 

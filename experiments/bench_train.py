@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 from tqdm import tqdm
+
+from experiments.bench_report import machine, write_report
 
 
 def tree_bytes(tree) -> int:
@@ -126,15 +124,13 @@ def main(argv=None) -> dict:
     traj = jax.block_until_ready(collect(state, exp.train_tables, jax.random.PRNGKey(1)))
     full = bench_mode(exp, traj, 0, args.repeats)
     lora = bench_mode(exp, traj, args.lora_rank, args.repeats)
-    device = jax.devices()[0]
     held = lambda r: r["learn_bytes"]["arguments"] + r["learn_bytes"]["temporaries"]  # noqa: E731
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "workload": {"model": args.model, "trajectories": args.groups * args.group_size, "max_len": args.max_len,
                      "response_length": args.response_length, "micro_batch_size": args.micro_batch_size,
                      "estimator": "gae + KL loss", "env": "Bandit"},
-        "machine": {"jax_platform": device.platform, "device_kind": device.device_kind, "cpu_count": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(), "jax": jax.__version__, "note": args.note},
+        "machine": machine(args.note),
         "results": {"full": full, "lora": lora},
         "lora_over_full": {
             "state_bytes": sum(lora["state_bytes"].values()) / sum(full["state_bytes"].values()),
@@ -152,10 +148,7 @@ def main(argv=None) -> dict:
     ratios = report["lora_over_full"]
     print(f"LoRA / full: state {ratios['state_bytes']:.2f}x, learn memory {ratios['learn_held_bytes']:.2f}x, "
           f"wall time {ratios['wall_s']:.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"[bench] wrote {out}")
+    write_report(report, args.out)
     return report
 
 
