@@ -1,8 +1,9 @@
 """Environment throughput: the pure-JAX envs under ``jit`` + ``vmap`` against plain NumPy.
 
 For every env, batch size and mode, a compiled loop steps the whole batch with uniformly random
-actions (``random_actions``: a hash, as cheap as the envs' own draws), and we report environment steps per second (median of ``--repeats`` timed runs of about
-``--seconds`` each; compile time reported apart). Two modes:
+actions (``random_actions``: a hash, as cheap as the envs' own draws), and we report environment
+steps per second (median of ``--repeats`` timed runs of about ``--seconds`` each; compile time
+reported apart). Two modes:
 
 - ``step``: dynamics only. A row that finishes restarts from its own first state (same level), so
   every step is a live one and no level is generated.
@@ -34,8 +35,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
-import platform
 import statistics
 import time
 
@@ -48,7 +47,7 @@ import envs_jax
 from envs_jax import sokoban_reference
 from envs_jax.base import bits_to_uniform, hash_words
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
-from experiments.bench_report import write_report
+from experiments.bench_report import machine, write_report
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
@@ -367,18 +366,8 @@ def run(args) -> dict:
                     row["speedup_vs_numpy"] = row["steps_per_s"] / numpy_rates[name][mode]
                     results.append(row)
                     bar.update()
-    device = jax.devices()[0]
     return {
-        "meta": {
-            "jax_version": jax.__version__,
-            "backend": jax.default_backend(),
-            "device": getattr(device, "device_kind", str(device)),
-            "cpu_count": os.cpu_count(),
-            "load_average": os.getloadavg(),  # other work on the machine skews the rates
-            "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "args": dict(vars(args)),
-        },
+        "meta": {**machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": dict(vars(args))},
         "numpy": numpy_rates,
         "results": results,
     }

@@ -89,6 +89,7 @@ def evaluate(args) -> dict:
     import jax
 
     from starpo_jax import sharding
+    from starpo_jax.experiment import ConfigError, device_mesh
     from starpo_jax.train import sampling_policy
 
     tags = suite_tags(args.suite)
@@ -97,31 +98,29 @@ def evaluate(args) -> dict:
         config.rollout.max_turn = args.max_turn
     if args.response_length:
         config.rollout.response_length = args.response_length
-    mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model))
+    batch = min(args.batch, args.levels)
+    if args.levels % batch:
+        raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
+    mesh = device_mesh(config, **{"--batch": batch})
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
-        results = evaluate_tags(args, tags, config, policy, tokenizer, mesh)
+        results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
     return {"model": args.model, "suite": args.suite, "temperature": args.temperature,
             "device": jax.devices()[0].device_kind, "devices": len(mesh.devices.flat), "results": results}
 
 
-def evaluate_tags(args, tags, config, policy, tokenizer, mesh) -> dict:
-    """Success and friends per env tag, over ``args.levels`` fixed levels each."""
+def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
+    """Success and friends per env tag, over ``args.levels`` fixed levels each, ``batch`` at a time."""
     import jax
     from tqdm import tqdm
 
-    from starpo_jax import sharding
-    from starpo_jax.experiment import ConfigError, rollout_plan
+    from starpo_jax.experiment import rollout_plan
     from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
     from starpo_jax.train import rollout_metrics
 
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:
-        batch = min(args.batch, args.levels)
-        if args.levels % batch:
-            raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
-        sharding.check_batch(mesh, **{"--batch": batch})
         config.envs.val.tags, config.envs.val.n_groups, config.envs.val.group_size = (tag,), (batch,), 1
         plan = rollout_plan(config, "val", tokenizer)
         tables = build_tables(

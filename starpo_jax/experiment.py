@@ -39,17 +39,14 @@ class Experiment:
     mesh: Any  # jax.sharding.Mesh the run shards over (starpo_jax.sharding)
 
 
-def device_mesh(config: ConfigDict, train_plan: RolloutPlan, val_plan: RolloutPlan):
-    """``config.mesh`` as a device mesh, checked against the batches it splits over ``data``."""
+def device_mesh(config: ConfigDict, **batch_sizes: int):
+    """``config.mesh`` as a device mesh, checked against the batches it splits over ``data``
+    (named as the user sets them)."""
     from starpo_jax import sharding
 
     try:
         mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model))
-        sharding.check_batch(mesh, **{
-            "the training batch (n_groups × group_size)": train_plan.batch_size,
-            "the validation batch (n_groups × group_size)": val_plan.batch_size,
-            "actor.micro_batch_size": config.actor.micro_batch_size,
-        })
+        sharding.check_batch(mesh, **batch_sizes)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return mesh
@@ -242,5 +239,9 @@ def build_experiment(config: ConfigDict) -> Experiment:
         val_tables=tables["val"],
         settings=train_settings(config, train_plan),
         hyper=hyperparams(config),
-        mesh=device_mesh(config, train_plan, val_plan),
+        mesh=device_mesh(config, **{
+            "the training batch (n_groups × group_size)": train_plan.batch_size,
+            "the validation batch (n_groups × group_size)": val_plan.batch_size,
+            "actor.micro_batch_size": config.actor.micro_batch_size,
+        }),
     )

@@ -17,7 +17,7 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys):
     )
     report = json.loads(out.read_text())
     assert set(report) == {"meta", "numpy", "results"}
-    assert report["meta"]["backend"] == jax.default_backend()
+    assert report["meta"]["jax_platform"] == jax.default_backend()
     for name in ("Bandit", "FrozenLake"):
         assert set(report["numpy"][name]) == {"step", "reset"}
         assert all(rate > 0 for rate in report["numpy"][name].values())
