@@ -16,6 +16,11 @@ reported apart). Two modes:
   gives the select-everything behaviour. ``active_share`` in the JSON is the
   fraction of row-steps counted.
 
+The timed loop consumes every step's reward, step type and info flags and carries the state on;
+like the NumPy baseline, it does not render observations, which the envs compute from the state
+(``render_symbols``) and XLA drops when nothing reads them. ``--observe`` adds them (the symbol
+grid of every row at every step) for the cost of a step as the rollout sees it.
+
 The runs continue one another (warm-up, then the timed repeats), so ``reset`` mode measures the
 steady state where episodes are at all stages.
 
@@ -182,23 +187,24 @@ def random_actions(key, step_index, batch: int, num_actions: int):
     return jnp.floor(num_actions * bits_to_uniform(bits)).astype(jnp.int32)
 
 
-def checksum(timestep, batch: int):
-    """Sum of every reward, observation and info flag, so the compiler cannot drop any part of the
-    step. The integer outputs are summed per row in int32 first: on XLA:CPU that is a good deal
-    cheaper than converting every cell to float32 and reducing it over the whole batch."""
-    counts = jax.tree.leaves((timestep.observation, timestep.extras))
+def checksum(timestep, batch: int, observe: bool):
+    """Sum of every reward and info flag, and of the observations if ``observe``, so the compiler
+    cannot drop that part of the step (the state is carried to the next step, so its update is
+    always live). The integer outputs are summed per row in int32 first: on XLA:CPU that is a good
+    deal cheaper than converting every cell to float32 and reducing it over the whole batch."""
+    counts = jax.tree.leaves((timestep.observation, timestep.extras) if observe else timestep.extras)
     per_row = sum(jnp.sum(x.reshape(batch, -1), axis=1, dtype=jnp.int32) for x in counts)
     return jnp.sum(timestep.reward + per_row.astype(jnp.float32))
 
 
-def make_loop(env, batch: int, reset_capacity: int | None):
+def make_loop(env, batch: int, reset_capacity: int | None, observe: bool = False):
     """``loop(first, states, waiting, key, num_steps) -> (states, waiting, counted_steps, checksum)``:
     ``num_steps`` (a runtime value) random steps of the batch, one compiled ``fori_loop``.
 
     ``reset_capacity=None``: finished rows restart from ``first``. Otherwise each step generates
     ``reset_capacity`` fresh levels; finished rows take them, those already waiting first, and the
-    others wait (``waiting``) and are not counted. ``checksum`` (see ``checksum``) keeps every
-    output of the step live.
+    others wait (``waiting``) and are not counted. ``checksum`` (see ``checksum``) keeps the
+    step's outputs live, its observations too if ``observe``.
     """
     num_actions = env.action_spec.num_values
     step = jax.vmap(env.step)
@@ -207,7 +213,7 @@ def make_loop(env, batch: int, reset_capacity: int | None):
     def advance(first, states, waiting, key, i):
         actions = random_actions(key, i, batch, num_actions)
         states, timestep = step(states, actions)
-        step_sum = checksum(timestep, batch)
+        step_sum = checksum(timestep, batch, observe)
         if reset_capacity is None:
             return select_rows(timestep.last(), first, states), waiting, step_sum
         # Rows already waiting are served first, then the newly finished, each in row order.
@@ -243,7 +249,8 @@ def first_states(batched_reset, key, batch: int, chunk: int = 4096):
     return jax.block_until_ready(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts))
 
 
-def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_steps, seed) -> dict:
+def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_steps, seed,
+                    observe=False) -> dict:
     """Compile time and median steps/s of the compiled loop, run from the ``batch`` states ``first``.
 
     Warm-up runs of growing length calibrate the number of steps per timed run to about ``seconds``
@@ -254,7 +261,7 @@ def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_
     capacity = None if mode == "step" else max(1, math.ceil(reset_share * batch))
 
     start = time.perf_counter()
-    loop = make_loop(env, batch, capacity).lower(first, states, waiting, key, 2).compile()
+    loop = make_loop(env, batch, capacity, observe).lower(first, states, waiting, key, 2).compile()
     compile_s = time.perf_counter() - start
 
     run_keys = (jax.random.fold_in(key, r) for r in itertools.count())
@@ -313,6 +320,8 @@ def parse_args(argv=None):
                         help="duration of each NumPy baseline run (3 runs, median)")
     parser.add_argument("--reset-share", type=float, default=None,
                         help="fresh levels per step as a share of the batch (default: per env)")
+    parser.add_argument("--observe", action="store_true",
+                        help="also render every step's observation (symbol grid) in the timed loop")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_results/bench_envs.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true",
@@ -361,7 +370,7 @@ def run(args) -> dict:
                 for mode in args.modes:
                     bar.set_postfix_str(f"jax {name} batch={batch} {mode}")
                     row = jax_measurement(env, first, batch, mode, args.repeats, share,
-                                          args.seconds, args.max_steps, args.seed)
+                                          args.seconds, args.max_steps, args.seed, args.observe)
                     row = {"env": name, "batch": batch, "mode": mode, **row}
                     row["speedup_vs_numpy"] = row["steps_per_s"] / numpy_rates[name][mode]
                     results.append(row)

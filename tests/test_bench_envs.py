@@ -13,7 +13,7 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench_envs.main(
         ["--quick", "--envs", "Bandit,FrozenLake", "--batch-sizes", "3", "--max-steps", "8",
-         "--out", str(out)]
+         "--observe", "--out", str(out)]
     )
     report = json.loads(out.read_text())
     assert set(report) == {"meta", "numpy", "results"}
@@ -64,15 +64,19 @@ def test_random_actions_are_uniform_and_differ_by_step_and_key():
     np.testing.assert_array_equal(actions, bench_envs.random_actions(key, 0, batch, 4))
 
 
-def test_checksum_counts_every_output():
+@pytest.mark.parametrize("observe", [False, True])
+def test_checksum_counts_every_output(observe):
     env = envs_jax.make("SimpleSokoban")
     states = jax.tree.map(lambda *x: jnp.stack(x), *(env.reset_from_seed(s) for s in range(3)))
     _, ts = jax.vmap(env.step)(states, jnp.array([0, 1, 2]))
-    outputs = jax.tree.leaves((ts.reward, ts.observation, ts.extras))
+    outputs = jax.tree.leaves((ts.reward, ts.observation if observe else (), ts.extras))
     expected = sum(float(np.sum(np.asarray(x, np.float64))) for x in outputs)
-    assert float(bench_envs.checksum(ts, 3)) == pytest.approx(expected, rel=1e-6)
+    assert float(bench_envs.checksum(ts, 3, observe)) == pytest.approx(expected, rel=1e-6)
     bumped = ts.replace(observation=ts.observation.at[2, 5, 5].add(1))
-    assert float(bench_envs.checksum(bumped, 3)) == pytest.approx(expected + 1, rel=1e-6)
+    assert float(bench_envs.checksum(bumped, 3, observe)) == pytest.approx(expected + observe, rel=1e-6)
+    flagged = ts.replace(extras={**ts.extras, "success": ts.extras["success"].at[0].set(True)})
+    gained = 1 - float(ts.extras["success"][0])
+    assert float(bench_envs.checksum(flagged, 3, observe)) == pytest.approx(expected + gained, rel=1e-6)
 
 
 def test_numpy_baselines_follow_the_rules():

@@ -7,7 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from envs_jax.base import bits_to_uniform, cell_at, cell_mask, draw_bits, hash_words, mix32
+from envs_jax.base import (
+    bits_to_uniform,
+    cell_at,
+    cell_bit,
+    cell_mask,
+    count_cells,
+    draw_bits,
+    hash_words,
+    mix32,
+    num_words,
+    pack_cells,
+    toggle_cell,
+    unpack_cells,
+)
 
 
 @partial(jax.jit, static_argnums=1)
@@ -89,3 +102,27 @@ def test_cell_at_and_cell_mask_address_the_same_cell():
         assert int(cell_at(grid, pos)) == 5 * r + c
         mask = np.asarray(cell_mask(grid.shape, pos))
         assert mask.sum() == 1 and mask[r, c]
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (6, 6), (3, 11), (8, 8), (9, 9)])
+def test_bitboards_read_write_and_count_the_cells_of_a_mask(shape):
+    rng = np.random.default_rng(shape[0] * 100 + shape[1])
+    masks = rng.random((5,) + shape) < 0.4  # a batch of 5 grids
+    words = pack_cells(masks)
+    assert len(words) == num_words(shape) == -(-shape[0] * shape[1] // 32)
+    assert all(w.dtype == jnp.uint32 and w.shape == (5,) for w in words)
+    np.testing.assert_array_equal(unpack_cells(words, shape), masks)
+    np.testing.assert_array_equal(count_cells(words), masks.sum(axis=(1, 2)))
+
+    flat = masks.reshape(5, -1)
+    cells = np.arange(flat.shape[1])
+    read = jax.vmap(jax.vmap(cell_bit, in_axes=(None, 0)), in_axes=(0, None))(words, jnp.asarray(cells))
+    np.testing.assert_array_equal(read, flat)
+
+    cell = jnp.asarray(rng.integers(0, flat.shape[1], 5), jnp.int32)
+    on = jnp.array([True, False, True, True, False])
+    toggled = unpack_cells(jax.vmap(toggle_cell)(words, cell, on), shape).reshape(5, -1)
+    expected = flat.copy()
+    for row in np.flatnonzero(on):
+        expected[row, cell[row]] ^= True
+    np.testing.assert_array_equal(toggled, expected)
