@@ -41,13 +41,15 @@ from envs_jax.bandit import gymnasium_rng
 from envs_jax.base import (
     GridEnv,
     bits_to_uniform,
-    cell_at,
-    cell_mask,
+    cell_bit,
     draw_bits,
     first_timestep,
+    flat_cells,
     make_timestep,
+    pack_cells,
     parse_grid_text,
     step_extras,
+    unpack_cells,
 )
 
 # Board cell codes (gymnasium's map letters F, H, S, G).
@@ -64,15 +66,46 @@ DIRECTION_DELTAS = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]], np.int32)
 
 @struct.dataclass
 class FrozenLakeState:
-    board: jnp.ndarray  # int8[size, size] of FROZEN / HOLE / START / GOAL
-    pos: jnp.ndarray  # int32[2] player (row, col)
+    """A FrozenLake state: holes and goals as bitboards (``envs_jax.base``), cells as row-major
+    indices, so a step reads a couple of bits. ``board`` and ``pos`` give the grid view."""
+
+    holes: tuple[jnp.ndarray, ...]  # uint32 words: hole cells
+    goals: tuple[jnp.ndarray, ...]  # uint32 words: goal cells
+    start_cell: jnp.ndarray  # int32[]: row * size + col of the start
+    player_cell: jnp.ndarray  # int32[]: row * size + col of the player
     step_count: jnp.ndarray  # int32[] actions taken this episode
     key: jnp.ndarray  # PRNG key for slips (``draw_bits``)
+    size: int = struct.field(pytree_node=False)
+
+    @property
+    def board(self):
+        """int8[..., size, size] of FROZEN / HOLE / START / GOAL."""
+        shape = (self.size, self.size)
+        start = flat_cells(shape) == self.start_cell[..., None, None]
+        board = jnp.where(start, START, FROZEN)
+        board = jnp.where(unpack_cells(self.holes, shape), HOLE, board)
+        return jnp.where(unpack_cells(self.goals, shape), GOAL, board).astype(jnp.int8)
+
+    @property
+    def pos(self):
+        """int32[..., 2]: the player's (row, col)."""
+        return jnp.stack(jnp.divmod(self.player_cell, self.size), axis=-1)
 
 
 def move(pos, direction, size: int):
-    """The cell one step from ``pos`` in ``direction``; off-grid moves stay put."""
+    """The cell one step from ``pos`` (row, col) in ``direction``; off-grid moves stay put."""
     return jnp.clip(pos + jnp.asarray(DIRECTION_DELTAS)[direction], 0, size - 1)
+
+
+def neighbour_cell(cell, direction, size: int):
+    """``move`` on row-major cell indices: selects instead of a table lookup, cheaper under vmap."""
+    row, col = cell // size, cell % size
+    stays = jnp.select(
+        [direction == 0, direction == 1, direction == 2], [col == 0, row == size - 1, col == size - 1],
+        row == 0,
+    )
+    step = jnp.select([direction == 0, direction == 1, direction == 2], [-1, size, 1], -size)
+    return jnp.where(stays, cell, cell + step)
 
 
 def goal_reachable(board) -> jnp.ndarray:
@@ -153,12 +186,7 @@ class FrozenLake(GridEnv):
 
         empty = jnp.zeros((self.size, self.size), jnp.int8)  # no start: rejected, so drawn at least once
         _, board = jax.lax.while_loop(unsolvable, draw, (map_key, empty))
-        state = FrozenLakeState(
-            board=board,
-            pos=self._start_of(board),
-            step_count=jnp.zeros((), jnp.int32),
-            key=key,
-        )
+        state = self._state(board, jnp.argmax((board == START).ravel()), key)
         return state, first_timestep(self.render_symbols(state))
 
     def step(self, state: FrozenLakeState, action):
@@ -178,14 +206,16 @@ class FrozenLake(GridEnv):
 
     def step_in_direction(self, state: FrozenLakeState, direction):
         """The deterministic transition once the slip is known (gymnasium's ``P[s][a]`` entries)."""
-        absorbed = self._is_terminal_cell(cell_at(state.board, state.pos))
-        pos = jnp.where(absorbed, state.pos, move(state.pos, direction, self.size))
-        cell = cell_at(state.board, pos)
-        on_goal = cell == GOAL
-        terminated = self._is_terminal_cell(cell)
-        moved = jnp.any(pos != state.pos)
+        def terminal(cell):
+            return cell_bit(state.holes, cell) | cell_bit(state.goals, cell)
+
+        absorbed = terminal(state.player_cell)
+        player = jnp.where(absorbed, state.player_cell, neighbour_cell(state.player_cell, direction, self.size))
+        on_goal = cell_bit(state.goals, player)
+        terminated = terminal(player)
         step_count = state.step_count + 1
-        state = state.replace(pos=pos, step_count=step_count)
+        moved = player != state.player_cell
+        state = state.replace(player_cell=player, step_count=step_count)
         timestep = make_timestep(
             self.render_symbols(state),
             reward=jnp.where(on_goal & ~absorbed, 1.0, 0.0),
@@ -216,12 +246,15 @@ class FrozenLake(GridEnv):
 
         Elementwise selects rather than table lookups and a scatter: much cheaper under ``vmap``.
         """
-        board = state.board
-        player = cell_mask(board.shape, state.pos)
+        shape = (self.size, self.size)
+        player = flat_cells(shape) == state.player_cell
         hole = jnp.where(player, PLAYER_IN_HOLE, HOLE_SYM)
         goal = jnp.where(player, PLAYER_ON_GOAL, GOAL_SYM)
         frozen = jnp.where(player, PLAYER, EMPTY)  # frozen ice and the start
-        symbols = jnp.where(board == HOLE, hole, jnp.where(board == GOAL, goal, frozen))
+        symbols = jnp.where(
+            unpack_cells(state.holes, shape), hole,
+            jnp.where(unpack_cells(state.goals, shape), goal, frozen),
+        )
         return symbols.astype(jnp.int32)
 
     def state_from_text(self, text: str) -> FrozenLakeState:
@@ -243,7 +276,7 @@ class FrozenLake(GridEnv):
                 f"FrozenLake level has no goal; mark one cell {self.symbols[GOAL_SYM]!r}."
             )
         board_of_symbol = np.array([START, FROZEN, HOLE, GOAL, HOLE, GOAL], np.int8)
-        return self._state(board_of_symbol[ids], players[0], key=jax.random.PRNGKey(0))
+        return self._state(board_of_symbol[ids], players[0] @ [self.size, 1], key=jax.random.PRNGKey(0))
 
     # ---- RAGEN seeds -------------------------------------------------------------------------
 
@@ -254,26 +287,23 @@ class FrozenLake(GridEnv):
         """
         rows = generate_random_map(self.size, self.p, seed)
         board = np.array([[LETTERS.index(ch) for ch in row] for row in rows], np.int8)
-        return self._state(board, np.argwhere(board == START)[0], key=jax.random.PRNGKey(seed))
+        start = np.flatnonzero(board == START)[0]
+        return self._state(board, start, key=jax.random.PRNGKey(seed))
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _is_terminal_cell(cell):
-        return (cell == HOLE) | (cell == GOAL)
-
-    @staticmethod
-    def _start_of(board):
-        flat = jnp.argmax((board == START).ravel())
-        return jnp.stack(jnp.divmod(flat, board.shape[1])).astype(jnp.int32)
-
-    @staticmethod
-    def _state(board, pos, key) -> FrozenLakeState:
+    def _state(self, board, start_cell, key) -> FrozenLakeState:
+        """The state at the start of an episode on ``board`` (int8 grid), player on ``start_cell``."""
+        board = jnp.asarray(board, jnp.int8)
+        start_cell = jnp.asarray(start_cell, jnp.int32)
         return FrozenLakeState(
-            board=jnp.asarray(board, jnp.int8),
-            pos=jnp.asarray(pos, jnp.int32),
+            holes=pack_cells(board == HOLE),
+            goals=pack_cells(board == GOAL),
+            start_cell=start_cell,
+            player_cell=start_cell,
             step_count=jnp.zeros((), jnp.int32),
             key=key,
+            size=self.size,
         )
 
 

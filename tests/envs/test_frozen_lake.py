@@ -14,6 +14,7 @@ from envs_jax.frozen_lake import (
     generate_random_map,
     goal_reachable,
     move,
+    neighbour_cell,
 )
 from envs_jax.solvers.frozen_lake_dp import optimal_success_probability
 
@@ -91,6 +92,17 @@ def test_move_stays_on_grid():
     assert tuple(np.asarray(move(corner, UP, 4))) == (0, 0)
     assert tuple(np.asarray(move(corner, DOWN, 4))) == (1, 0)
     assert tuple(np.asarray(move(corner, RIGHT, 4))) == (0, 1)
+
+
+@pytest.mark.parametrize("size", [4, 5])
+def test_neighbour_cell_is_move_on_flat_indices(size):
+    cells = np.arange(size * size)
+    for direction in range(4):
+        flat = np.asarray(neighbour_cell(jnp.asarray(cells), direction, size))
+        rows_cols = np.asarray(jax.vmap(lambda p: move(p, direction, size))(
+            jnp.asarray(np.stack(np.divmod(cells, size), axis=1))
+        ))
+        np.testing.assert_array_equal(flat, rows_cols[:, 0] * size + rows_cols[:, 1])
 
 
 def test_goal_reward_termination_and_absorption(env, step_in_direction):
