@@ -8,7 +8,8 @@ reported apart). Two modes:
 - ``step``: dynamics only. A row that finishes restarts from its own first state (same level), so
   every step is a live one and no level is generated.
 - ``reset``: auto-reset, so procedural level generation is inside the timed loop. Each step
-  generates a fixed number of fresh levels, ``reset capacity = ceil(reset_share × batch)``, and
+  generates a fixed number of fresh levels, ``reset capacity = ceil(reset_share × batch)`` (split
+  evenly over the devices), and
   hands them to the rows that finished (rows already waiting first); finished rows beyond the
   capacity wait (they are stepped but not counted). Generating a level for *every* row at every
   step, as a select-based auto-reset does, would cost a level per row-step; the capacity is set
@@ -20,6 +21,11 @@ The timed loop consumes every step's reward, step type and info flags and carrie
 like the NumPy baseline, it does not render observations, which the envs compute from the state
 (``render_symbols``) and XLA drops when nothing reads them. ``--observe`` adds them (the symbol
 grid of every row at every step) for the cost of a step as the rollout sees it.
+
+The batch is split evenly over the local devices, each running the loop on its own rows. On CPU,
+JAX's ``JAX_NUM_CPU_DEVICES=N`` makes N host devices, so that N cores step rows side by side (by
+default JAX makes one: one core runs the loop, like the single-threaded NumPy baseline); the JSON's
+``devices`` says how many a measurement used.
 
 The runs continue one another (warm-up, then the timed repeats), so ``reset`` mode measures the
 steady state where episodes are at all stages.
@@ -33,6 +39,7 @@ mode.
     python -m experiments.bench_envs                       # full grid, writes bench_results/bench_envs.json
     python -m experiments.bench_envs --quick               # smoke run
     python -m experiments.bench_envs --envs FrozenLake --batch-sizes 256,4096 --modes reset
+    JAX_NUM_CPU_DEVICES=2 python -m experiments.bench_envs  # both cores of a 2-core machine
 """
 
 from __future__ import annotations
@@ -188,34 +195,47 @@ def random_actions(key, step_index, batch: int, num_actions: int):
 
 
 def checksum(timestep, batch: int, observe: bool):
-    """Sum of every reward and info flag, and of the observations if ``observe``, so the compiler
-    cannot drop that part of the step (the state is carried to the next step, so its update is
-    always live). The integer outputs are summed per row in int32 first: on XLA:CPU that is a good
-    deal cheaper than converting every cell to float32 and reducing it over the whole batch."""
+    """float32[batch]: each row's reward plus its info flags, and its observation's cells if
+    ``observe``. Accumulated over the steps and summed once at the end, it keeps that part of the
+    step live (the state is carried to the next step, so its update always is). Per row, in int32
+    first: on XLA:CPU a good deal cheaper than reducing over the whole batch at every step."""
     counts = jax.tree.leaves((timestep.observation, timestep.extras) if observe else timestep.extras)
     per_row = sum(jnp.sum(x.reshape(batch, -1), axis=1, dtype=jnp.int32) for x in counts)
-    return jnp.sum(timestep.reward + per_row.astype(jnp.float32))
+    return timestep.reward + per_row.astype(jnp.float32)
 
 
-def make_loop(env, batch: int, reset_capacity: int | None, observe: bool = False):
+def row_mesh(batch: int) -> jax.sharding.Mesh:
+    """A 1-D mesh (axis ``rows``) over as many local devices as evenly split ``batch``."""
+    devices = jax.devices()
+    count = max(n for n in range(1, len(devices) + 1) if batch % n == 0)
+    return jax.sharding.Mesh(np.array(devices[:count]), ("rows",))
+
+
+def make_loop(env, batch: int, reset_capacity: int | None, observe: bool = False, mesh=None):
     """``loop(first, states, waiting, key, num_steps) -> (states, waiting, counted_steps, checksum)``:
     ``num_steps`` (a runtime value) random steps of the batch, one compiled ``fori_loop``.
 
     ``reset_capacity=None``: finished rows restart from ``first``. Otherwise each step generates
-    ``reset_capacity`` fresh levels; finished rows take them, those already waiting first, and the
-    others wait (``waiting``) and are not counted. ``checksum`` (see ``checksum``) keeps the
-    step's outputs live, its observations too if ``observe``.
+    ``reset_capacity`` fresh levels per device; finished rows take them, those already waiting
+    first, and the others wait (``waiting``) and are not counted. ``checksum`` (see ``checksum``)
+    keeps the step's outputs live, its observations too if ``observe``.
+
+    The rows are split over the devices of ``mesh`` (default ``row_mesh(batch)``; on CPU, see
+    ``JAX_NUM_CPU_DEVICES`` in the module docstring): each device runs the loop on its own rows (``shard_map``), with no
+    communication until the final sums.
     """
+    mesh = row_mesh(batch) if mesh is None else mesh
+    rows = batch // mesh.size
     num_actions = env.action_spec.num_values
     step = jax.vmap(env.step)
     reset = jax.vmap(env.reset)
 
     def advance(first, states, waiting, key, i):
-        actions = random_actions(key, i, batch, num_actions)
+        actions = random_actions(key, i, rows, num_actions)
         states, timestep = step(states, actions)
-        step_sum = checksum(timestep, batch, observe)
+        row_sums = checksum(timestep, rows, observe)
         if reset_capacity is None:
-            return select_rows(timestep.last(), first, states), waiting, step_sum
+            return select_rows(timestep.last(), first, states), waiting, row_sums
         # Rows already waiting are served first, then the newly finished, each in row order.
         newly = timestep.last() & ~waiting
         rank = jnp.where(waiting, jnp.cumsum(waiting), jnp.sum(waiting) + jnp.cumsum(newly)) - 1
@@ -223,17 +243,30 @@ def make_loop(env, batch: int, reset_capacity: int | None, observe: bool = False
         takes = finished & (rank < reset_capacity)
         fresh, _ = reset(jax.random.split(jax.random.fold_in(key, i), reset_capacity))
         fresh_rows = jax.tree.map(lambda x: x[jnp.clip(rank, 0, reset_capacity - 1)], fresh)
-        return select_rows(takes, fresh_rows, states), finished & ~takes, step_sum
+        return select_rows(takes, fresh_rows, states), finished & ~takes, row_sums
 
-    def loop(first, states, waiting, key, num_steps):
+    def device_loop(first, states, waiting, key, num_steps):
+        key = jax.random.fold_in(key, jax.lax.axis_index("rows"))  # each device its own draws
+
         def body(i, carry):
             states, waiting, counted, total = carry
-            counted += jnp.sum(~waiting)
-            states, waiting, step_sum = advance(first, states, waiting, key, i)
-            return states, waiting, counted, total + step_sum
+            counted += ~waiting
+            states, waiting, row_sums = advance(first, states, waiting, key, i)
+            return states, waiting, counted, total + row_sums
 
-        init = (states, waiting, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
-        return jax.lax.fori_loop(0, num_steps, body, init)
+        init = (states, waiting, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32))
+        states, waiting, counted, total = jax.lax.fori_loop(0, num_steps, body, init)
+        return states, waiting, jnp.sum(counted)[None], jnp.sum(total)[None]
+
+    split, whole = jax.sharding.PartitionSpec("rows"), jax.sharding.PartitionSpec()
+    sharded_loop = jax.shard_map(
+        device_loop, mesh=mesh, in_specs=(split, split, split, whole, whole),
+        out_specs=(split, split, split, split), check_vma=False,
+    )
+
+    def loop(first, states, waiting, key, num_steps):
+        states, waiting, counted, total = sharded_loop(first, states, waiting, key, num_steps)
+        return states, waiting, jnp.sum(counted), jnp.sum(total)
 
     return jax.jit(loop)
 
@@ -257,11 +290,15 @@ def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_
     (between 2 and ``max_steps``); all runs continue one another.
     """
     key = jax.random.PRNGKey(seed)
-    states, waiting = first, jnp.zeros((batch,), bool)
-    capacity = None if mode == "step" else max(1, math.ceil(reset_share * batch))
+    mesh = row_mesh(batch)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    first = jax.device_put(first, rows)
+    states, waiting = first, jax.device_put(jnp.zeros((batch,), bool), rows)
+    capacity = None if mode == "step" else max(1, math.ceil(reset_share * batch / mesh.size))
 
     start = time.perf_counter()
-    loop = make_loop(env, batch, capacity, observe).lower(first, states, waiting, key, 2).compile()
+    loop = make_loop(env, batch, capacity, observe, mesh)
+    loop = loop.lower(first, states, waiting, key, 2).compile()
     compile_s = time.perf_counter() - start
 
     run_keys = (jax.random.fold_in(key, r) for r in itertools.count())
@@ -292,6 +329,7 @@ def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_
         "run_s": statistics.median(times),
         "num_steps": num_steps,
         "reset_capacity": capacity,
+        "devices": mesh.size,
         "active_share": sum(counted) / (repeats * batch * num_steps),
     }
 
@@ -342,6 +380,7 @@ def parse_args(argv=None):
         parser.error(f"unknown mode(s) {', '.join(bad_modes)}; choose from {', '.join(MODES)}")
     if not args.batch_sizes or min(args.batch_sizes) < 1 or args.max_steps < 2 or args.repeats < 1:
         parser.error("batch sizes and --repeats must be positive, --max-steps at least 2")
+
     return args
 
 
@@ -383,7 +422,8 @@ def run(args) -> dict:
 
 
 def format_table(report: dict) -> str:
-    header = f"{'env':<14} {'batch':>6} {'mode':<6} {'steps/s':>14} {'vs NumPy':>10} {'compile s':>9}"
+    header = (f"{'env':<14} {'batch':>6} {'mode':<6} {'steps/s':>14} {'vs NumPy':>10} "
+              f"{'compile s':>9} {'devices':>7}")
     lines = [header, "-" * len(header)]
     for name, modes in report["numpy"].items():
         for mode, rate in modes.items():
@@ -391,7 +431,7 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"{r['env']:<14} {r['batch']:>6} {r['mode']:<6} {r['steps_per_s']:>14,.0f} "
-            f"{r['speedup_vs_numpy']:>9,.1f}x {r['compile_s']:>9.2f}"
+            f"{r['speedup_vs_numpy']:>9,.1f}x {r['compile_s']:>9.2f} {r['devices']:>7}"
         )
     return "\n".join(lines)
 

@@ -14,7 +14,8 @@ def machine(note: str = "") -> dict:
     """The device and host a figure was measured on (with the load: other work skews rates)."""
     device = jax.devices()[0]
     return {
-        "jax_platform": device.platform, "device_kind": device.device_kind, "cpu_count": os.cpu_count(),
+        "jax_platform": device.platform, "device_kind": device.device_kind,
+        "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
         "jax": jax.__version__, "note": note,
     }  # fmt: skip

@@ -1,4 +1,8 @@
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +11,8 @@ import pytest
 
 import envs_jax
 from experiments import bench_envs
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_quick_run_writes_a_complete_report(tmp_path, capsys):
@@ -65,18 +71,22 @@ def test_random_actions_are_uniform_and_differ_by_step_and_key():
 
 
 @pytest.mark.parametrize("observe", [False, True])
-def test_checksum_counts_every_output(observe):
+def test_checksum_counts_every_output_of_each_row(observe):
     env = envs_jax.make("SimpleSokoban")
     states = jax.tree.map(lambda *x: jnp.stack(x), *(env.reset_from_seed(s) for s in range(3)))
     _, ts = jax.vmap(env.step)(states, jnp.array([0, 1, 2]))
     outputs = jax.tree.leaves((ts.reward, ts.observation if observe else (), ts.extras))
-    expected = sum(float(np.sum(np.asarray(x, np.float64))) for x in outputs)
-    assert float(bench_envs.checksum(ts, 3, observe)) == pytest.approx(expected, rel=1e-6)
+    expected = sum(np.asarray(x, np.float64).reshape(3, -1).sum(axis=1) for x in outputs)
+    np.testing.assert_allclose(bench_envs.checksum(ts, 3, observe), expected, rtol=1e-6)
     bumped = ts.replace(observation=ts.observation.at[2, 5, 5].add(1))
-    assert float(bench_envs.checksum(bumped, 3, observe)) == pytest.approx(expected + observe, rel=1e-6)
+    np.testing.assert_allclose(
+        bench_envs.checksum(bumped, 3, observe), expected + [0, 0, observe], rtol=1e-6
+    )
     flagged = ts.replace(extras={**ts.extras, "success": ts.extras["success"].at[0].set(True)})
     gained = 1 - float(ts.extras["success"][0])
-    assert float(bench_envs.checksum(flagged, 3, observe)) == pytest.approx(expected + gained, rel=1e-6)
+    np.testing.assert_allclose(
+        bench_envs.checksum(flagged, 3, observe), expected + [gained, 0, 0], rtol=1e-6
+    )
 
 
 def test_numpy_baselines_follow_the_rules():
@@ -96,3 +106,23 @@ def test_numpy_baselines_follow_the_rules():
 def test_cli_rejects_unknown_env():
     with pytest.raises(SystemExit):
         bench_envs.parse_args(["--envs", "Chess"])
+
+
+def test_cpu_devices_split_the_batch(tmp_path):
+    """Two host devices (a fresh process: JAX's device count is fixed at start): batches that split
+    evenly run on both devices, odd ones on one; every row-step is still counted once."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run(
+        [sys.executable, "-m", "experiments.bench_envs", "--quick",
+         "--envs", "FrozenLake,SimpleSokoban", "--batch-sizes", "3,4", "--max-steps", "8",
+         "--out", str(out)],
+        cwd=REPO, env={**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}, check=True, capture_output=True,
+    )
+    rows = {(r["env"], r["batch"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    for (name, batch, mode), r in rows.items():
+        assert r["devices"] == (2 if batch == 4 else 1)
+        if mode == "step":
+            assert r["active_share"] == 1
+        else:  # one fresh level per device and step at these tiny batches
+            assert r["reset_capacity"] == 1 and 0 < r["active_share"] <= 1
