@@ -23,9 +23,10 @@ like the NumPy baseline, it does not render observations, which the envs compute
 grid of every row at every step) for the cost of a step as the rollout sees it.
 
 The batch is split evenly over the local devices, each running the loop on its own rows. On CPU,
-JAX's ``JAX_NUM_CPU_DEVICES=N`` makes N host devices, so that N cores step rows side by side (by
-default JAX makes one: one core runs the loop, like the single-threaded NumPy baseline); the JSON's
-``devices`` says how many a measurement used.
+JAX makes one host device by default, and XLA splits the larger loops of a step over its threads;
+``JAX_NUM_CPU_DEVICES=N`` makes N host devices, each stepping its own rows, which keeps N cores
+busy. The JSON records per measurement the ``devices`` used and ``cpu_per_wall``, the cores busy
+on average (process CPU time over wall time). The NumPy baseline runs on one core.
 
 The runs continue one another (warm-up, then the timed repeats), so ``reset`` mode measures the
 steady state where episodes are at all stages.
@@ -57,7 +58,7 @@ from tqdm import tqdm
 
 import envs_jax
 from envs_jax import sokoban_reference
-from envs_jax.base import bits_to_uniform, hash_words
+from envs_jax.base import hash_words
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
 from experiments.bench_report import machine, write_report
 
@@ -191,7 +192,8 @@ def random_actions(key, step_index, batch: int, num_actions: int):
     """
     step_word = hash_words(hash_words(key[0], key[1]), step_index)
     bits = hash_words(jnp.arange(batch, dtype=jnp.uint32), step_word)
-    return jnp.floor(num_actions * bits_to_uniform(bits)).astype(jnp.int32)
+    # floor(num_actions * u) for u = the top 24 bits / 2**24, in integers (exact for < 256 actions)
+    return (((bits >> 8) * jnp.uint32(num_actions)) >> 24).astype(jnp.int32)
 
 
 def checksum(timestep, batch: int, observe: bool):
@@ -304,29 +306,34 @@ def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_
     run_keys = (jax.random.fold_in(key, r) for r in itertools.count())
 
     def run(states, waiting, num_steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         states, waiting, n, _ = jax.block_until_ready(
             loop(first, states, waiting, next(run_keys), num_steps)
         )
-        return states, waiting, int(n), time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        return states, waiting, int(n), elapsed, (time.process_time() - cpu_start) / elapsed
 
     # Warm up and calibrate: grow the run until it takes a quarter of the target time.
     num_steps = 2
     while True:
-        states, waiting, _, elapsed = run(states, waiting, num_steps)
+        states, waiting, _, elapsed, _ = run(states, waiting, num_steps)
         if elapsed >= seconds / 4 or num_steps >= max_steps:
             break
         num_steps = min(max_steps, num_steps * 8)
     num_steps = int(min(max_steps, max(2, round(num_steps * seconds / elapsed))))
-    times, counted = [], []
+    times, counted, cores = [], [], []
     for _ in range(repeats):
-        states, waiting, n, elapsed = run(states, waiting, num_steps)
+        states, waiting, n, elapsed, busy = run(states, waiting, num_steps)
         times.append(elapsed)
         counted.append(n)
+        cores.append(busy)
     return {
         "steps_per_s": statistics.median(n / t for n, t in zip(counted, times)),
         "compile_s": compile_s,
         "run_s": statistics.median(times),
+        # Process CPU time over wall time: the cores busy on average (XLA:CPU also splits large
+        # loops over its own threads, so this can exceed the device count).
+        "cpu_per_wall": statistics.median(cores),
         "num_steps": num_steps,
         "reset_capacity": capacity,
         "devices": mesh.size,
@@ -423,7 +430,7 @@ def run(args) -> dict:
 
 def format_table(report: dict) -> str:
     header = (f"{'env':<14} {'batch':>6} {'mode':<6} {'steps/s':>14} {'vs NumPy':>10} "
-              f"{'compile s':>9} {'devices':>7}")
+              f"{'compile s':>9} {'devices':>7} {'cpu/wall':>8}")
     lines = [header, "-" * len(header)]
     for name, modes in report["numpy"].items():
         for mode, rate in modes.items():
@@ -431,7 +438,8 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"{r['env']:<14} {r['batch']:>6} {r['mode']:<6} {r['steps_per_s']:>14,.0f} "
-            f"{r['speedup_vs_numpy']:>9,.1f}x {r['compile_s']:>9.2f} {r['devices']:>7}"
+            f"{r['speedup_vs_numpy']:>9,.1f}x {r['compile_s']:>9.2f} {r['devices']:>7} "
+            f"{r['cpu_per_wall']:>8.2f}"
         )
     return "\n".join(lines)
 

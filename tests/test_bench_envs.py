@@ -31,6 +31,7 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys):
     assert set(rows) == {(e, 3, m) for e in ("Bandit", "FrozenLake") for m in ("step", "reset")}
     for (name, _, mode), r in rows.items():
         assert r["steps_per_s"] > 0 and r["compile_s"] > 0 and 2 <= r["num_steps"] <= 8
+        assert r["devices"] == 1 and r["cpu_per_wall"] > 0
         assert r["speedup_vs_numpy"] == pytest.approx(r["steps_per_s"] / report["numpy"][name][mode])
         assert 0 < r["active_share"] <= 1
     # Step mode restarts finished rows; Bandit's reset capacity is the whole batch: nobody waits.
