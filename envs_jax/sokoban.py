@@ -127,6 +127,17 @@ class SokobanState:
     boxes_on_target: jnp.ndarray  # int32[]: counted by make_state, then updated by each push
     dim_room: tuple[int, int] = struct.field(pytree_node=False)
 
+    def symbols(self):
+        """int8[..., rows, cols]: cell codes, PLAYER_ON_TARGET where the player is on a target."""
+        walls, targets, boxes = (
+            unpack_cells(words, self.dim_room) for words in (self.walls, self.targets, self.boxes)
+        )
+        player = flat_cells(self.dim_room) == self.player_cell[..., None, None]
+        codes = jnp.where(walls, WALL, jnp.where(targets, TARGET, FLOOR))
+        codes = jnp.where(boxes, jnp.where(targets, BOX_ON_TARGET, BOX), codes)
+        codes = jnp.where(player, jnp.where(targets, PLAYER_ON_TARGET, PLAYER), codes)
+        return codes.astype(jnp.int8)
+
     @property
     def room_fixed(self):
         """int8[..., rows, cols]: WALL / FLOOR / TARGET."""
@@ -136,10 +147,8 @@ class SokobanState:
     @property
     def room_state(self):
         """int8[..., rows, cols]: cell codes 0..5 (the player hides the target under it)."""
-        boxes, targets = unpack_cells(self.boxes, self.dim_room), unpack_cells(self.targets, self.dim_room)
-        room = jnp.where(boxes, jnp.where(targets, BOX_ON_TARGET, BOX), self.room_fixed)
-        player = flat_cells(self.dim_room) == self.player_cell[..., None, None]
-        return jnp.where(player, PLAYER, room).astype(jnp.int8)
+        codes = self.symbols()
+        return jnp.where(codes == PLAYER_ON_TARGET, jnp.int8(PLAYER), codes)
 
     @property
     def player(self):
@@ -236,9 +245,7 @@ class Sokoban(GridEnv):
 
     def render_symbols(self, state: SokobanState):
         """Jittable ``int32[rows, cols]`` symbol ids: cell codes, 6 where the player is on a target."""
-        room = state.room_state
-        on_target = (room == PLAYER) & unpack_cells(state.targets, state.dim_room)
-        return jnp.where(on_target, PLAYER_ON_TARGET, room).astype(jnp.int32)
+        return state.symbols().astype(jnp.int32)
 
     def state_from_text(self, text: str) -> SokobanState:
         """A state from a rendered level in this env's symbols.

@@ -9,9 +9,7 @@ import pytest
 
 from envs_jax.base import (
     bits_to_uniform,
-    cell_at,
     cell_bit,
-    cell_mask,
     count_cells,
     draw_bits,
     hash_words,
@@ -93,15 +91,6 @@ def test_mix32_is_a_bijection_that_spreads_bits():
     flips = np.unpackbits(np.asarray(mix32(x) ^ mix32(x ^ 1)).view(np.uint8)).reshape(len(x), 32)
     assert abs(flips.sum(axis=1).mean() - 16) < 0.5
     assert int(hash_words(1, 2)) != int(hash_words(2, 1))
-
-
-def test_cell_at_and_cell_mask_address_the_same_cell():
-    grid = jnp.arange(4 * 5).reshape(4, 5)
-    for r, c in [(0, 0), (2, 3), (3, 4)]:
-        pos = jnp.array([r, c])
-        assert int(cell_at(grid, pos)) == 5 * r + c
-        mask = np.asarray(cell_mask(grid.shape, pos))
-        assert mask.sum() == 1 and mask[r, c]
 
 
 @pytest.mark.parametrize("shape", [(4, 4), (6, 6), (3, 11), (8, 8), (9, 9)])
