@@ -10,6 +10,10 @@ random goal, a path from one to the other guaranteed).
   there, further steps change nothing and pay nothing (gymnasium's absorbing terminal states).
 - ``action_is_effective``: the position changed; ``success``: the player stands on the goal.
 
+The state (``FrozenLakeState``) keeps holes and goals as bitboards (``envs_jax.base``) and the
+start and player as flat cell indices, so a step reads a couple of bits; ``board`` and ``pos`` give
+the grid view.
+
 Rendering: one glyph per cell, ``grid_symbols`` indexed by RAGEN's grid codes
 0 player, 1 empty (frozen and start), 2 hole, 3 goal, 4 player in a hole, 5 player on the goal.
 
