@@ -9,13 +9,12 @@ reported apart). Two modes:
   every step is a live one and no level is generated.
 - ``reset``: auto-reset, so procedural level generation is inside the timed loop. Each step
   generates a fixed number of fresh levels, ``reset capacity = ceil(reset_share × batch)`` (split
-  evenly over the devices), and
-  hands them to the rows that finished (rows already waiting first); finished rows beyond the
-  capacity wait (they are stepped but not counted). Generating a level for *every* row at every
-  step, as a select-based auto-reset does, would cost a level per row-step; the capacity is set
-  from how often episodes end under random actions (``RESET_SHARE``), and ``--reset-share 1``
-  gives the select-everything behaviour. ``active_share`` in the JSON is the
-  fraction of row-steps counted.
+  evenly over the devices), and hands them to the rows that finished (rows already waiting first);
+  finished rows beyond the capacity wait (they are stepped but not counted). Generating a level
+  for *every* row at every step, as a select-based auto-reset does, would cost a level per
+  row-step; the capacity is set from how often episodes end under random actions
+  (``RESET_SHARE``), and ``--reset-share 1`` gives the select-everything behaviour.
+  ``active_share`` in the JSON is the fraction of row-steps counted.
 
 The timed loop consumes every step's reward, step type and info flags and carries the state on;
 like the NumPy baseline, it does not render observations, which the envs compute from the state
