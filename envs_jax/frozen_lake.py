@@ -96,13 +96,9 @@ class FrozenLakeState:
         return jnp.stack(jnp.divmod(self.player_cell, self.size), axis=-1)
 
 
-def move(pos, direction, size: int):
-    """The cell one step from ``pos`` (row, col) in ``direction``; off-grid moves stay put."""
-    return jnp.clip(pos + jnp.asarray(DIRECTION_DELTAS)[direction], 0, size - 1)
-
-
 def neighbour_cell(cell, direction, size: int):
-    """``move`` on row-major cell indices: selects instead of a table lookup, cheaper under vmap."""
+    """The cell one step from row-major ``cell`` in ``direction``; off-grid moves stay put.
+    Selects rather than a table lookup: cheaper under ``vmap``."""
     row, col = cell // size, cell % size
     stays = jnp.select(
         [direction == 0, direction == 1, direction == 2], [col == 0, row == size - 1, col == size - 1],
