@@ -29,6 +29,7 @@ costs about 45 ns (three threefry blocks), more than the rest of the step; the h
 from __future__ import annotations
 
 import abc
+import math
 from functools import cached_property
 from typing import Any, Sequence
 
@@ -100,6 +101,11 @@ def hash_words(a, b):
     return mix32(jnp.asarray(a, jnp.uint32) ^ mix32(b))
 
 
+def key_words(key):
+    """The ``uint32`` words of a raw (``jax.random.PRNGKey``) or typed (``jax.random.key``) key."""
+    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
 def draw_bits(key):
     """``(next_key, bits)``: 32 random bits from a PRNG key, and the key to draw from next time.
 
@@ -107,12 +113,23 @@ def draw_bits(key):
     word. Same key, same bits. ``key`` is a raw ``uint32`` key (``jax.random.PRNGKey``) or a typed
     one (``jax.random.key``); the next key has the same form.
     """
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    words = jax.random.key_data(key) if typed else key
+    words = key_words(key)
     bits = hash_words(words[0], words[1])
     words = jnp.concatenate([words[:1], words[1:2] + jnp.uint32(KEY_INCREMENT), words[2:]])
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     next_key = jax.random.wrap_key_data(words, impl=jax.random.key_impl(key)) if typed else words
     return next_key, bits
+
+
+def hash_uniform(key, shape):
+    """float32 uniforms in [0, 1) of ``shape``: each element hashes the key with its own index.
+
+    Counter-based like ``draw_bits`` (one ``mix32`` per number, about 30x cheaper than
+    ``jax.random.uniform`` under ``vmap`` on CPU). Same key, same numbers.
+    """
+    words = key_words(key)
+    index = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)
+    return bits_to_uniform(hash_words(index, hash_words(words[0], words[1])))
 
 
 def bits_to_uniform(bits):

@@ -12,6 +12,7 @@ from envs_jax.base import (
     cell_bit,
     count_cells,
     draw_bits,
+    hash_uniform,
     hash_words,
     mix32,
     num_words,
@@ -115,3 +116,18 @@ def test_bitboards_read_write_and_count_the_cells_of_a_mask(shape):
     for row in np.flatnonzero(on):
         expected[row, cell[row]] ^= True
     np.testing.assert_array_equal(toggled, expected)
+
+
+def test_hash_uniform_is_uniform_deterministic_and_keyed():
+    key = jax.random.PRNGKey(3)
+    u = np.asarray(hash_uniform(key, (64, 100, 4)))
+    assert u.shape == (64, 100, 4) and u.dtype == np.float32 and 0 <= u.min() and u.max() < 1
+    counts = np.histogram(u, bins=10, range=(0, 1))[0]
+    expected = u.size / 10
+    assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected))
+    flat = u.ravel()
+    assert abs(np.corrcoef(flat[:-1], flat[1:])[0, 1]) < 0.02  # neighbouring counters unrelated
+    np.testing.assert_array_equal(u, hash_uniform(key, (64, 100, 4)))
+    np.testing.assert_array_equal(u, hash_uniform(jax.random.wrap_key_data(key), (64, 100, 4)))
+    other = np.asarray(hash_uniform(jax.random.PRNGKey(4), (64, 100, 4)))
+    assert abs(np.corrcoef(flat, other.ravel())[0, 1]) < 0.02
