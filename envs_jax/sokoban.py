@@ -37,9 +37,8 @@ so no step is wasted), pulling the box behind it if there is one. The walks draw
 from a counter-based hash of the key (``envs_jax.base.hash_uniform``): generation is 3.7x faster on
 CPU than with ``jax.random.uniform`` (1.6 ms -> 0.43 ms per SimpleSokoban level, batch 2048). A
 walk is as long as the DFS is deep, ``search_depth - 2``, capped at ``MAX_WALK_LENGTH``;
-``num_walks`` spends
-``WALK_STEP_BUDGET`` steps in all (at least ``NUM_WALKS`` walks), so shallow searches get more
-walks. Measured difficulty (mean optimal solution length by BFS, ``envs_jax.solvers``; keys from
+``num_walks`` spends ``WALK_STEP_BUDGET`` steps in all (at least ``NUM_WALKS`` walks), so shallow
+searches get more walks. Measured difficulty (mean optimal solution length by BFS, ``envs_jax.solvers``; keys from
 ``split(PRNGKey(0), n)``):
 
 | variant | ``reset(key)`` (keys) | RAGEN's generator (seeds) |
