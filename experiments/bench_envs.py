@@ -350,6 +350,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m experiments.bench_envs",
         description="Steps/s of the JAX envs under jit+vmap versus a single-env NumPy baseline.",
+        epilog="The batch is split over the local devices; on CPU, JAX_NUM_CPU_DEVICES=N in the "
+               "environment makes N host devices (N cores stepping rows side by side).",
     )
     parser.add_argument("--envs", default=",".join(DEFAULT_ENVS),
                         help=f"comma-separated env names from: {', '.join(NUMPY_BASELINES)}")
