@@ -210,7 +210,8 @@ class FrozenLake(GridEnv):
             return cell_bit(state.holes, cell) | cell_bit(state.goals, cell)
 
         absorbed = terminal(state.player_cell)
-        player = jnp.where(absorbed, state.player_cell, neighbour_cell(state.player_cell, direction, self.size))
+        ahead = neighbour_cell(state.player_cell, direction, self.size)
+        player = jnp.where(absorbed, state.player_cell, ahead)
         on_goal = cell_bit(state.goals, player)
         terminated = terminal(player)
         step_count = state.step_count + 1

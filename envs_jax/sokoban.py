@@ -38,8 +38,8 @@ from a counter-based hash of the key (``envs_jax.base.hash_uniform``): generatio
 CPU than with ``jax.random.uniform`` (1.6 ms -> 0.43 ms per SimpleSokoban level, batch 2048). A
 walk is as long as the DFS is deep, ``search_depth - 2``, capped at ``MAX_WALK_LENGTH``;
 ``num_walks`` spends ``WALK_STEP_BUDGET`` steps in all (at least ``NUM_WALKS`` walks), so shallow
-searches get more walks. Measured difficulty (mean optimal solution length by BFS, ``envs_jax.solvers``; keys from
-``split(PRNGKey(0), n)``):
+searches get more walks. Measured difficulty (mean optimal solution length by BFS,
+``envs_jax.solvers``; keys from ``split(PRNGKey(0), n)``):
 
 | variant | ``reset(key)`` (keys) | RAGEN's generator (seeds) |
 |---|---|---|
@@ -135,7 +135,7 @@ class SokobanState:
             unpack_cells(words, self.dim_room) for words in (self.walls, self.targets, self.boxes)
         )
         player = flat_cells(self.dim_room) == self.player_cell[..., None, None]
-        codes = jnp.where(walls, WALL, jnp.where(targets, TARGET, FLOOR))
+        codes = _fixed_codes(walls, targets)
         codes = jnp.where(boxes, jnp.where(targets, BOX_ON_TARGET, BOX), codes)
         codes = jnp.where(player, jnp.where(targets, PLAYER_ON_TARGET, PLAYER), codes)
         return codes.astype(jnp.int8)
@@ -143,8 +143,8 @@ class SokobanState:
     @property
     def room_fixed(self):
         """int8[..., rows, cols]: WALL / FLOOR / TARGET."""
-        walls, targets = unpack_cells(self.walls, self.dim_room), unpack_cells(self.targets, self.dim_room)
-        return jnp.where(walls, WALL, jnp.where(targets, TARGET, FLOOR)).astype(jnp.int8)
+        walls, targets = (unpack_cells(words, self.dim_room) for words in (self.walls, self.targets))
+        return _fixed_codes(walls, targets).astype(jnp.int8)
 
     @property
     def room_state(self):
@@ -156,6 +156,11 @@ class SokobanState:
     def player(self):
         """int32[..., 2]: the player's (row, col)."""
         return jnp.stack(jnp.divmod(self.player_cell, self.dim_room[1]), axis=-1)
+
+
+def _fixed_codes(walls, targets):
+    """WALL / TARGET / FLOOR per cell from the wall and target masks."""
+    return jnp.where(walls, WALL, jnp.where(targets, TARGET, FLOOR))
 
 
 class Sokoban(GridEnv):
@@ -315,6 +320,16 @@ def make_state(room_fixed, room_state) -> SokobanState:
 # --------------------------------------------------------------------------- dynamics
 
 
+def flat_deltas(cols: int):
+    """int32[4]: the flat-index step of actions Up, Down, Left, Right on a grid ``cols`` wide."""
+    return jnp.array([-cols, cols, -1, 1], jnp.int32)
+
+
+def _pick(values, index):
+    """``values[index]`` for a short vector, as selects: a gather costs more under ``vmap``."""
+    return jnp.sum(jnp.where(jnp.arange(values.shape[0]) == index, values, 0))
+
+
 def push_or_move(state: SokobanState, action):
     """gym_sokoban's push action: (boxes, player_cell, moved, change in boxes on targets).
 
@@ -323,7 +338,7 @@ def push_or_move(state: SokobanState, action):
     grid too.
     """
     cols = state.dim_room[1]
-    delta = jnp.select([action == 0, action == 1, action == 2], [-cols, cols, -1], 1)
+    delta = _pick(flat_deltas(cols), action)
     ahead, beyond = state.player_cell + delta, state.player_cell + 2 * delta
     box_ahead = cell_bit(state.boxes, ahead)
     free_ahead = ~cell_bit(state.walls, ahead) & ~box_ahead
@@ -504,23 +519,13 @@ def shuffle_player(key, floor_bits, cols, player, boxes, displacement):
     return player
 
 
-def flat_deltas(cols: int):
-    """int32[4]: the flat-index step of actions Up, Down, Left, Right on a grid ``cols`` wide."""
-    return jnp.array([-cols, cols, -1, 1], jnp.int32)
-
-
 def free_neighbours(floor_bits, cols, player, boxes):
     """The 4 cells around ``player`` in action order, and which of them are floor without a box."""
     neighbours = player + flat_deltas(cols)
-    free = jax.vmap(cell_bit, in_axes=(None, 0))(floor_bits, neighbours)
+    free = cell_bit(floor_bits, neighbours)
     return neighbours, free & ~jnp.any(_marks(neighbours, boxes), axis=-1)
 
 
 def _marks(cells, marked):
     """bool[..., len(marked)]: whether each of ``cells`` equals each of ``marked`` (flat indices)."""
     return cells[..., None] == marked
-
-
-def _pick(values, index):
-    """``values[index]`` for a short vector, as selects: a gather costs more under ``vmap``."""
-    return jnp.sum(jnp.where(jnp.arange(values.shape[0]) == index, values, 0))

@@ -222,8 +222,8 @@ def make_loop(env, batch: int, reset_capacity: int | None, observe: bool = False
     keeps the step's outputs live, its observations too if ``observe``.
 
     The rows are split over the devices of ``mesh`` (default ``row_mesh(batch)``; on CPU, see
-    ``JAX_NUM_CPU_DEVICES`` in the module docstring): each device runs the loop on its own rows (``shard_map``), with no
-    communication until the final sums.
+    ``JAX_NUM_CPU_DEVICES`` in the module docstring): each device runs the loop on its own rows
+    (``shard_map``), with no communication until the final sums.
     """
     mesh = row_mesh(batch) if mesh is None else mesh
     rows = batch // mesh.size
@@ -292,9 +292,9 @@ def jax_measurement(env, first, batch, mode, repeats, reset_share, seconds, max_
     """
     key = jax.random.PRNGKey(seed)
     mesh = row_mesh(batch)
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
-    first = jax.device_put(first, rows)
-    states, waiting = first, jax.device_put(jnp.zeros((batch,), bool), rows)
+    by_row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    first = jax.device_put(first, by_row)
+    states, waiting = first, jax.device_put(jnp.zeros((batch,), bool), by_row)
     capacity = None if mode == "step" else max(1, math.ceil(reset_share * batch / mesh.size))
 
     start = time.perf_counter()
