@@ -87,14 +87,16 @@ def bilevel_gae(rewards, values, mask, turn_end, turn_valid, gamma, lam, high_le
     return (_whitened(advantages, mask) if whiten else advantages), returns
 
 
-def grpo_outcome(score, group_id, mask, norm_by_std=True, eps=1e-6):
+def grpo_outcome(score, group_id, mask, norm_by_std=True, eps=1e-6, valid=None):
     """veRL's `compute_grpo_outcome_advantage`, grouped by group_id: (advantages, returns) [B, T].
 
     A_b = (score_b − mean_g) / (std_g + eps) (unbiased std; `norm_by_std=False` gives Dr. GRPO's
     score_b − mean_g), broadcast over the mask. A singleton group has mean 0 and std 1, so its
-    advantage is its score (veRL). score[B] is the trajectory's summed token reward.
+    advantage is its score (veRL). score[B] is the trajectory's summed token reward (veRL: KL
+    penalty included). valid[B] (optional): only these rows enter the group statistics, so padding
+    rows of a compacted batch change nothing.
     """
-    size, mean, std = same_group_stats(score, group_id)
+    size, mean, std = same_group_stats(score, group_id, valid)
     singleton = size <= 1
     mean = jnp.where(singleton, 0.0, mean)
     advantage = score - mean

@@ -11,7 +11,8 @@ Decisions (spec §8):
 - Filtered trajectories are rows with an all-zero mask. "token-mean" ignores them, and the
   "seq-mean-*" modes average over the sequences that have at least one policy token (veRL averages
   over every row, which is the same when no row is empty), so a zeroed row behaves as a removed
-  one. "seq-mean-token-sum-norm" divides the total by the static T, as veRL does.
+  one. "seq-mean-token-sum-norm" divides the total by `horizon`: veRL divides by the padded
+  batch's width, which `train.py` passes (RAGEN's: the rollout batch's longest sequence minus one).
 - Quirk 7 (nothing to decide here): with one optimizer step per rollout the ratio is 1 and no clip
   acts; the clip terms matter once a rollout feeds several mini-batches.
 """
@@ -76,12 +77,13 @@ def _logprobs_and_entropy_bwd(temperature, residuals, cotangents):
 _logprobs_and_entropy.defvjp(_logprobs_and_entropy_fwd, _logprobs_and_entropy_bwd)
 
 
-def aggregate(x, mask, mode="token-mean"):
+def aggregate(x, mask, mode="token-mean", horizon=None):
     """Reduce a [B, T] loss matrix to a scalar (veRL `agg_loss`).
 
     token-mean: Σ x·m / Σ m. seq-mean-token-mean: mean over sequences of each one's token mean.
     seq-mean-token-sum: mean over sequences of each one's token sum. seq-mean-token-sum-norm:
-    Σ x·m / T. Sequence means skip rows with an empty mask (see module docstring).
+    Σ x·m / horizon (may be traced; default T, the width of x). Sequence means skip rows with an
+    empty mask (see module docstring).
     """
     if mode not in AGG_MODES:
         raise ValueError(f"Unknown loss aggregation mode {mode!r}: use one of {AGG_MODES}.")
@@ -89,20 +91,23 @@ def aggregate(x, mask, mode="token-mean"):
         return masked_mean(x, mask)
     sequence_sum = masked_sum(x, mask, axis=-1)
     if mode == "seq-mean-token-sum-norm":
-        return sequence_sum.sum() / x.shape[-1]
+        return sequence_sum.sum() / (x.shape[-1] if horizon is None else horizon)
     tokens = masked_count(x, mask, axis=-1)
     per_sequence = sequence_sum / jnp.maximum(tokens, 1.0) if mode == "seq-mean-token-mean" else sequence_sum
     return masked_mean(per_sequence, tokens > 0)
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c=3.0, agg_mode="token-mean"):
+def policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c=3.0, agg_mode="token-mean", horizon=None):
     """PPO clipped loss with decoupled clip (clip-higher) and dual-clip, exactly as veRL.
 
     ρ = exp(clamp(logp − old_logp, ±20)); L1 = −A·ρ; L2 = −A·clip(ρ, 1 − clip_low, 1 + clip_high);
     L = max(L1, L2), and for A < 0 additionally min(L, −A·clip_c) (dual-clip; clip_c must be > 1).
     Metrics: actor/pg_loss; actor/pg_clipfrac, the fraction of tokens with L2 > L1 (the ordinary
     clip acting, either side); actor/pg_clipfrac_lower, the fraction where the dual-clip caps a
-    negative-advantage loss; actor/ppo_kl, the mean of old_logp − logp.
+    negative-advantage loss; actor/ppo_kl, the mean of old_logp − logp. `horizon`: see `aggregate`.
+
+    The ±20 clamp of the log-ratio is later veRL's; RAGEN's pinned veRL has none (it would
+    overflow to inf past 20, where the clamp keeps the loss finite).
     """
     log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = jnp.exp(log_ratio)
@@ -112,7 +117,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c=3.
     dual_clip_cap = -advantages * clip_c
     negative = advantages < 0
     losses = jnp.where(negative, jnp.minimum(clip_loss, dual_clip_cap), clip_loss)
-    loss = aggregate(losses, mask, agg_mode)
+    loss = aggregate(losses, mask, agg_mode, horizon)
     metrics = {
         "actor/pg_loss": loss,
         "actor/pg_clipfrac": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
@@ -144,19 +149,19 @@ def kl_penalty(logp, ref_logp, kind="kl"):
 
 def actor_loss(
     logp, entropy, old_logp, advantages, mask, *, clip_low, clip_high, clip_c=3.0, entropy_coeff=0.0,
-    agg_mode="token-mean", ref_logp=None, kl_coef=0.0, kl_kind="kl",
+    agg_mode="token-mean", ref_logp=None, kl_coef=0.0, kl_kind="kl", horizon=None,
 ):
     """The full actor objective: pg_loss − entropy_coeff·agg(entropy) [+ kl_coef·agg(kl)].
 
     The KL-loss term (veRL `use_kl_loss`) is present when `ref_logp` is given. Returns (loss,
     metrics) with actor/entropy_loss (the aggregated entropy) and, with a KL term, actor/kl_loss
-    and actor/kl_coef.
+    and actor/kl_coef. `horizon`: see `aggregate`.
     """
-    loss, metrics = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c, agg_mode)
-    metrics["actor/entropy_loss"] = aggregate(entropy, mask, agg_mode)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c, agg_mode, horizon)
+    metrics["actor/entropy_loss"] = aggregate(entropy, mask, agg_mode, horizon)
     loss = loss - entropy_coeff * metrics["actor/entropy_loss"]
     if ref_logp is not None:
-        metrics["actor/kl_loss"] = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, agg_mode)
+        metrics["actor/kl_loss"] = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, agg_mode, horizon)
         metrics["actor/kl_coef"] = jnp.asarray(kl_coef)
         loss = loss + kl_coef * metrics["actor/kl_loss"]
     return loss, metrics
@@ -181,7 +186,9 @@ def value_loss(values, old_values, returns, mask, clip, agg_mode="token-mean"):
 
 
 def explained_variance(returns, values, mask):
-    """1 − Var(returns − values) / Var(returns) over the mask; NaN when the returns are constant."""
-    return_var = masked_var(returns, mask)
-    ratio = masked_var(returns - values, mask) / jnp.where(return_var > 0, return_var, 1.0)
-    return jnp.where(return_var > 0, 1.0 - ratio, jnp.nan)
+    """veRL's 1 − Var(returns − values) / (Var(returns) + 1e-5), unbiased variances over the mask.
+
+    veRL takes every non-padding token of the sequence (prompt and observations too, where RAGEN's
+    values are 0); pass the policy-token mask to judge the critic where it is trained.
+    """
+    return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-5)

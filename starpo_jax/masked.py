@@ -49,14 +49,18 @@ def masked_whiten(x, mask, eps=1e-8):
     return (x - mean) * lax.rsqrt(masked_var(x, mask) + eps)
 
 
-def same_group_stats(x, group_id):
+def same_group_stats(x, group_id, valid=None):
     """For every sample b: size, mean and unbiased std of the group that b belongs to.
 
-    Groups are samples with equal `group_id` (any integers; no range needed). Uses a [B, B]
-    same-group matrix, which is tiny for rollout batches (B ≤ a few thousand) and keeps
-    everything static-shaped. A singleton group has std 0.
+    Groups are samples with equal `group_id` (any integers; no range needed). `valid` [B] (bool,
+    optional) leaves samples out of every group's statistics (padding rows); their own outputs
+    are those of the valid members of their group. Uses a [B, B] same-group matrix, which is tiny
+    for rollout batches (B ≤ a few thousand) and keeps everything static-shaped. A singleton group
+    has std 0.
     """
     same = group_id[:, None] == group_id[None, :]
+    if valid is not None:
+        same = same & jnp.asarray(valid).astype(bool)[None, :]
     values = jnp.broadcast_to(x[None, :], same.shape)
     size = masked_count(values, same, axis=1)
     return size, masked_mean(values, same, axis=1), masked_std(values, same, axis=1)

@@ -8,21 +8,29 @@ key) -> (state, metrics)``. ``Hyperparams`` are arrays, so ``jax.vmap`` over a s
 
 Choices (each a departure from, or a decision about, the original; see docs/design.md):
 
+- Trajectory scores are normalised over the whole rollout batch, then filtered (RAGEN's order).
 - The batch is compacted to the kept groups before the update (static count
-  ``TrainSettings.kept_groups``); a traced ``filter_ratio`` below that count masks the surplus
-  groups out of every loss (weight 0), so a sweep over ratios shares one program.
+  ``TrainSettings.kept_groups``); a traced ``filter_ratio`` below that count (or ``top_p_var``,
+  whose count is data dependent) leaves padding rows, which no statistic sees: they are out of
+  every mask and every group statistic, a micro-batch of them adds no gradient and a mini-batch
+  of them takes no optimiser step. So a sweep over ratios shares one program and each setting
+  trains as if run alone.
 - Log-probs are aligned with the token they score and computed from hidden states in chunks of
   positions under ``jax.checkpoint``, so the [B, L, V] logits never exist at once.
 - Optimiser: AdamW with a traced learning rate (``scale_by_adam`` → decoupled weight decay →
   ``× -lr``), global-norm clipping first; a step whose gradient norm is not finite is skipped
-  (parameters and moments unchanged) and counted in ``actor/skipped_steps``.
+  (parameters and moments unchanged) and counted in ``actor/skipped_steps`` /
+  ``critic/skipped_steps``.
 - The critic is its own copy of the backbone with a linear value head (trained; with LoRA the
   original froze it by accident, quirk 11).
 - LoRA (``lora_rank > 0``, ``starpo_jax.models.lora``): the actor and the critic each train a set of
   adapters over one shared frozen base (``TrainState.base``); the reference is the base itself.
   Weights are merged before sampling and inside each loss, so decoding pays nothing for adapters.
 - KL: ``use_kl_loss`` adds ``kl_loss_coef · KL`` to the actor loss; ``kl_in_reward`` subtracts
-  ``kl_in_reward_coef · KL`` from the token rewards. Both really act (quirk 10).
+  ``kl_in_reward_coef · KL`` from the token rewards. Both really act (quirk 10), with every
+  estimator: GRPO's outcome is the summed token reward, KL included, as in veRL.
+- The critic's value loss is always ``seq-mean-token-mean``: RAGEN's critic takes the token mean
+  of each micro-batch of one sequence, whatever ``loss_agg_mode`` the actor uses.
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ class TrainSettings:
     rollout_temperature: float = 1.0
     use_sampler_logprobs: bool = False
     critic_warmup: int = 0
-    betas: tuple[float, float] = (0.9, 0.999)
+    actor_betas: tuple[float, float] = (0.9, 0.999)
+    critic_betas: tuple[float, float] = (0.9, 0.999)
     actor_weight_decay: float = 0.01
     critic_weight_decay: float = 0.01
     actor_grad_clip: float = 1.0
@@ -127,7 +136,8 @@ class TrainState:
     critic: Critic | None
     critic_opt: Any
     ref: nnx.State | None  # a frozen copy of the initial actor (full fine-tuning with a KL term)
-    skipped_steps: jax.Array
+    skipped_steps: jax.Array  # actor optimiser steps skipped for a non-finite gradient, so far
+    critic_skipped_steps: jax.Array
     base: nnx.State | None = None  # with LoRA: the frozen initial weights under both sets of adapters
 
 
@@ -158,15 +168,19 @@ def optimizer(grad_clip: float, betas: tuple[float, float], weight_decay: float)
     )
 
 
-def apply_update(tx, params, opt_state, grads, lr):
-    """One optimiser step; a non-finite gradient leaves params and moments untouched."""
+def apply_update(tx, params, opt_state, grads, lr, live=True):
+    """One optimiser step: (params, opt_state, grad_norm, skipped).
+
+    A non-finite gradient leaves params and moments untouched and counts as skipped (veRL skips
+    it too); ``live=False`` (a mini-batch of padding rows only) leaves them untouched uncounted."""
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
     updates, new_opt = tx.update(safe_grads, opt_state, params)
     new_params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    return keep(new_params, params), keep(new_opt, opt_state), grad_norm, ~finite
+    take = finite & live
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)  # noqa: E731
+    return keep(new_params, params), keep(new_opt, opt_state), grad_norm, live & ~finite
 
 
 # ---- forward passes over whole trajectories ----------------------------------------------------
@@ -254,7 +268,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
         base, actor = None, model.params
         ref = jax.tree.map(jnp.copy, actor) if settings.uses_ref else None
         critic_backbone = jax.tree.map(jnp.copy, actor)
-    actor_tx = optimizer(settings.actor_grad_clip, settings.betas, settings.actor_weight_decay)
+    actor_tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
     critic = critic_opt = None
     if settings.uses_critic:
         critic = Critic(
@@ -262,7 +276,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
             head_w=0.02 * jax.random.normal(head_key, (config.hidden_size,), jnp.float32),
             head_b=jnp.zeros((), jnp.float32),
         )
-        critic_opt = optimizer(settings.critic_grad_clip, settings.betas, settings.critic_weight_decay).init(critic)
+        critic_opt = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay).init(critic)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         actor=actor,
@@ -271,6 +285,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
         critic_opt=critic_opt,
         ref=ref,
         skipped_steps=jnp.zeros((), jnp.int32),
+        critic_skipped_steps=jnp.zeros((), jnp.int32),
         base=base,
     )
 
@@ -348,7 +363,8 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
     """Returns ``train_step(state, tables, hyper, key) -> (state, metrics)``; jit it whole.
 
     Its two phases are also exposed, ``train_step.collect(state, tables, key) -> Trajectories`` and
-    ``train_step.learn(state, traj, hyper)``, for a driver that times them apart."""
+    ``train_step.learn(state, traj, hyper)``, for a driver that times them apart, and the first part
+    of ``learn``, ``train_step.prepare(state, traj, hyper) -> (UpdateBatch, metrics)``, for tests."""
     rollout = make_rollout(plan, responder)
     G, N = plan.num_groups, plan.group_size
     k = settings.kept_groups
@@ -362,8 +378,8 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
             "micro_batch_size."
         )
     n_mini, n_micro = M // mini, mini // micro
-    actor_tx = optimizer(settings.actor_grad_clip, settings.betas, settings.actor_weight_decay)
-    critic_tx = optimizer(settings.critic_grad_clip, settings.betas, settings.critic_weight_decay)
+    actor_tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
+    critic_tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
     temperature = settings.rollout_temperature
     chunk = settings.logprob_chunk
     max_policy = min(plan.max_len, plan.max_turn * plan.response_length)  # policy tokens per row
@@ -379,10 +395,17 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
 
     def prepare(state: TrainState, traj: Trajectories, hyper: Hyperparams):
-        """Filter, then everything the update needs: old/ref log-probs, values, advantages."""
+        """Filter, then everything the update needs: old/ref log-probs, values, advantages.
+
+        Returns (UpdateBatch, metrics). Only real rows (``valid``) enter a statistic."""
         raw = traj.env_reward.reshape(G, N)
         keep, metrics = filtering.select_groups(raw, hyper.filter_ratio, settings.filter_type)
-        kept, valid = filtering.gather_kept_groups(traj, keep, k, N)
+        # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
+        score = rewards.trajectory_score(
+            traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id,
+            settings.reward_grouping, settings.reward_method,
+        )
+        (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, k, N)
         mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
         seqs = {"tokens": kept.tokens, "length": kept.length, "mask": mask > 0}
         old_logp, _ = logprobs_of(policy_weights(settings, state), seqs)
@@ -398,16 +421,12 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
             else jnp.zeros_like(old_logp)
         )
 
-        if settings.use_turn_scores:
+        if settings.use_turn_scores:  # raw turn rewards: no normalisation, no format penalty (RAGEN)
             token_rewards = rewards.turn_scores_to_token_rewards(
                 kept.turn_reward, kept.turn_end - 1, kept.turn_played, kept.tokens.shape[1]
             )
             score = token_rewards.sum(axis=1)
         else:
-            score = rewards.trajectory_score(
-                kept.env_reward, kept.format_penalty, kept.group_id, kept.tag_id,
-                settings.reward_grouping, settings.reward_method,
-            )
             token_rewards = rewards.scores_to_token_rewards(score, mask)
         if settings.kl_in_reward:
             kl = losses.kl_penalty(old_logp, ref_logp, settings.kl_penalty)
@@ -422,12 +441,16 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
                 hyper.gamma, hyper.lam, hyper.high_level_gamma,
             )
         elif settings.adv_estimator == "grpo":
-            advantages, returns = adv.grpo_outcome(score, kept.group_id, mask, settings.grpo_norm_by_std)
+            # veRL's outcome is the summed token reward (KL penalty included), grouped over real rows
+            advantages, returns = adv.grpo_outcome(
+                token_rewards.sum(axis=1), kept.group_id, mask, settings.grpo_norm_by_std, valid=valid
+            )
         else:
             raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo or bilevel_gae.")
 
         metrics |= {
             "critic/score/mean": masked_mean(score, valid),
+            "critic/rewards/mean": masked_mean(token_rewards.sum(axis=1), valid),
             "critic/advantages/mean": masked_mean(advantages, mask),
             "critic/returns/mean": masked_mean(returns, mask),
             "rollout/old_log_prob": masked_mean(old_logp, mask),
@@ -440,7 +463,7 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         batch = UpdateBatch(kept.tokens, kept.length, mask, old_logp, ref_logp, values, advantages, returns)
         return batch, metrics
 
-    def actor_loss_fn(trained, b: UpdateBatch, hyper, base):
+    def actor_loss_fn(trained, b: UpdateBatch, hyper, base, horizon):
         params = with_adapters(settings, base, trained)
         logp, entropy = token_logprobs(graphdef, params, b.tokens, b.length, b.mask > 0, temperature, chunk, max_policy)
         return losses.actor_loss(
@@ -448,37 +471,47 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
             clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
             entropy_coeff=hyper.entropy_coeff, agg_mode=settings.loss_agg_mode,
             ref_logp=b.ref_logp if settings.use_kl_loss else None, kl_coef=hyper.kl_loss_coef,
-            kl_kind=settings.kl_loss_type,
+            kl_kind=settings.kl_loss_type, horizon=horizon,
         )
 
     def critic_loss_fn(critic, b: UpdateBatch, hyper, base):
         values = token_values(graphdef, critic_weights(critic, base), b.tokens, b.length)
-        return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, settings.loss_agg_mode)
+        return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
 
     def accumulate(loss_fn, params, micro_batches, hyper):
-        """Mean gradient and metrics over the micro-batches of one mini-batch."""
+        """Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
+        and whether any counted: a micro-batch of padding rows only (no trained token) is left out."""
 
-        def one(grads, b):
+        def one(carry, b):
+            grads, count = carry
             (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b, hyper)
-            return jax.tree.map(lambda a, x: a + x / n_micro, grads, g), metrics
+            live = jnp.any(b.mask > 0)
+            grads = jax.tree.map(lambda a, x: a + jnp.where(live, x, 0.0), grads, g)
+            return (grads, count + live), (metrics, live)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, metrics = jax.lax.scan(one, zeros, micro_batches)
-        return grads, jax.tree.map(jnp.mean, metrics)
+        (grads, count), (metrics, live) = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.int32)), micro_batches)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
+        return grads, jax.tree.map(lambda m: masked_mean(m, live), metrics), count > 0
 
     def update(loss_fn, tx, params, opt_state, batch, lr, hyper, prefix):
+        """ppo_epochs passes over the mini-batches, one optimiser step each: ((params, opt_state,
+        skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
+
         def one_minibatch(carry, micro_batches):
             params, opt_state, skipped = carry
-            grads, metrics = accumulate(loss_fn, params, micro_batches, hyper)
-            params, opt_state, grad_norm, skip = apply_update(tx, params, opt_state, grads, lr)
+            grads, metrics, live = accumulate(loss_fn, params, micro_batches, hyper)
+            params, opt_state, grad_norm, skip = apply_update(tx, params, opt_state, grads, lr, live)
             metrics[f"{prefix}/grad_norm"] = grad_norm
-            return (params, opt_state, skipped + skip), metrics
+            return (params, opt_state, skipped + skip), (metrics, live)
 
         def one_epoch(carry, _):
             return jax.lax.scan(one_minibatch, carry, _minibatches(batch, n_mini, n_micro))
 
-        carry, metrics = jax.lax.scan(one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs)
-        return carry, jax.tree.map(jnp.mean, metrics)
+        carry, (metrics, live) = jax.lax.scan(
+            one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs
+        )
+        return carry, jax.tree.map(lambda m: masked_mean(m, live), metrics)
 
     def collect(state: TrainState, tables, key) -> Trajectories:
         """The rollout phase: fresh levels, then the policy plays them (weights in compute dtype)."""
@@ -490,19 +523,25 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         metrics = rollout_metrics(traj, plan, "train")
         batch, prep_metrics = prepare(state, traj, hyper)
         metrics |= prep_metrics
+        # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, i.e. the rollout batch's
+        # longest sequence minus its first token
+        horizon = (traj.length.max() - 1).astype(jnp.float32)
 
-        critic, critic_opt = state.critic, state.critic_opt
+        critic, critic_opt, critic_skipped = state.critic, state.critic_opt, jnp.zeros((), jnp.int32)
         if settings.uses_critic:
-            (critic, critic_opt, _), critic_metrics = update(
+            (critic, critic_opt, critic_skipped), critic_metrics = update(
                 functools.partial(critic_loss_fn, base=state.base), critic_tx, critic, critic_opt, batch, hyper.critic_lr, hyper, "critic"
             )
             metrics |= critic_metrics
+            metrics["critic/skipped_steps"] = (state.critic_skipped_steps + critic_skipped).astype(jnp.float32)
         (actor, actor_opt, skipped), actor_metrics = update(
-            functools.partial(actor_loss_fn, base=state.base), actor_tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
+            functools.partial(actor_loss_fn, base=state.base, horizon=horizon), actor_tx, state.actor, state.actor_opt,
+            batch, hyper.actor_lr, hyper, "actor",
         )
-        train_actor = state.step >= settings.critic_warmup
+        train_actor = state.step >= settings.critic_warmup  # RAGEN: the actor waits critic_warmup steps
         actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
         actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
+        skipped = jnp.where(train_actor, skipped, 0)
         metrics |= actor_metrics
         metrics["actor/lr"] = hyper.actor_lr
         metrics["actor/skipped_steps"] = (state.skipped_steps + skipped).astype(jnp.float32)
@@ -513,6 +552,7 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
             critic=critic,
             critic_opt=critic_opt,
             skipped_steps=state.skipped_steps + skipped,
+            critic_skipped_steps=state.critic_skipped_steps + critic_skipped,
         )
         return new_state, metrics
 
@@ -520,5 +560,6 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         return learn(state, collect(state, tables, key), hyper)
 
     train_step.collect = collect
+    train_step.prepare = prepare
     train_step.learn = learn
     return train_step

@@ -258,6 +258,12 @@ def test_command_line_overrides():
     assert plans(arms)[0].tags[0].env.lo_arm_name == "Engineer"
 
 
+def test_actor_and_critic_optimisers_take_their_own_betas():
+    config = load("base.py", "--config.actor.betas=(0.8,0.99)", "--config.critic.betas=(0.5,0.9)")
+    settings = plans(config)[2]
+    assert (settings.actor_betas, settings.critic_betas) == ((0.8, 0.99), (0.5, 0.9))
+
+
 def test_misspelt_override_key_names_the_key():
     with pytest.raises(AttributeError, match="max_trun"):
         load("sokoban.py", "--config.rollout.max_trun=3")

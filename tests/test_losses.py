@@ -106,6 +106,12 @@ def test_aggregation_modes_on_a_ragged_mask(mode, expected):
     np.testing.assert_allclose(losses.aggregate(X[:2], RAGGED[:2], mode), expected, rtol=1e-6)
 
 
+def test_token_sum_norm_divides_by_the_horizon_given():
+    # veRL divides by its padded batch's width; train.py passes RAGEN's (traced)
+    np.testing.assert_allclose(losses.aggregate(X, RAGGED, "seq-mean-token-sum-norm", jnp.float32(4.0)), 10 / 4)
+    np.testing.assert_allclose(losses.aggregate(X, RAGGED, "seq-mean-token-mean", jnp.float32(4.0)), 3.0)
+
+
 def test_unknown_names_raise_clear_errors():
     with pytest.raises(ValueError, match="aggregation mode 'mean'"):
         losses.aggregate(X, RAGGED, "mean")
@@ -165,14 +171,16 @@ def test_value_clipping():
     np.testing.assert_allclose(grad, [0.0, (2.0 - 1.0) / 3, 0.0], atol=1e-7)
 
 
-def test_explained_variance():
+def test_explained_variance_is_verls_with_its_epsilon():
     returns, mask = jnp.array([1.0, 2.0, 4.0, 100.0]), jnp.array([1, 1, 1, 0])
     assert np.isclose(losses.explained_variance(returns, returns, mask), 1.0)
-    assert np.isclose(losses.explained_variance(returns, jnp.zeros(4), mask), 0.0)
+    assert np.isclose(losses.explained_variance(returns, jnp.zeros(4), mask), 1 - (7 / 3) / (7 / 3 + 1e-5))
     # residuals 1, −1, 0 (unbiased var 1) against returns 1, 2, 4 (unbiased var 7/3)
     residual = jnp.array([1.0, -1.0, 0.0, 5.0])
-    assert np.isclose(losses.explained_variance(returns, returns - residual, mask), 1 - 3 / 7)
-    assert np.isnan(losses.explained_variance(jnp.ones(4), jnp.zeros(4), mask))
+    assert np.isclose(losses.explained_variance(returns, returns - residual, mask), 1 - 1 / (7 / 3 + 1e-5), rtol=1e-6)
+    # constant returns: veRL's 1e-5 keeps it finite (1 − Var(values) / 1e-5)
+    values = jnp.array([0.0, 0.01, 0.02, 7.0])
+    np.testing.assert_allclose(losses.explained_variance(jnp.ones(4), values, mask), 1 - 1e-4 / 1e-5, rtol=1e-4)
 
 
 def test_clip_ratios_are_traced_and_vmap_as_a_sweep():

@@ -1,0 +1,217 @@
+"""How ``train.py`` puts the update maths together, on a rollout batch made up by hand.
+
+Each module's maths is checked against the original elsewhere (test_advantages, test_rewards,
+test_losses, test_filtering); these tests check the composition: what reaches each statistic, in
+which order, and which steps are taken. The batch is 4 groups × 8 trajectories of random tokens
+(no playing), the model a tiny random decoder, so each test compiles in seconds.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import envs_jax
+from starpo_jax import advantages, rewards
+from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.rollout import RolloutPlan, TagPlan, Trajectories
+from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
+
+G, N, L = 4, 8, 48
+PLAN = RolloutPlan(
+    tags=(TagPlan("Bandit", envs_jax.make("Bandit"), G, 1),), group_size=N, max_turn=1,
+    max_actions_per_turn=1, response_length=8, max_len=L, enable_think=False,
+)
+# In-group reward stds 0.48, 0, 0.35, 0.38: the filter keeps group 0 first, then group 3.
+REWARD = np.array([
+    [0.0, 1.0, 0.3, 1.0, 0.9, 0.0, 0.1, 1.0],
+    [0.5] * 8,
+    [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+    [1.0, 0.0, 1.0, 0.6, 1.0, 1.0, 0.4, 1.0],
+], np.float32).reshape(-1)
+PROMPT = 20  # tokens before each row's one response
+HYPER = Hyperparams.create(
+    actor_lr=1e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+    entropy_coeff=0.0, kl_loss_coef=0.0, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0, lam=1.0,
+    high_level_gamma=0.95,
+)
+
+
+def rollout_batch(env_reward=REWARD, seed=0) -> Trajectories:
+    """A rollout batch in env order: a prompt, one response of 3–8 sampled tokens (the loss mask),
+    two closing tokens; random ids; the given env rewards and a −0.1 format penalty on every 5th row."""
+    B = G * N
+    rng = np.random.default_rng(seed)
+    end = PROMPT + rng.integers(3, 9, B)
+    position = np.arange(L)
+    loss_mask = (position >= PROMPT) & (position < end[:, None])
+    zeros = lambda dtype, *shape: jnp.zeros((B, *shape), dtype)  # noqa: E731
+    return Trajectories(
+        tokens=jnp.asarray(np.where(position < end[:, None] + 2, rng.integers(1, 256, (B, L)), 0), jnp.int32),
+        loss_mask=jnp.asarray(loss_mask),
+        sampler_logprobs=jnp.asarray(np.where(loss_mask, -rng.uniform(1, 6, (B, L)), 0.0), jnp.float32),
+        length=jnp.asarray(end + 2, jnp.int32),
+        turn_start=jnp.full((B, 1), PROMPT, jnp.int32),
+        turn_end=jnp.asarray(end[:, None], jnp.int32),
+        turn_played=jnp.ones((B, 1), bool),
+        turn_reward=jnp.asarray(env_reward)[:, None],
+        turn_penalised=zeros(bool, 1),
+        env_reward=jnp.asarray(env_reward),
+        format_penalty=jnp.asarray(np.where(np.arange(B) % 5 == 0, -0.1, 0.0), jnp.float32),
+        success=zeros(bool),
+        num_actions=zeros(jnp.int32),
+        num_turns=jnp.ones(B, jnp.int32),
+        action_is_effective=zeros(jnp.float32),
+        action_is_valid=zeros(jnp.float32),
+        response_tokens=jnp.asarray(end - PROMPT, jnp.int32),
+        think_tokens=zeros(jnp.int32),
+        context_exhausted=zeros(bool),
+        group_id=jnp.arange(B, dtype=jnp.int32) // N,
+        tag_id=zeros(jnp.int32),
+        name_order=zeros(jnp.int32),
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+
+
+def program(model, **overrides):
+    """(jitted prepare, jitted learn, initial state) for GRPO on mean_std state-normalised scores."""
+    settings = TrainSettings(**{
+        "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
+        "micro_batch_size": N, "logprob_chunk": 8, **overrides,
+    })
+    step = make_train_step(settings, model.graphdef, PLAN)
+    return jax.jit(step.prepare), jax.jit(step.learn), init_train_state(settings, model, jax.random.PRNGKey(0))
+
+
+def adam_steps(opt_state) -> int:
+    return int(optax.tree_utils.tree_get(opt_state, "count"))
+
+
+def trees_equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_padding_rows_move_no_statistic(model):
+    """Ratio 0.25 keeps 1 of 4 groups. A program sized for 4 kept groups fills 3 with padding copies
+    of group 0 (its first mini-batch is half padding, its second all padding); it must train exactly
+    like a program sized for the 1 kept group: same advantages, metrics, steps and weights."""
+    traj, hyper = rollout_batch(), HYPER.replace(filter_ratio=jnp.float32(0.25))
+    runs = []
+    for kept, mini in ((4, 16), (1, 8)):  # padded, exact
+        prepare, learn, state = program(model, kept_groups=kept, ppo_mini_batch_size=mini, micro_batch_size=4)
+        batch, _ = prepare(state, traj, hyper)
+        runs.append((batch, *learn(state, traj, hyper)))
+    (padded, padded_state, padded_metrics), (exact, exact_state, exact_metrics) = runs
+    real = slice(0, N)
+    assert float(padded.mask[N:].sum()) == 0 and float(padded.mask[real].sum()) > 0
+    # Two differently compiled programs: equal up to float32 rounding in the reductions.
+    np.testing.assert_allclose(padded.advantages[real], exact.advantages, rtol=1e-5, atol=1e-6)
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy_loss", "critic/advantages/mean", "critic/score/mean"):
+        np.testing.assert_allclose(padded_metrics[name], exact_metrics[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert adam_steps(padded_state.actor_opt) == adam_steps(exact_state.actor_opt) == 1
+    # Adam's first step moves a weight by lr·g/(|g| + 1e-8): rounding in g changes that by far less
+    # than 1e-6 unless |g| is itself near 1e-8, where it can change by up to lr. So almost every
+    # weight must agree to 1e-6, and none by more than one step (lr = 1e-3). Different advantages
+    # would move most weights differently.
+    for a, b in zip(jax.tree.leaves(padded_state.actor), jax.tree.leaves(exact_state.actor), strict=True):
+        assert np.mean(~np.isclose(a, b, rtol=1e-5, atol=1e-6)) < 1e-3
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-3
+
+
+def test_scores_are_normalised_over_the_whole_rollout_then_filtered(model):
+    """RAGEN normalises in its ctx_manager, before the filter: with batch grouping the kept scores
+    are the whole batch's normalised scores. With GAE at γ = λ = 1 the return of every policy token
+    is the trajectory's score."""
+    traj = rollout_batch()
+    prepare, _, state = program(
+        model, adv_estimator="gae", reward_grouping="batch", kept_groups=1, ppo_mini_batch_size=N, micro_batch_size=N
+    )
+    batch, _ = prepare(state, traj, HYPER.replace(filter_ratio=jnp.float32(0.25)))
+    whole = rewards.trajectory_score(traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id, "batch", "mean_std")
+    mask = np.asarray(batch.mask, bool)
+    expected = np.broadcast_to(np.asarray(whole[:N])[:, None], mask.shape)  # group 0 is the one kept
+    np.testing.assert_allclose(np.asarray(batch.returns)[mask], expected[mask], rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_with_kl_in_reward_changes_the_advantages_by_the_kl(model):
+    """veRL's GRPO outcome is the summed token reward, so β·KL on every token moves it."""
+    traj = rollout_batch()
+    prepare, _, state = program(model, kl_in_reward=True)
+    key = jax.random.PRNGKey(7)
+    noise = lambda x: x + 0.2 * jax.random.normal(jax.random.fold_in(key, x.size), x.shape, x.dtype)  # noqa: E731
+    state = state.replace(ref=jax.tree.map(noise, state.ref))  # a reference that differs from the policy
+    without, _ = prepare(state, traj, HYPER)
+    beta = 0.5
+    with_kl, metrics = prepare(state, traj, HYPER.replace(kl_in_reward_coef=jnp.float32(beta)))
+    mask = with_kl.mask
+    kl = jnp.sum(jnp.where(mask > 0, with_kl.old_logp - with_kl.ref_logp, 0.0), axis=1)
+    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id, "state", "mean_std")
+    expected, _ = advantages.grpo_outcome(score - beta * kl, traj.group_id, mask)
+    np.testing.assert_allclose(with_kl.advantages, expected, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(with_kl.advantages - without.advantages).max()) > 1e-2
+    assert float(metrics["actor/reward_kl_penalty"]) != 0.0
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_rollouts_longest_sequence(model):
+    """RAGEN divides by its padded batch's width: the longest sequence of the whole rollout minus
+    one. Lengthening a trajectory the filter drops changes only that divisor."""
+    _, learn, state = program(
+        model, loss_agg_mode="seq-mean-token-sum-norm", kept_groups=2, ppo_mini_batch_size=2 * N
+    )
+    hyper = HYPER.replace(filter_ratio=jnp.float32(0.5))  # keeps groups 0 and 3
+    short = rollout_batch()
+    long = short.replace(length=short.length.at[N].set(L))  # a row of group 1, dropped
+    (_, m_short), (_, m_long) = learn(state, short, hyper), learn(state, long, hyper)
+    ratio = float(m_short["actor/entropy_loss"]) / float(m_long["actor/entropy_loss"])
+    assert ratio == pytest.approx((L - 1) / (int(short.length.max()) - 1), rel=1e-6)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_is_counted(model):
+    """A NaN reward (unnormalised) makes every whitened GAE advantage and its row's returns NaN: both
+    optimisers skip the step, leave weights and moments as they were, and count it; a finite batch
+    then trains."""
+    _, learn, state = program(model, adv_estimator="gae", reward_method="identity")
+    broken = rollout_batch(REWARD.copy() * np.where(np.arange(G * N) == 3, np.nan, 1.0).astype(np.float32))
+    new, metrics = learn(state, broken, HYPER)
+    assert float(metrics["actor/skipped_steps"]) == float(metrics["critic/skipped_steps"]) == 1.0
+    assert int(new.skipped_steps) == int(new.critic_skipped_steps) == 1
+    assert trees_equal(new.actor, state.actor) and trees_equal(new.actor_opt, state.actor_opt)
+    assert trees_equal(new.critic, state.critic) and trees_equal(new.critic_opt, state.critic_opt)
+    newer, metrics = learn(new, rollout_batch(), HYPER)
+    assert float(metrics["actor/skipped_steps"]) == float(metrics["critic/skipped_steps"]) == 1.0
+    assert not trees_equal(newer.actor, new.actor) and not trees_equal(newer.critic, new.critic)
+
+
+def test_critic_warmup_trains_only_the_critic_for_its_steps(model):
+    _, learn, state = program(model, adv_estimator="gae", critic_warmup=1)
+    traj = rollout_batch()
+    first, _ = learn(state, traj, HYPER)
+    assert trees_equal(first.actor, state.actor) and trees_equal(first.actor_opt, state.actor_opt)
+    assert not trees_equal(first.critic, state.critic)
+    second, _ = learn(first, traj, HYPER)
+    assert not trees_equal(second.actor, first.actor)
+
+
+def test_sampler_logprobs_replace_the_recomputed_old_logprobs(model):
+    traj = rollout_batch()
+    prepare, learn, state = program(model, use_sampler_logprobs=True)
+    batch, _ = prepare(state, traj, HYPER)
+    np.testing.assert_array_equal(batch.old_logp, traj.sampler_logprobs)
+    # the policy's own log-probs (≈ −5.5 for 256 tokens) are not the sampler's, so the ratio moves
+    _, metrics = learn(state, traj, HYPER)
+    assert abs(float(metrics["actor/ppo_kl"])) > 0.1
+
+
+def test_ppo_epochs_pass_over_every_mini_batch_each_epoch(model):
+    """2 epochs × 2 mini-batches = 4 optimiser steps (veRL: no shuffling, the same order each epoch)."""
+    _, learn, state = program(model, ppo_epochs=2, ppo_mini_batch_size=2 * N)
+    new, _ = learn(state, rollout_batch(), HYPER)
+    assert adam_steps(new.actor_opt) == 4
