@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps this invocation (for smoke runs).")
@@ -178,7 +180,7 @@ def _truncate_log(path: Path, step: int) -> None:
 
 
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)
 
 
 if __name__ == "__main__":
