@@ -121,7 +121,8 @@ def _root_cause(err: BaseException) -> str:
 class _quiet_storage_errors:
     """Silence what a damaged file makes orbax, TensorStore and asyncio print besides the error:
     log lines with whole TensorStore specs, and ``Exception ignored in <coroutine>`` /
-    ``Event loop is closed`` tracebacks of the reads still in flight when the first one failed."""
+    ``Event loop is closed`` tracebacks of the reads still in flight when the first one failed
+    (those surface whenever the abandoned reads are collected, so their filter stays installed)."""
 
     NAMES = ("absl", "orbax", "asyncio", "tensorstore", "jax")
 
@@ -129,25 +130,34 @@ class _quiet_storage_errors:
         self.levels = {name: logging.getLogger(name).level for name in self.NAMES}
         for name in self.NAMES:
             logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-        self.hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+        if sys.unraisablehook is not _drop_abandoned_reads:
+            _drop_abandoned_reads.default = sys.unraisablehook
+            sys.unraisablehook = _drop_abandoned_reads
 
     def __exit__(self, *exc):
-        gc.collect()  # finalise the abandoned reads now, while their tracebacks are muted
-        sys.unraisablehook = self.hook
+        gc.collect()  # finalise the abandoned reads now, while the loggers are muted
         for name, level in self.levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def _drop_abandoned_reads(unraisable) -> None:
+    """``sys.unraisablehook`` that drops errors of orbax's own coroutines and passes on the rest."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is None or "orbax" not in code.co_filename:
+        _drop_abandoned_reads.default(unraisable)
 
 
 def set_aside(mgr: ocp.CheckpointManager, steps: list[int]) -> Path:
     """Move damaged steps out of the checkpoint folder (to ``damaged_checkpoints/`` beside it), so
     the resumed run can write those step numbers again; nothing is deleted."""
-    aside = Path(mgr.directory).parent / "damaged_checkpoints"
+    directory = Path(str(mgr.directory))  # an etils path; pathlib moves it
+    aside = directory.parent / "damaged_checkpoints"
     for step in steps:
         target = aside / str(step)
         n = 1
         while target.exists():
             target, n = aside / f"{step}.{n}", n + 1
         aside.mkdir(exist_ok=True)
-        shutil.move(Path(mgr.directory) / str(step), target)
+        shutil.move(directory / str(step), target)
     mgr.reload()
     return aside
