@@ -8,7 +8,9 @@ Writes to ``trainer.output_dir``: ``config.json``, ``metrics.jsonl`` (one line p
 validation), TensorBoard events under ``tb/`` (``tensorboard --logdir <output_dir>/tb``),
 validation trajectories as ``val/step_<N>.jsonl``, orbax checkpoints under ``checkpoints/``
 (every ``trainer.save_freq`` steps and at the end; ``--config.trainer.resume=True`` continues a
-killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``.
+killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``. A fresh run
+refuses a folder that holds an earlier run unless ``--config.trainer.overwrite=True`` (which deletes
+that run's files first).
 """
 
 from __future__ import annotations

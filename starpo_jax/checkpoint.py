@@ -141,9 +141,13 @@ class _quiet_storage_errors:
 
 
 def _drop_abandoned_reads(unraisable) -> None:
-    """``sys.unraisablehook`` that drops errors of orbax's own coroutines and passes on the rest."""
+    """``sys.unraisablehook`` that drops the errors of reads abandoned by a failed orbax restore:
+    its coroutines being closed, and TensorStore's threads finishing reads for the event loop the
+    restore already closed (``Event loop is closed``); everything else is passed on."""
     code = getattr(unraisable.object, "cr_code", None)
-    if code is None or "orbax" not in code.co_filename:
+    orbax_coroutine = code is not None and "orbax" in code.co_filename
+    closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    if not (orbax_coroutine or closed_loop):
         _drop_abandoned_reads.default(unraisable)
 
 

@@ -8,7 +8,8 @@ import statistics
 
 @dataclasses.dataclass
 class CollapseWatch:
-    """Warns when training shows the paper's collapse signs, judged against recent history.
+    """Warns when training shows the paper's collapse signs, judged against the medians of the last
+    ``window`` steps once ``window // 2`` are recorded (so never in a run's first 5 steps):
 
     - reward std and entropy both fall below ``drop`` times their recent median (the rollouts of a
       prompt stop disagreeing and the policy stops exploring: the Echo Trap), or
