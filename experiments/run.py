@@ -92,11 +92,7 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
     if resume:
         if overwrite:
             raise ConfigError("trainer.resume and trainer.overwrite exclude each other; set one of them.")
-        if not checkpoint.saved_steps(out / "checkpoints"):
-            raise checkpoint.CheckpointError(
-                f"No checkpoint in {out / 'checkpoints'}: start without resume, or point trainer.output_dir "
-                "at a run that saved one (trainer.save_freq > 0)."
-            )
+        checkpoint.require_checkpoint(out / "checkpoints")
         return
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if earlier and not overwrite:
