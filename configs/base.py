@@ -161,6 +161,8 @@ def get_config() -> ConfigDict:
             seed=0,
             output_dir="runs/default",
             resume=False,
+            # A fresh run refuses a folder that holds an earlier run; True deletes that run's files first.
+            overwrite=False,
             log_trajectories=20,
             export_hf=True,  # save the final policy as a Hugging Face folder (hf_policy/)
         )

@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--max-turn", type=int, default=None, help="default: the run's config, else 5")
     p.add_argument("--response-length", type=int, default=None, help="default: the run's config, else 400")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    p.add_argument("--no-think", dest="enable_think", action="store_false", default=None,
+                   help="answer with <answer> only, no <think> (rollout.enable_think=False): for a model that "
+                        "cannot close <think>; default: the run's config, else thinking on")
     p.add_argument("--seed", type=int, default=123, help="first level seed")
     p.add_argument("--out", default="bench_results/evaluate.json")
     return p.parse_args(argv)
@@ -98,6 +101,8 @@ def evaluate(args) -> dict:
         config.rollout.max_turn = args.max_turn
     if args.response_length:
         config.rollout.response_length = args.response_length
+    if args.enable_think is not None:
+        config.rollout.enable_think = args.enable_think
     batch = min(args.batch, args.levels)
     if args.levels % batch:
         raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
@@ -106,6 +111,7 @@ def evaluate(args) -> dict:
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
         results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
     return {"model": args.model, "suite": args.suite, "temperature": args.temperature,
+            "enable_think": bool(config.rollout.enable_think),
             "device": jax.devices()[0].device_kind, "devices": len(mesh.devices.flat), "results": results}
 
 

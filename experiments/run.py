@@ -8,7 +8,9 @@ Writes to ``trainer.output_dir``: ``config.json``, ``metrics.jsonl`` (one line p
 validation), TensorBoard events under ``tb/`` (``tensorboard --logdir <output_dir>/tb``),
 validation trajectories as ``val/step_<N>.jsonl``, orbax checkpoints under ``checkpoints/``
 (every ``trainer.save_freq`` steps and at the end; ``--config.trainer.resume=True`` continues a
-killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``.
+killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``. A fresh run
+refuses a folder that holds an earlier run unless ``--config.trainer.overwrite=True`` (which deletes
+that run's files first).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps this invocation (for smoke runs).")
@@ -57,16 +61,58 @@ def main(argv) -> int:
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
     from starpo_jax import sharding
-    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.checkpoint import CheckpointError
+    from starpo_jax.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.models.loading import ModelLoadError
 
-    try:
-        exp = build_experiment(_CONFIG.value)
-    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
+    cfg = _CONFIG.value
+    out = Path(cfg.trainer.output_dir)
+    try:  # everything that needs no model first: a mistake costs a second, not a model load
+        check_config(cfg)
+        check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
+        exp = build_experiment(cfg)
+    except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if cfg.trainer.overwrite and not cfg.trainer.resume:
+        clear_run(out)
     with sharding.use_mesh(exp.mesh):
         return train(exp)
+
+
+# What a run writes into its output folder (``clear_run`` deletes exactly these).
+RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy", "lora_adapter")
+
+
+def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """A fresh run never mixes with an earlier one in the same folder, and resume needs a checkpoint."""
+    from starpo_jax import checkpoint
+    from starpo_jax.experiment import ConfigError
+
+    if resume:
+        if overwrite:
+            raise ConfigError("trainer.resume and trainer.overwrite exclude each other; set one of them.")
+        checkpoint.require_checkpoint(out / "checkpoints")
+        return
+    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    if earlier and not overwrite:
+        raise ConfigError(
+            f"{out} holds an earlier run ({', '.join(earlier)}); continue it with "
+            "--config.trainer.resume=True, choose a new --config.trainer.output_dir, or delete it with "
+            "--config.trainer.overwrite=True."
+        )
+
+
+def clear_run(out: Path) -> None:
+    """Delete the files of an earlier run in ``out`` (``trainer.overwrite=True``); others stay."""
+    import shutil
+
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def train(exp) -> int:
@@ -77,7 +123,7 @@ def train(exp) -> int:
     from tqdm import tqdm
 
     from starpo_jax import checkpoint, sharding
-    from starpo_jax.metrics import CollapseWatch
+    from starpo_jax.metrics import CollapseWatch, write_scalars
     from starpo_jax.models.loading import save_model
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout import initial_states_from_seeds, make_rollout
@@ -85,8 +131,6 @@ def train(exp) -> int:
 
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     log = tqdm.write
 
     step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
@@ -97,25 +141,28 @@ def train(exp) -> int:
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
 
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     mgr = checkpoint.manager(out / "checkpoints")
     watch, start = CollapseWatch(), 0
     metrics_path = out / "metrics.jsonl"
     if cfg.trainer.resume:
         try:
-            state, host, start = checkpoint.restore(mgr, state)
+            state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
         except checkpoint.CheckpointError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
+        if damaged:
+            log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
         watch = CollapseWatch.from_state(host.get("collapse_watch", {}))
         _truncate_log(metrics_path, start)
         log(f"resumed from step {start} in {out}")
-    elif metrics_path.exists():
-        metrics_path.unlink()
-    writer = SummaryWriter(str(out / "tb"))
+    # purge_step: TensorBoard drops the events a killed run logged after its checkpoint.
+    writer = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None)
 
     def record(step: int, metrics: dict) -> None:
-        for name, value in metrics.items():
-            writer.add_scalar(name, value, step)
+        write_scalars(writer, metrics, step)
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
@@ -178,7 +225,7 @@ def _truncate_log(path: Path, step: int) -> None:
 
 
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)
 
 
 if __name__ == "__main__":

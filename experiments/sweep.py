@@ -17,8 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from experiments import cli
 
 # config key -> Hyperparams field
 SWEEPABLE = {
@@ -143,4 +145,4 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

@@ -213,9 +213,27 @@ def check_choices(config: ConfigDict) -> None:
         raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
 
 
+def check_config(config: ConfigDict) -> None:
+    """Every check that needs no model (choices, envs, batch sizes, mesh), so a mistake is reported
+    in a second rather than after the model has loaded."""
+    check_choices(config)
+    train_plan, val_plan = rollout_plan(config, "train"), rollout_plan(config, "val")
+    train_settings(config, train_plan)
+    device_mesh(config, **_mesh_batches(config, train_plan, val_plan))
+
+
+def _mesh_batches(config: ConfigDict, train_plan: RolloutPlan, val_plan: RolloutPlan) -> dict[str, int]:
+    """The batches split over the mesh's ``data`` axis, named as the user sets them."""
+    return {
+        "the training batch (n_groups × group_size)": train_plan.batch_size,
+        "the validation batch (n_groups × group_size)": val_plan.batch_size,
+        "actor.micro_batch_size": config.actor.micro_batch_size,
+    }
+
+
 def build_experiment(config: ConfigDict) -> Experiment:
     """Load the model and tokenise every prompt piece: the host-side work before training."""
-    check_choices(config)
+    check_config(config)
     model, tokenizer = load_policy(config)
     chat_template = config.model.get("chat_template", "") or None
     train_plan = rollout_plan(config, "train", tokenizer)
@@ -240,9 +258,5 @@ def build_experiment(config: ConfigDict) -> Experiment:
         val_tables=tables["val"],
         settings=train_settings(config, train_plan),
         hyper=hyperparams(config),
-        mesh=device_mesh(config, **{
-            "the training batch (n_groups × group_size)": train_plan.batch_size,
-            "the validation batch (n_groups × group_size)": val_plan.batch_size,
-            "actor.micro_batch_size": config.actor.micro_batch_size,
-        }),
+        mesh=device_mesh(config, **_mesh_batches(config, train_plan, val_plan)),
     )

@@ -8,7 +8,8 @@ import statistics
 
 @dataclasses.dataclass
 class CollapseWatch:
-    """Warns when training shows the paper's collapse signs, judged against recent history.
+    """Warns when training shows the paper's collapse signs, judged against the medians of the last
+    ``window`` steps once ``window // 2`` are recorded (so never in a run's first 5 steps):
 
     - reward std and entropy both fall below ``drop`` times their recent median (the rollouts of a
       prompt stop disagreeing and the policy stops exploring: the Echo Trap), or
@@ -47,3 +48,12 @@ class CollapseWatch:
     @classmethod
     def from_state(cls, state: dict, **kwargs) -> "CollapseWatch":
         return cls(history={k: list(v) for k, v in state.get("history", {}).items()}, **kwargs)
+
+
+def write_scalars(writer, metrics: dict, step: int) -> None:
+    """One TensorBoard event holding every metric of a step, under the exact names of
+    ``metrics.jsonl`` (tensorboardX's ``add_scalar`` would rename ``pass@4`` to ``pass_4``)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+    writer.file_writer.add_summary(Summary(value=values), step)

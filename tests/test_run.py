@@ -53,6 +53,15 @@ def train_lines(rows):
     return [r for r in rows if "train/reward/mean" in r]
 
 
+def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} as TensorBoard shows them (it honours purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
@@ -74,30 +83,83 @@ def test_outputs(full_run):
     dump = [json.loads(line) for line in (full_run / "val" / "step_2.jsonl").read_text().splitlines()]
     assert len(dump) == 2 and dump[0]["turns"] and {"observation", "think", "answer", "actions", "reward"} <= set(dump[0]["turns"][0])
     assert "State:" in dump[0]["turns"][0]["observation"]
-    assert any(p.name.startswith("events") for p in (full_run / "tb").iterdir())
+    assert "train/Bandit/pass@2" in tensorboard_scalars(full_run)  # verbatim, as in metrics.jsonl
     assert (full_run / "hf_policy" / "config.json").exists() and (full_run / "hf_policy" / "model.safetensors").exists()
 
 
 def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
-    run(f"--config.trainer.output_dir={tmp_path}", "--max_steps=1")
+    # An earlier run's files in the folder: overwrite=True must delete them (else resume picks step 5).
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
+    run(f"--config.trainer.output_dir={tmp_path}", "--max_steps=1", "--config.trainer.overwrite=True")
+    assert not (tmp_path / "checkpoints" / "5").exists()
+    # A killed run logged step 2 after its checkpoint at step 1: resume must not show step 2 twice.
+    from tensorboardX import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "tb")) as w:
+        w.add_scalar("train/reward/mean", 123.0, 2)
     run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True")
     full, resumed = train_lines(read_metrics(full_run)), train_lines(read_metrics(tmp_path))
     assert len(resumed) == 2
     for a, b in zip(full, resumed):
         for key in ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "train/response_length"):
             assert a[key] == b[key], key
+    shown = tensorboard_scalars(tmp_path)["train/reward/mean"]
+    assert shown == [(r["step"], pytest.approx(r["train/reward/mean"])) for r in resumed]
 
 
-def test_config_and_checkpoint_errors(tmp_path):
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.rollout.max_trun=3", check=False)
-    assert proc.returncode != 0 and "max_trun" in proc.stderr
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.envs.train.tags=('Sokobon',)",
-               "--config.envs.train.n_groups=(2,)", check=False)
-    assert proc.returncode == 2 and "Sokobon" in proc.stderr and "Known envs" in proc.stderr
-    proc = run(f"--config.trainer.output_dir={tmp_path / 'none'}", "--config.trainer.resume=True", check=False)
-    assert proc.returncode == 2 and "No checkpoint" in proc.stderr
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.mesh.model=2", check=False)
-    assert proc.returncode == 2 and "mesh.model=2" in proc.stderr
+def test_fresh_run_refuses_a_folder_holding_an_earlier_run(full_run):
+    before = {p: p.read_bytes() for p in full_run.rglob("*") if p.is_file()}
+    proc = run(f"--config.trainer.output_dir={full_run}", "--config.model.source=/no/model.gguf", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert str(full_run) in proc.stderr and "--config.trainer.resume=True" in proc.stderr
+    assert "--config.trainer.overwrite=True" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in full_run.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_resume_from_a_truncated_checkpoint_is_one_line(full_run, tmp_path):
+    import shutil
+
+    shutil.copytree(full_run / "checkpoints", tmp_path / "checkpoints")
+    for step in (tmp_path / "checkpoints").iterdir():  # every kept step truncated: nothing to fall back to
+        data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip() and "%|" not in line]
+    assert errors[-1].startswith("error: Checkpoint step 1 ") and "No intact checkpoint" in errors[-1]
+    assert "TensorStore" not in proc.stderr and "Traceback" not in proc.stderr and "Event loop" not in proc.stderr
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_help_and_config_errors_come_first_in_one_line(tmp_path):
+    """Errors that need no model are reported before it loads: a model source that does not exist
+    is named in none of them. A failed start writes nothing."""
+    for module in ("experiments.run", "experiments.sweep"):
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+        assert proc.returncode == 0 and "--config" in proc.stdout, module
+    out = tmp_path / "out"
+    no_model = ["--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={out}"]
+    line = one_line_error(run(*no_model, "--config.rollout.max_trun=3", check=False))
+    assert "rollout.max_trun" in line and 'Did you mean "max_turn"' in line
+    line = one_line_error(run(*no_model, "--config.foo.bar=1", check=False))
+    assert "config.foo.bar" in line and "'foo' does not exist" in line
+    line = one_line_error(run(*no_model, "--config.envs.train.tags=('Sokobon',)", "--config.envs.train.n_groups=(2,)",
+                              check=False))
+    assert "Sokobon" in line and "Known envs" in line
+    line = one_line_error(run(*no_model, "--config.actor.ppo_mini_batch_size=3", check=False))
+    assert "ppo_mini_batch_size (3)" in line
+    assert "mesh.model=2" in one_line_error(run(*no_model, "--config.mesh.model=2", check=False))
+    line = one_line_error(run(*no_model, "--config.trainer.resume=True", check=False))
+    assert "No checkpoint" in line
+    assert not out.exists()  # no config.json, no empty checkpoints/
 
 
 def test_run_on_two_devices_checkpoints_and_resumes(tmp_path):
@@ -122,9 +184,10 @@ def evaluate(*args):
 def test_evaluate_a_run_folder(full_run, tmp_path):
     out = tmp_path / "eval.json"
     proc = evaluate("--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "2",
-                    "--out", str(out))
+                    "--no-think", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["enable_think"] is False
     assert set(report["results"]) == {"FrozenLake"} and report["results"]["FrozenLake"]["levels"] == 2
     assert "FrozenLake" in proc.stdout and "success %" in proc.stdout
 
@@ -144,6 +207,8 @@ def test_evaluate_errors():
     assert proc.returncode == 2 and "Unknown suite 'chess'" in proc.stderr
     proc = evaluate("--model", "/nonexistent/model.gguf", "--suite", "bandit")
     assert proc.returncode == 2 and "/nonexistent/model.gguf" in proc.stderr
+    proc = evaluate("--model", "tests/nonexistent", "--suite", "bandit")  # a folder's path, not a hub id
+    assert proc.returncode == 2 and "No folder or GGUF file exists at tests/nonexistent" in proc.stderr
 
 
 def test_sweep_trains_a_grid_in_one_program(tmp_path):

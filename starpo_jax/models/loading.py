@@ -97,9 +97,14 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file; {_SOURCES_HINT}.")
         return "gguf", path
-    if path.suffix.lower() == ".gguf" or path.is_absolute() or not _HUB_ID.match(str(source)):
-        raise ModelLoadError(f"No checkpoint folder or GGUF file exists at {path}; {_SOURCES_HINT}.")
+    if path.suffix.lower() == ".gguf" or not _HUB_ID.match(str(source)) or _looks_local(str(source)):
+        raise ModelLoadError(f"No folder or GGUF file exists at {path}; {_SOURCES_HINT}.")
     return "folder", download_from_hub(str(source))
+
+
+def _looks_local(source: str) -> bool:
+    """``runs/x`` where ``runs`` is a local folder is a path on this machine, not a hub id."""
+    return Path(source).parent.is_dir()
 
 
 def download_from_hub(repo_id: str) -> Path:

@@ -1,0 +1,51 @@
+"""Command-line plumbing shared by ``run`` and ``sweep``: ``--help`` exits 0, and a bad flag or
+config override (a misspelt key, an unknown section, a value of the wrong type) is one line on
+stderr with exit status 2, found before anything slow starts."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from absl import app, flags
+
+HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "-?", "--helpfull"}
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """``app.run``'s flags parser with one-line errors (absl prints tracebacks or exits 1)."""
+    if HELP_FLAGS & set(argv[1:]):
+        app.usage(shorthelp="--helpfull" not in argv, writeto_stdout=True)
+        sys.exit(0)
+    try:
+        rest = flags.FLAGS(argv)
+        if "config" in flags.FLAGS:
+            flags.FLAGS.config.keys()  # a config file that failed to load raises only when read
+        return rest
+    except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as err:
+        print(f"error: {flag_error_message(err, argv)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def flag_error_message(err: Exception, argv: list[str]) -> str:
+    """One line for a flag error; a missing config key is named with its full path and
+    ml_collections' "Did you mean" suggestion."""
+    text = str(err.args[0]) if err.args else str(err)
+    if isinstance(err, (KeyError, AttributeError)):
+        # ml_collections: "'max_trun'\nDid you mean ..." (sometimes repr'd once more).
+        text = text.strip("'\"").replace("\\n", "\n").replace("\\'", "'")
+        missing, _, hint = text.partition("\n")
+        missing = missing.strip("'\"")
+        paths = [a.split("=", 1)[0].removeprefix("--") for a in argv[1:] if a.startswith("--config.")]
+        path = next((p for p in paths if missing in p.split(".")[1:]), f"config.{missing}")
+        return f"--{path}: config key {missing!r} does not exist (see configs/base.py). {hint}".strip()
+    if isinstance(err, OSError):  # ml_collections: "Failed loading config file ...\n ... [Errno 2] ..."
+        return f"--config: {text.strip().splitlines()[-1].strip()}"
+    if "Traceback (most recent call last)" in text:  # an exception inside the config file: its last line
+        return f"{text.split(':', 1)[0]}: {text.strip().splitlines()[-1].strip()}"
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def run(main) -> None:
+    """``app.run(main)`` with the parser above; ``main`` returns the exit status."""
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)

@@ -1,0 +1,60 @@
+"""Checkpoint integrity: damaged bytes are caught by the per-array checksums and the restore falls
+back to an older intact step; an unreadable (truncated) step is one short sentence."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starpo_jax import checkpoint
+
+STATE = {"w": jnp.arange(100_000, dtype=jnp.float32), "m": jnp.ones((64, 64), jnp.bfloat16)}
+
+
+def saved(tmp_path, steps=(1, 2)):
+    mgr = checkpoint.manager(tmp_path / "checkpoints")
+    for s in steps:
+        checkpoint.save(mgr, s, {k: v * s for k, v in STATE.items()}, {"step": s})
+    return mgr
+
+
+def data_file(tmp_path, step):
+    """The largest file of a step's state: the one holding the array bytes."""
+    files = [p for p in (tmp_path / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def test_restore_checks_every_array_and_falls_back_from_a_damaged_step(tmp_path):
+    saved(tmp_path)
+    path = data_file(tmp_path, 2)
+    with open(path, "r+b") as f:  # 4 KB of random bytes into the middle of the data file
+        f.seek(path.stat().st_size // 2)
+        f.write(np.random.default_rng(0).bytes(4096))
+    warnings = []
+    state, host, step = checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE, warn=warnings.append)
+    assert step == 1 and host == {"step": 1}
+    np.testing.assert_array_equal(state["w"], STATE["w"])
+    assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
+    assert "Falling back to step 1" in warnings[0]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # the abandoned reads' tracebacks
+def test_a_truncated_only_step_is_one_sentence(tmp_path, capfd):
+    saved(tmp_path, steps=(1,))
+    os.truncate(data_file(tmp_path, 1), data_file(tmp_path, 1).stat().st_size // 2)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE)
+    message = str(err.value)
+    assert "step 1" in message and "No intact checkpoint" in message and "\n" not in message
+    assert len(message) < 600
+    printed = capfd.readouterr()
+    assert "TensorStore" not in printed.err + printed.out and "Traceback" not in printed.err + printed.out
+
+
+def test_damaged_steps_are_set_aside_not_deleted(tmp_path):
+    mgr = saved(tmp_path, steps=(1, 2))
+    aside = checkpoint.set_aside(mgr, [2])
+    assert mgr.all_steps() == [1] and (aside / "2" / "state").is_dir()
+    checkpoint.save(mgr, 2, STATE, {})  # the step number is free again
+    assert sorted(mgr.all_steps()) == [1, 2]
