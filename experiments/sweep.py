@@ -199,14 +199,15 @@ def free_memory_bytes(mesh) -> int:
 def fit_in_memory(compile_for, n: int, free: int):
     """(chunk size, compile_for(chunk size)) for the most settings at a time, up to ``n``, whose
     compiled step fits in ``free`` bytes per device; MemoryError naming what to reduce if one does not."""
-    size = n
+    size, need_all = n, None
     while True:
         compiled = compile_for(size)
         need = program_bytes(compiled[0])
+        need_all = need_all or need
         if need <= free:
             if size < n:
-                print(f"{n} settings side by side would not fit in the {free / 2**30:.1f} GiB free; "
-                      f"training {size} at a time.", file=sys.stderr)
+                print(f"{n} settings side by side need about {need_all / 2**30:.1f} GiB but {free / 2**30:.1f} GiB "
+                      f"is free: training {size} at a time.", file=sys.stderr)
             return size, compiled
         if size == 1:
             raise MemoryError(
