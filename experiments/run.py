@@ -10,7 +10,9 @@ validation trajectories as ``val/step_<N>.jsonl``, orbax checkpoints under ``che
 (every ``trainer.save_freq`` steps and at the end; ``--config.trainer.resume=True`` continues a
 killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``. A fresh run
 refuses a folder that holds an earlier run unless ``--config.trainer.overwrite=True`` (which deletes
-that run's files first).
+that run's files first). With LoRA also the adapters as a peft folder ``lora_adapter/`` naming a base
+that resolves (``base_model/``, written beside it, when ``model.source`` is no hub id or HF folder).
+Exports honour the umask.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def train(exp) -> int:
 
     from starpo_jax import checkpoint, sharding
     from starpo_jax.metrics import CollapseWatch, write_scalars
-    from starpo_jax.models.loading import save_model
+    from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout import initial_states_from_seeds, make_rollout
     from starpo_jax.train import init_train_state, make_train_step, policy_weights, sampling_policy
@@ -208,9 +210,13 @@ def train(exp) -> int:
         folder = save_model(policy, exp.tokenizer, out / "hf_policy")
         log(f"policy saved as a Hugging Face checkpoint: {folder}")
         if exp.settings.lora_rank:
+            base = None if cfg.model.random_init_preset else hf_name(cfg.model.source)
+            if base is None:  # GGUF, bundled or random weights: a peft client needs them as a folder
+                base = str(save_model(nnx.merge(exp.model.graphdef, state.base), exp.tokenizer, out / "base_model"))
+                log(f"LoRA base saved as a Hugging Face checkpoint: {base}")
             folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
-                                  base_model=str(cfg.model.source))
-            log(f"LoRA adapters saved for peft: {folder}")
+                                  base_model=base)
+            log(f"LoRA adapters saved for peft (base {base}): {folder}")
     log(f"done: {stop} steps, outputs in {out}")
     return 0
 

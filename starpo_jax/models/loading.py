@@ -107,6 +107,19 @@ def _looks_local(source: str) -> bool:
     return Path(source).parent.is_dir()
 
 
+def hf_name(source: str | os.PathLike) -> str | None:
+    """The name a Hugging Face client (transformers, peft, vLLM) resolves to ``source``'s weights:
+    a local folder's absolute path or a hub id; None for a GGUF file or the bundled model."""
+    if str(source) == bundled.SMOLLM2_NAME:
+        return None
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return str(path.absolute())
+    if path.exists() or path.suffix.lower() == ".gguf" or path.is_absolute() or not _HUB_ID.match(str(source)):
+        return None
+    return str(source)
+
+
 def download_from_hub(repo_id: str) -> Path:
     """Snapshot of the config, safetensors and tokenizer files of a hub repo (cached by
     huggingface_hub). Honours ``HF_HUB_OFFLINE`` as set now, not only at import time, and fails
@@ -210,8 +223,29 @@ def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
         tensors = {name: value.astype(_numpy_dtype(model.config.param_dtype))  # the dtype config.json states
                    for name, value in decoder_to_hf_tensors(model).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-        tokenizer.save_pretrained(str(staging))
+        save_tokenizer(tokenizer, staging)
     return Path(folder).expanduser().absolute()
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, made readable by every transformers the project
+    supports (>= 4.45) and by vLLM. transformers 5 names the class ``TokenizersBackend`` and keeps
+    the chat template in ``chat_template.jinja`` and extra special tokens under
+    ``extra_special_tokens``; 4.x knows none of these. ``PreTrainedTokenizerFast`` (built from
+    ``tokenizer.json`` alone, in every version), the template inline and
+    ``additional_special_tokens`` are what both read.
+    """
+    tokenizer.save_pretrained(str(folder))
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        config["chat_template"] = template.read_text()
+    extra = config.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        config["additional_special_tokens"] = extra
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -240,10 +274,21 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
         yield staging
+        _honour_umask(staging)
         _move_into_place(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _honour_umask(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes a plain ``mkdir`` / ``open`` would (0755 / 0644
+    under umask 022), so a serving process of another user can read the export: ``mkdtemp``
+    creates 0700 and some writers 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (folder, *folder.rglob("*")):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _move_into_place(staging: Path, folder: Path) -> None:

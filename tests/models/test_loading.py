@@ -4,7 +4,9 @@ bad input. transformers (torch, fp32) is the oracle for logits and tokenizer beh
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 
 import numpy as np
 import pytest
@@ -13,10 +15,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from starpo_jax.models.loading import (
     ModelLoadError,
+    hf_name,
     load_model,
     read_hf_config,
     read_safetensors,
     save_model,
+    save_tokenizer,
 )
 
 # On a shared 2-core machine torch's second intra-op thread mostly spins: one thread runs the
@@ -251,3 +255,41 @@ def test_unreachable_hub_is_one_clear_fast_error(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
     with pytest.raises(ModelLoadError, match="Could not reach the Hugging Face hub"):
         load_model("Qwen/Qwen2.5-0.5B")
+
+
+def test_saved_tokenizer_config_is_what_transformers_4_reads(tmp_path, smollm2_tokenizer):
+    """transformers 4.x (the project supports >= 4.45) knows neither the class name 5.x writes
+    (``TokenizersBackend``) nor ``chat_template.jinja``: the written config must name a class every
+    version has and carry the chat template inline. Checked by hand with 4.45.2 as well."""
+    save_tokenizer(smollm2_tokenizer, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["chat_template"] == smollm2_tokenizer.chat_template
+    assert "extra_special_tokens" not in config  # a 5.x key; 4.x reads additional_special_tokens
+    assert (tmp_path / "tokenizer.json").is_file()  # what PreTrainedTokenizerFast is built from
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "<|im_start|>user\n<answer>Left || Up</answer><|im_end|>"
+    assert reloaded(text)["input_ids"] == smollm2_tokenizer(text)["input_ids"]
+    assert (reloaded.eos_token, reloaded.pad_token) == (smollm2_tokenizer.eos_token, smollm2_tokenizer.pad_token)
+
+
+def test_saved_folder_honours_the_umask(tmp_path, tied_loaded):
+    """A serving process of another user must read the export: 0755 / 0644 under umask 022."""
+    model, tokenizer = tied_loaded
+    old = os.umask(0o022)
+    try:
+        folder = save_model(model, tokenizer, tmp_path / "policy")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    files = list(folder.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in files), \
+        {f.name: oct(f.stat().st_mode) for f in files}
+
+
+def test_hf_name_is_what_a_hugging_face_client_resolves(tmp_path):
+    assert hf_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert hf_name(tmp_path) == str(tmp_path.absolute())
+    assert hf_name("smollm2-135m-instruct") is None  # bundled GGUF
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert hf_name(tmp_path / "m.gguf") is None

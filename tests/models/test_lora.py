@@ -2,6 +2,8 @@
 linear layer, peft's tensor layout reproduces the same weights, and gradients reach the adapters."""
 
 import json
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +105,18 @@ def test_save_adapter_writes_a_peft_folder(model, tmp_path):
     for name, value in expected.items():
         np.testing.assert_array_equal(tensors[name], value)
     assert [p.name for p in tmp_path.iterdir()] == ["lora_adapter"]  # no staging folder left behind
+    assert peft_config["base_model_name_or_path"] == "some/base"
+
+
+def test_saved_adapter_honours_the_umask(model, tmp_path):
+    config = model.merge().config
+    old = os.umask(0o022)
+    try:
+        folder = lora.save_adapter(_random_adapters(config, jax.random.PRNGKey(4)), config, ALPHA, tmp_path / "a")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (folder, *folder.iterdir())}
+    assert modes == {"a": 0o755, "adapter_config.json": 0o644, "adapter_model.safetensors": 0o644}
 
 
 def test_rank_must_be_positive(model):

@@ -1,0 +1,143 @@
+"""Every command and code block of README.md runs, so the README cannot drift from the code.
+
+Each command the README shows is listed in ``COMMANDS`` with how this test runs it: as written, or
+shrunk (a tiny random model and a few trajectories instead of the bundled 135M or the paper's
+0.5B, one step), or not at all with the reason. The list is reviewed by hand: a README command that
+is not in it, or an entry that is no longer in the README, fails ``test_every_readme_command_is_listed``.
+Shrinking only adds flags after the README's own, and an output folder under tmp; the command's
+module, config, preset and its own flags run as written. Python blocks run as written.
+
+The quick start, the sweep and the evaluation of the quick start's run folder run by default (a few
+minutes); the five training commands and the benchmarks' smoke runs are ``slow``
+(``pytest -m slow tests/test_readme.py``, as the README says).
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+# A random tiny-llama over the bundled SmolLM2 tokenizer, in float32 (CPU).
+TINY_MODEL = ("--config.model.source=smollm2-135m-instruct", "--config.model.random_init_preset=tiny-llama",
+              "--config.model.dtype=float32")
+# configs/sokoban.py and its presets: 2 groups x 2 Sokoban rollouts, 2 validation levels, 1 step.
+TINY_SOKOBAN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.train.group_size=2",
+                "--config.envs.val.n_groups=(2,)", "--config.rollout.response_length=6",
+                "--config.rollout.max_model_len=1024", "--config.actor.ppo_mini_batch_size=2",
+                "--config.actor.micro_batch_size=2", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1",
+                "--config.trainer.save_freq=1", "--config.trainer.log_trajectories=1")
+# configs/quickstart.py already runs on a CPU; only the model shrinks, and one step.
+TINY_QUICKSTART = (*TINY_MODEL, "--config.trainer.total_steps=1", "--config.trainer.test_freq=1")
+QUICK_BENCH = ("--quick",)
+
+SKIP = "skip"
+# README command (comments stripped) -> (flags appended to shrink it, () as written, or SKIP; why; slow).
+COMMANDS = {
+    "bash setup.sh": (SKIP, "builds the .venv these tests run in; CI runs it", False),
+    ".venv/bin/python -m pytest -q": (SKIP, "this test suite itself", False),
+    ".venv/bin/python -m experiments.run --config configs/quickstart.py": (TINY_QUICKSTART, "tiny model, 1 step", False),
+    "python -m experiments.run --config configs/sokoban.py": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    "python -m experiments.run --config configs/presets.py:starpo_grpo": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    "python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
+        (TINY_SOKOBAN, "0.5B on a GPU", True),
+    "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
+        ((*TINY_SOKOBAN, "--config.trainer.total_steps=2"), "resumes the tiny configs/sokoban.py run for a second step", True),
+    "python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    "python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
+        ((*TINY_MODEL, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
+    "python -m experiments.evaluate --model runs/quickstart --suite bandit":
+        (("--levels", "2", "--batch", "2", "--response-length", "8"), "the tiny quick start's run folder, 2 levels", False),
+    "python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
+        (("--levels", "1", "--batch", "1", "--max-turn", "1", "--response-length", "8"), "1 level per env", True),
+    "JAX_NUM_CPU_DEVICES=2 python -m experiments.bench_envs": (QUICK_BENCH, "smoke run", True),
+    "python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
+    "python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
+    "python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
+}
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.M | re.S)
+
+
+def readme_commands() -> list[str]:
+    """Lines of the bash blocks, and the commands in the benchmark table's first column."""
+    lines = [line.split(" #")[0].strip() for block in readme_blocks("bash") for line in block.splitlines()]
+    table = re.findall(r"^\| `([^`]*python -m [^`]*)` \|", README, flags=re.M)
+    return [c for c in lines + table if c]
+
+
+def test_every_readme_command_is_listed():
+    shown = readme_commands()
+    assert sorted(set(shown)) == sorted(COMMANDS), "review the README's commands against COMMANDS"
+
+
+def run_command(command: str, tmp: Path, extra=(), replace=None) -> subprocess.CompletedProcess:
+    """``command`` with the repository's interpreter, its env assignments applied, ``extra`` flags
+    appended, ``runs/...`` and ``bench_results/`` paths redirected under ``tmp``."""
+    words = shlex.split(command)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    while "=" in words[0]:
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    assert words[0] in ("python", ".venv/bin/python"), command
+    words = [sys.executable, *[(replace or {}).get(w, w) for w in words[1:]], *extra]
+    module = words[2]
+    if module in ("experiments.run", "experiments.sweep"):
+        words.append(f"--config.trainer.output_dir={tmp / 'run'}")
+    elif module == "experiments.evaluate" or module.startswith("experiments.bench_"):
+        words += ["--out", str(tmp / "out.json")]
+    proc = subprocess.run(words, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def shrunk(command: str) -> tuple:
+    return COMMANDS[command][0]
+
+
+def cases(slow: bool):
+    return [pytest.param(c, marks=pytest.mark.slow) if s else c
+            for c, (how, _, s) in COMMANDS.items() if how is not SKIP and s == slow]
+
+
+QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py"
+EVAL_QUICKSTART = "python -m experiments.evaluate --model runs/quickstart --suite bandit"
+RESUME = "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quickstart")
+    run_command(QUICKSTART, tmp, shrunk(QUICKSTART))
+    return tmp / "run"
+
+
+def test_quickstart_and_evaluating_its_run_folder(quickstart_run, tmp_path):
+    assert (quickstart_run / "hf_policy" / "config.json").is_file()
+    run_command(EVAL_QUICKSTART, tmp_path, shrunk(EVAL_QUICKSTART), replace={"runs/quickstart": str(quickstart_run)})
+    assert (tmp_path / "out.json").is_file()
+
+
+@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c not in (QUICKSTART, EVAL_QUICKSTART)])
+def test_readme_command(command, tmp_path):
+    run_command(command, tmp_path, shrunk(command))
+
+
+@pytest.mark.parametrize("command", [c for c in cases(slow=True) if c != RESUME])
+def test_readme_command_slow(command, tmp_path):
+    run_command(command, tmp_path, shrunk(command))
+    if command == "python -m experiments.run --config configs/sokoban.py":
+        run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run
+
+
+@pytest.mark.parametrize("block", readme_blocks("python"))
+def test_readme_python_block(block):
+    exec(compile(block, "README.md", "exec"), {})
