@@ -20,7 +20,7 @@ current length. With the average context P + (N - 1) / 2 over the run:
     bytes/step = weight bytes + B * (P + (N - 1) / 2) * 2 * layers * kv_heads * head_dim * dtype bytes
     roofline tokens/s = B * HBM bandwidth / bytes/step
 and the fraction is decode tokens/s divided by that. Bandwidths: H100 SXM 3.35 TB/s, H100 PCIe
-2.0 TB/s, H200 4.8 TB/s, A100 80GB 2.04 TB/s.
+2.0 TB/s, H200 4.8 TB/s, A100 80GB 2.04 TB/s (``experiments.bench_report.HBM_BYTES_PER_S``).
 """
 
 from __future__ import annotations
@@ -34,19 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench_report import machine, write_report
+from experiments.bench_report import hbm_bandwidth, machine, write_report
 from starpo_jax import sampling
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
-
-_HBM_BYTES_PER_S = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.04e12}
-
-
-def hbm_bandwidth(device_kind: str) -> float | None:
-    for name, bandwidth in _HBM_BYTES_PER_S.items():  # "H100 PCIe" is checked before "H100"
-        if name in device_kind:
-            return bandwidth
-    return None
-
 
 def roofline(config: ModelConfig, num_params: int, batch: int, prompt_len: int, new_tokens: int, bandwidth: float):
     param_bytes = num_params * jnp.dtype(config.param_dtype).itemsize

@@ -42,7 +42,7 @@ env-step and render functions and is reported as ``first_run_s``);
 ``env_steps_per_s`` (median over the timed runs of count / wall time); ``speedup`` =
 compiled ``tokens_per_s`` / baseline ``tokens_per_s``.
 
-Roofline (GPUs with a known HBM bandwidth, see ``experiments.bench_generate.hbm_bandwidth``;
+Roofline (GPUs with a known HBM bandwidth, see ``experiments.bench_report.hbm_bandwidth``;
 H100 SXM is taken as 3.35 TB/s): a decode step must read every weight once, and each generated
 token must read the keys and values of its context. From the compiled rollout's trajectories:
 ``decode_steps`` = Σ over turns of the longest response of that turn (the decode loop runs until
@@ -81,11 +81,10 @@ from flax import nnx
 from jumanji.types import StepType
 from tqdm import tqdm
 
-from experiments.bench_report import machine, write_report
+from experiments.bench_report import hbm_bandwidth, machine, write_report
 
 import envs_jax
 from envs_jax.base import GridEnv, symbols_to_text
-from experiments.bench_generate import hbm_bandwidth
 from starpo_jax import bundled, prompts, sampling
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.parsing import decode_response, parse_response_text

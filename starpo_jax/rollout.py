@@ -262,9 +262,15 @@ class _Carry:
 
 @dataclasses.dataclass(frozen=True)
 class LLMResponder:
-    """The policy's side of a turn: append the prompt to the KV cache, then sample a response."""
+    """The policy's side of a turn: append the prompt to the KV cache, then sample a response.
+
+    ``fixed_length`` (benchmarks): every response is exactly that many sampled tokens, stop tokens
+    ignored, as if each turn ended there; the plan's ``response_length`` still sizes the context
+    budget and the update. A fixed workload for random weights, which never stop on their own.
+    """
 
     plan: RolloutPlan
+    fixed_length: int | None = None
 
     def init(self, model: ModelState, batch_size: int):
         return init_cache(model.merge().config, batch_size, self.plan.max_len)
@@ -272,12 +278,12 @@ class LLMResponder:
     def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
         """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
         plan = self.plan
+        stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
         cache, logits = append(model, cache, prompt_ids, num_new)
         return decode(
             model, cache, logits, key,
-            max_new_tokens=plan.response_length, temperature=temperature, top_k=plan.top_k,
-            top_p=plan.top_p, stop_tokens=jnp.asarray(plan.stop_tokens or (-1,), jnp.int32),
-            active=active, pad_id=plan.pad_id,
+            max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
+            top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
         )
 
 

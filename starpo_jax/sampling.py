@@ -42,7 +42,10 @@ from starpo_jax.models.decoder import KVCache, ModelState
 
 Array = jax.Array
 
-__all__ = ["KVCache", "ModelState", "DecodeOutput", "init_cache", "append", "decode", "generate", "sample_logits"]
+__all__ = [
+    "KVCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode", "decode_step",
+    "initial_decode_state", "generate", "sample_logits",
+]
 
 
 @struct.dataclass
@@ -150,7 +153,9 @@ def decode_windows(max_len: int) -> tuple[int, ...]:
 
 
 @struct.dataclass
-class _LoopState:
+class DecodeState:
+    """What the decode loop carries from one step to the next."""
+
     step: Array
     cache: KVCache
     logits: Array
@@ -158,6 +163,43 @@ class _LoopState:
     logprobs: Array
     lengths: Array
     done: Array
+
+
+def initial_decode_state(cache: KVCache, last_logits: Array, max_new_tokens: int, active: Array | None,
+                         pad_id: int = 0) -> DecodeState:
+    B = last_logits.shape[0]
+    active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+    return DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=last_logits.astype(jnp.float32),
+        tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
+        lengths=jnp.zeros((B,), jnp.int32),
+        done=~active | (cache.lengths >= cache.max_len),
+    )
+
+
+def decode_step(decoder, s: DecodeState, key: Array, temperature, top_k: int, top_p: float, stops: Array,
+                pad_id: int) -> DecodeState:
+    """One token for every live row: sample from ``s.logits``, run it through the model, record it."""
+    live = ~s.done
+    token, logprob = sample_logits(s.logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
+    token = jnp.where(live, token, pad_id)
+    logprob = jnp.where(live, logprob, 0.0)
+    hidden, cache = decoder.extend(token[:, None], live.astype(jnp.int32), s.cache)
+    # Finished rows keep the logits after their last real token.
+    logits = jnp.where(live[:, None], decoder.logits(hidden[:, 0]), s.logits)
+    stopped = jnp.any(token[:, None] == stops, axis=-1)
+    return DecodeState(
+        step=s.step + 1,
+        cache=cache,
+        logits=logits,
+        tokens=s.tokens.at[:, s.step].set(token),
+        logprobs=s.logprobs.at[:, s.step].set(logprob),
+        lengths=s.lengths + live,
+        done=s.done | (live & stopped) | (cache.lengths >= cache.max_len),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed"))
@@ -189,42 +231,18 @@ def decode(
     stops = _stop_table(stop_tokens, B)
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
 
-    def cond(s: _LoopState) -> Array:
+    def cond(s: DecodeState) -> Array:
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
-    def body(s: _LoopState) -> _LoopState:
-        live = ~s.done
-        token, logprob = sample_logits(s.logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
-        token = jnp.where(live, token, pad_id)
-        logprob = jnp.where(live, logprob, 0.0)
-        hidden, cache = decoder.extend(token[:, None], live.astype(jnp.int32), s.cache)
-        # Finished rows keep the logits after their last real token.
-        logits = jnp.where(live[:, None], decoder.logits(hidden[:, 0]), s.logits)
-        stopped = jnp.any(token[:, None] == stops, axis=-1)
-        return _LoopState(
-            step=s.step + 1,
-            cache=cache,
-            logits=logits,
-            tokens=s.tokens.at[:, s.step].set(token),
-            logprobs=s.logprobs.at[:, s.step].set(logprob),
-            lengths=s.lengths + live,
-            done=s.done | (live & stopped) | (cache.lengths >= cache.max_len),
-        )
+    def body(s: DecodeState) -> DecodeState:
+        return decode_step(decoder, s, key, temperature, top_k, top_p, stops, pad_id)
 
-    def decode_in(cache: KVCache) -> _LoopState:
-        init = _LoopState(
-            step=jnp.zeros((), jnp.int32),
-            cache=cache,
-            logits=last_logits.astype(jnp.float32),
-            tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
-            logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
-            lengths=jnp.zeros((B,), jnp.int32),
-            done=~active | (cache.lengths >= cache.max_len),
-        )
+    def decode_in(cache: KVCache) -> DecodeState:
+        init = initial_decode_state(cache, last_logits, max_new_tokens, active, pad_id)
         return jax.lax.while_loop(cond, body, init)
 
     def in_window(size: int):
-        def decode_in_head(full: KVCache) -> _LoopState:
+        def decode_in_head(full: KVCache) -> DecodeState:
             s = decode_in(full.head(size))
             return s.replace(cache=full.with_head(s.cache))
 

@@ -30,8 +30,11 @@ def test_roofline_of_qwen25_half_b_on_h100():
     kv_per_token = 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 kv heads, 64 dims, bf16: 12 KiB
     assert r["bytes_per_step"] == 494_032_768 * 2 + 128 * (256 + 127.5) * kv_per_token
     assert r["tokens_per_s"] == pytest.approx(128 * 3.35e12 / r["bytes_per_step"])
-    assert bench_generate.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
-    assert bench_generate.hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    from experiments.bench_report import hbm_bandwidth
+
+    assert hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert hbm_bandwidth("NVIDIA H200") == 4.8e12 and hbm_bandwidth("cpu") is None
 
 
 def test_cache_size_compares_windowed_and_whole_cache_decoding(tmp_path):

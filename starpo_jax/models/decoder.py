@@ -25,15 +25,18 @@ Layout choices:
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway.
 
-Known cost: the layer scan hands each block its cache slice through a dynamic slice, which XLA
-materialises (a copy of one layer's cache per block, about 20% of a decode step at batch 32 on
-CPU). Removing it needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
+Known cost: the layer scan hands each block its cache slice (and its weights) through a dynamic
+slice, which XLA:CPU materialises: a copy of one layer's cache per block, 27 % of the bytes of a
+Qwen2.5-0.5B decode step at batch 128 (``python -m experiments.bench_step --cost-only``; carrying
+the cache through the scan or unrolling it made XLA copy more, docs/benchmarks.md). Removing it
+needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
 Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
 window of the cache (``KVCache.head``) just large enough for the live rows.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -214,12 +217,16 @@ def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
         allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
         return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
 
-    probs = jax.nn.softmax(jnp.concatenate([scores(k, allowed) for k, _, allowed in blocks], axis=-1), axis=-1)
-    out, start = 0.0, 0
-    for k, v, _ in blocks:
-        p = probs[..., start : start + k.shape[2]].astype(v.dtype)
+    # One softmax over all blocks' keys, computed per block (as jax.nn.softmax does over their
+    # concatenation): concatenating the scores and slicing the probabilities back would copy them.
+    block_scores = [scores(k, allowed) for k, _, allowed in blocks]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in block_scores])
+    unnormalised = [jnp.exp(s - jax.lax.stop_gradient(top)) for s in block_scores]
+    total = sum(jnp.sum(u, axis=-1, keepdims=True) for u in unnormalised)
+    out = 0.0
+    for (_, v, _), u in zip(blocks, unnormalised):
+        p = (u / total).astype(v.dtype)
         out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
-        start += k.shape[2]
     return out.astype(q.dtype).reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 

@@ -1,0 +1,207 @@
+"""Bi-arm bandit (RAGEN ``bandit``): pick one of two named arms, once.
+
+One arm is safe (``lo_arm_score`` every pull), the other risky (``hi_arm_hiscore`` with probability
+``hi_arm_hiscore_prob``, else ``hi_arm_loscore``). The prompt names the two arms in a random order;
+the agent is meant to infer from the names alone which arm is which.
+
+Action ids are positions in the prompt: action 0 pulls the arm named first, action 1 the arm named
+second (RAGEN's ``action_lookup`` ``{1: name_a, 2: name_b}``, shifted to 0-based). Because the order
+changes per episode, the names of the actions live in the state, not on the env:
+
+- ``action_name_orders`` (the two possible orders, safe arm first or risky arm first) and
+  ``action_name_order(state)`` (jittable index into them, = ``hi_first``): the text env interface
+  the rollout uses to parse each row's answer against its own names;
+- ``arm_names(state)`` (host): the two names in action-id order;
+- ``first_is_hi(state)`` / ``action_is_hi(state, action)`` (jittable): which action is the risky arm;
+- ``lo_hi_names``: the names of the safe and risky arm.
+
+``action_names`` therefore raises: there is no episode-independent list.
+
+Departures from RAGEN, documented:
+
+- [quirk §1.1 / §8.16] The paper says the safe arm pays 0.15; RAGEN's code pays 0.1. We keep the
+  code's 0.1 as the default (``lo_arm_score``).
+- Payout draws hash the key in the state (``envs_jax.base.draw_bits``, a counter-based hash that
+  is much cheaper under ``vmap`` than ``jax.random``), not gymnasium's ``np_random`` stream, so a
+  given seed reproduces RAGEN's arm order (``reset_from_seed``) but not its payout sequence.
+  ``payout`` is the pure rule both share; the tests drive it with gymnasium's draws to reproduce
+  RAGEN's golden step.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jumanji import specs
+
+from envs_jax.base import (
+    TextEnv,
+    bits_to_uniform,
+    draw_bits,
+    first_timestep,
+    make_timestep,
+    step_extras,
+)
+
+INIT_PROMPT = (
+    "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
+    "Game Rules: \n"
+    "1. There are 2 arms, named {name_a} and {name_b}\n"
+    "2. Each arm has its own reward distribution, related to their names. \n"
+    "3. Analyze the symbolic meaning of each arm's name to guess how their reward distribution "
+    "might behave.\n"
+    "4. Based on the symbolic meaning of their names, which arm do you think is more likely to give "
+    "higher rewards on average? Choose between {name_a} and {name_b}, and output like "
+    "<answer> {name_a} </answer> or <answer> {name_b} </answer>.\n"
+)
+
+
+@struct.dataclass
+class BanditState:
+    hi_first: jnp.ndarray  # bool[]: the risky (high) arm is named first in the prompt
+    key: jnp.ndarray  # PRNG key for payouts (``draw_bits``)
+
+
+def gymnasium_rng(seed: int) -> np.random.Generator:
+    """The generator ``gymnasium.utils.seeding.np_random(seed)`` returns (PCG64 via SeedSequence)."""
+    if not (isinstance(seed, (int, np.integer)) and seed >= 0):
+        raise ValueError(f"Seed must be a non-negative integer, got {seed!r}.")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed))))
+
+
+class Bandit(TextEnv):
+    def __init__(
+        self,
+        lo_arm_name: str = "Phoenix",
+        hi_arm_name: str = "Dragon",
+        lo_arm_score: float = 0.1,
+        hi_arm_loscore: float = 0.0,
+        hi_arm_hiscore: float = 1.0,
+        hi_arm_hiscore_prob: float = 0.25,
+    ):
+        if lo_arm_name.lower() == hi_arm_name.lower():
+            raise ValueError(
+                f"Bandit arm names must differ (case-insensitively), got {lo_arm_name!r} twice."
+            )
+        self.lo_arm_name = lo_arm_name
+        self.hi_arm_name = hi_arm_name
+        self.lo_arm_score = lo_arm_score
+        self.hi_arm_loscore = hi_arm_loscore
+        self.hi_arm_hiscore = hi_arm_hiscore
+        self.hi_arm_hiscore_prob = hi_arm_hiscore_prob
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return f"Bandit(lo={self.lo_arm_name!r}, hi={self.hi_arm_name!r})"
+
+    # ---- jumanji API -------------------------------------------------------------------------
+
+    def reset(self, key):
+        """The arm order is a fair coin."""
+        order_key, key = jax.random.split(key)
+        state = BanditState(hi_first=jax.random.bernoulli(order_key), key=key)
+        return state, first_timestep(state.hi_first)
+
+    def step(self, state: BanditState, action):
+        """Pull arm ``action`` (0: named first, 1: named second); the episode always ends."""
+        key, bits = draw_bits(state.key)
+        is_hi = self.action_is_hi(state, action)
+        reward = self.payout(is_hi, bits_to_uniform(bits))
+        state = state.replace(key=key)
+        timestep = make_timestep(
+            state.hi_first,
+            reward,
+            terminated=jnp.asarray(True),
+            truncated=jnp.asarray(False),
+            extras=step_extras(success=is_hi, effective=True),
+        )
+        return state, timestep
+
+    def payout(self, is_hi, u):
+        """Reward of one pull given a uniform draw ``u``: RAGEN's ``u < prob`` rule for the risky arm."""
+        hi = jnp.where(u < self.hi_arm_hiscore_prob, self.hi_arm_hiscore, self.hi_arm_loscore)
+        return jnp.where(is_hi, hi, self.lo_arm_score).astype(jnp.float32)
+
+    @cached_property
+    def observation_spec(self):
+        return specs.Array((), bool, name="hi_first")
+
+    @cached_property
+    def action_spec(self):
+        return specs.DiscreteArray(2, name="action")
+
+    # ---- arm order -------------------------------------------------------------------------
+
+    @staticmethod
+    def first_is_hi(state: BanditState):
+        """Jittable: whether action 0 (the arm named first) is the risky arm."""
+        return state.hi_first
+
+    def observe(self, state: BanditState):
+        """What the prompt shows: which arm is named first."""
+        return state.hi_first
+
+    @property
+    def action_name_orders(self) -> tuple[tuple[str, ...], ...]:
+        """Index 0: safe arm named first; 1: risky arm first (``hi_first``)."""
+        lo, hi = self.lo_hi_names
+        return ((lo, hi), (hi, lo))
+
+    def action_name_order(self, state: BanditState):
+        return state.hi_first.astype(jnp.int32)
+
+    @staticmethod
+    def action_is_hi(state: BanditState, action):
+        """Jittable: whether ``action`` pulls the risky arm."""
+        return (jnp.asarray(action) == 0) == state.hi_first
+
+    @property
+    def lo_hi_names(self) -> tuple[str, str]:
+        """(safe arm name, risky arm name)."""
+        return self.lo_arm_name, self.hi_arm_name
+
+    def arm_names(self, state: BanditState) -> tuple[str, str]:
+        """Host: the arm names in action-id order (the order of the prompt)."""
+        lo, hi = self.lo_hi_names
+        return (hi, lo) if bool(state.hi_first) else (lo, hi)
+
+    @property
+    def action_names(self) -> tuple[str, ...]:
+        raise AttributeError(
+            "Bandit action names change every episode (the arm order is random): use "
+            "env.action_name_orders[env.action_name_order(state)] or env.arm_names(state)."
+        )
+
+    # ---- text --------------------------------------------------------------------------------
+
+    def render_text(self, state: BanditState) -> str:
+        """The reset prompt, exactly as RAGEN renders it."""
+        name_a, name_b = self.arm_names(state)
+        return INIT_PROMPT.format(name_a=name_a, name_b=name_b)
+
+    def render_step_text(self, state: BanditState, action, reward) -> str:
+        """RAGEN's observation after a pull, ``"{arm}: {reward} points"`` with Python ``str(float)``.
+
+        ``reward`` may be the float32 from the TimeStep; it is mapped back to the configured payout
+        it came from, so 0.1 prints as ``0.1``, not ``0.10000000149011612``.
+        """
+        name = self.arm_names(state)[int(action)]
+        payouts = (self.lo_arm_score, self.hi_arm_loscore, self.hi_arm_hiscore)
+        matches = [p for p in payouts if np.float32(p) == np.float32(reward)]
+        if not matches:
+            raise ValueError(f"Reward {reward!r} is none of this bandit's payouts {payouts}.")
+        return f"{name}: {float(matches[0])} points"
+
+    # ---- RAGEN seeds -------------------------------------------------------------------------
+
+    def reset_from_seed(self, seed: int) -> BanditState:
+        """RAGEN's arm order for ``seed``: first gymnasium draw < 0.5 puts the safe arm first.
+
+        The payout key is ``PRNGKey(seed)`` (RAGEN's payout stream is not reproduced).
+        """
+        hi_first = not gymnasium_rng(seed).random() < 0.5
+        return BanditState(hi_first=jnp.asarray(hi_first), key=jax.random.PRNGKey(seed))

@@ -1,0 +1,234 @@
+"""Generation throughput of starpo_jax's sampler next to transformers' ``generate``.
+
+    python -m experiments.bench_generate                      # smollm2-135m-instruct + Qwen2.5-0.5B shape
+    python -m experiments.bench_generate --batch-sizes 1,8,32 --out bench_results/bench_cpu.json
+    python -m experiments.bench_generate --quick              # seconds: tiny model, smoke test
+
+Workload (fixed, stop tokens disabled): B random prompts of --prompt-len tokens, --new-tokens new
+tokens per row, sampled at temperature 1 with top-k off and top-p 1 (RAGEN's training setting).
+Both sides run on the same machine, in the same dtype, with the same model shapes;
+transformers gets random weights (``generate`` with min_new_tokens = max_new_tokens and no EOS).
+SmolLM2 uses the bundled GGUF weights on the JAX side when ``load_model`` is available; with stop
+tokens disabled the work is the same for any weights, and the JSON says which were used.
+
+Reported per (model, batch): compile time (apart), the median wall time of a full call (prefill +
+decode) over --repeats runs, generated tokens/s = B * new_tokens / that time, prefill time alone,
+decode tokens/s = B * new_tokens / (total - prefill), and the ratio to transformers.
+
+GPU roofline: a decode step must at least read every weight once and each row's KV cache up to its
+current length. With the average context P + (N - 1) / 2 over the run:
+    bytes/step = weight bytes + B * (P + (N - 1) / 2) * 2 * layers * kv_heads * head_dim * dtype bytes
+    roofline tokens/s = B * HBM bandwidth / bytes/step
+and the fraction is decode tokens/s divided by that. Bandwidths: H100 SXM 3.35 TB/s, H100 PCIe
+2.0 TB/s, H200 4.8 TB/s, A100 80GB 2.04 TB/s (``experiments.bench_report.HBM_BYTES_PER_S``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.bench_report import hbm_bandwidth, machine, write_report
+from starpo_jax import sampling
+from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
+
+def roofline(config: ModelConfig, num_params: int, batch: int, prompt_len: int, new_tokens: int, bandwidth: float):
+    param_bytes = num_params * jnp.dtype(config.param_dtype).itemsize
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    avg_context = prompt_len + (new_tokens - 1) / 2
+    bytes_per_step = param_bytes + batch * avg_context * kv_bytes_per_token
+    return {
+        "hbm_bytes_per_s": bandwidth,
+        "bytes_per_step": bytes_per_step,
+        "tokens_per_s": batch * bandwidth / bytes_per_step,
+    }
+
+
+def load_jax_model(name: str, config: ModelConfig) -> tuple[Decoder, str]:
+    if name == "smollm2-135m-instruct":
+        try:
+            from starpo_jax.models.loading import load_model
+
+            model, _ = load_model(name, dtype=config.dtype)
+            return model, "bundled SmolLM2 GGUF (Q4_1, dequantised)"
+        except (ImportError, FileNotFoundError, ValueError) as err:
+            print(f"[bench] bundled SmolLM2 not loadable ({err}); using random weights")
+    return Decoder(config, rngs=nnx.Rngs(0)), "random"
+
+
+def median_time(fn, repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def bench_jax(model: ModelState, config: ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int,
+              cache_size: int | None = None, windowed: bool = True) -> dict:
+    B, P = prompts.shape
+    lengths = np.full((B,), P, np.int32)
+    cache_size = cache_size or P + new_tokens
+
+    def full(m, p, l, key):
+        return sampling.generate(m, p, l, key, max_new_tokens=new_tokens, temperature=1.0, cache_size=cache_size,
+                                 windowed=windowed)
+
+    def prefill(m, p, l):
+        return sampling.append(m, sampling.init_cache(config, B, cache_size), p, l)
+
+    start = time.perf_counter()
+    full_c = jax.jit(full).lower(model, prompts, lengths, jax.random.key(0)).compile()
+    prefill_c = jax.jit(prefill).lower(model, prompts, lengths).compile()
+    compile_s = time.perf_counter() - start
+
+    def run(i):
+        out = full_c(model, prompts, lengths, jax.random.key(i))
+        jax.block_until_ready(out)
+        if not (np.asarray(out.lengths) == new_tokens).all():
+            raise RuntimeError(f"expected {new_tokens} new tokens per row, got {np.asarray(out.lengths)}")
+
+    total_s, times = median_time(run, repeats)
+    prefill_s, _ = median_time(lambda i: jax.block_until_ready(prefill_c(model, prompts, lengths)), repeats)
+    return {
+        "compile_s": compile_s,
+        "run_s": times,
+        "tokens_per_s": B * new_tokens / total_s,
+        "prefill_s": prefill_s,
+        "decode_tokens_per_s": B * new_tokens / max(total_s - prefill_s, 1e-9),
+    }
+
+
+def hf_model(config: ModelConfig, device: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_config())
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    return model.to(device).eval()
+
+
+def bench_transformers(model, prompts: np.ndarray, new_tokens: int, repeats: int, device: str) -> dict:
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+
+    def run(i, n=new_tokens):
+        torch.manual_seed(i)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if out.shape[1] != prompts.shape[1] + n:
+            raise RuntimeError(f"transformers generated {out.shape[1] - prompts.shape[1]} tokens, expected {n}")
+
+    run(0, n=2)  # warm-up: first-call allocations and lazy initialisation
+    total_s, times = median_time(run, repeats)
+    return {"run_s": times, "tokens_per_s": prompts.shape[0] * new_tokens / total_s, "device": device}
+
+
+def transformers_device(jax_platform: str) -> str | None:
+    """transformers must run on the same kind of device as JAX, or the comparison is skipped."""
+    if jax_platform == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if jax_platform == "gpu" and torch.cuda.is_available() else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-0.5b")
+    parser.add_argument("--batch-sizes", default="1,8,32,128")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--cache-size", type=int, default=None,
+                        help="KV cache slots per row (default prompt + new tokens); a multi-turn rollout reserves "
+                             "more (RAGEN: 3600). When larger, the JAX side also runs decoding in the whole cache "
+                             "(no window) and reports window_speedup")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--repeats", type=int, default=3, help="timed JAX runs per setting (median)")
+    parser.add_argument("--hf-repeats", type=int, default=1, help="timed transformers runs per setting (median)")
+    parser.add_argument("--hf-max-batch", type=int, default=None, help="skip transformers above this batch")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. machine load)")
+    parser.add_argument("--out", default="bench_results/bench_generate.json")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, batch 2, 8 + 8 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.batch_sizes, args.prompt_len, args.new_tokens = "tiny-llama", "2", 8, 8
+        args.repeats = args.hf_repeats = 1
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
+    hf_device = None if args.no_hf else transformers_device(device.platform)
+    bandwidth = hbm_bandwidth(device.device_kind) if device.platform == "gpu" else None
+    report = {
+        "workload": {
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": dtype,
+            "cache_size": args.cache_size or args.prompt_len + args.new_tokens,
+            "sampling": "temperature 1.0, top-k off, top-p 1.0, stop tokens disabled",
+            "tokens_per_s": "batch * new_tokens / median wall time of prefill + decode; compile time apart",
+        },
+        "machine": machine(args.note),
+        "results": [],
+    }  # fmt: skip
+    for name in args.models.split(","):
+        config = preset(name, dtype=dtype, param_dtype=dtype)
+        decoder, weights = load_jax_model(name, config)
+        model = ModelState.split(decoder)
+        num_params = sum(x.size for x in jax.tree.leaves(model.params))
+        hf = hf_model(config, hf_device) if hf_device else None
+        for batch in map(int, args.batch_sizes.split(",")):
+            prompts = np.random.default_rng(batch).integers(0, config.vocab_size, (batch, args.prompt_len), np.int32)
+            row = {"model": name, "weights": weights, "num_params": num_params, "batch": batch}
+            row["jax"] = bench_jax(model, config, prompts, args.new_tokens, args.repeats, args.cache_size)
+            if args.cache_size and args.cache_size > args.prompt_len + args.new_tokens:
+                row["jax_whole_cache"] = bench_jax(model, config, prompts, args.new_tokens, args.repeats,
+                                                   args.cache_size, windowed=False)
+                row["window_speedup"] = row["jax"]["tokens_per_s"] / row["jax_whole_cache"]["tokens_per_s"]
+            if hf is not None and (args.hf_max_batch is None or batch <= args.hf_max_batch):
+                row["transformers"] = bench_transformers(hf, prompts, args.new_tokens, args.hf_repeats, hf_device)
+                row["speedup_vs_transformers"] = row["jax"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+            if bandwidth:
+                row["roofline"] = roofline(config, num_params, batch, args.prompt_len, args.new_tokens, bandwidth)
+                row["roofline"]["fraction"] = row["jax"]["decode_tokens_per_s"] / row["roofline"]["tokens_per_s"]
+            report["results"].append(row)
+            print(summary(row), flush=True)
+    write_report(report, args.out)
+    return report
+
+
+def summary(row: dict) -> str:
+    text = (
+        f"{row['model']:<24} B={row['batch']:<4} jax {row['jax']['tokens_per_s']:9.1f} tok/s "
+        f"(decode {row['jax']['decode_tokens_per_s']:9.1f}, compile {row['jax']['compile_s']:.1f}s)"
+    )
+    if "window_speedup" in row:
+        text += f" | whole cache {row['jax_whole_cache']['tokens_per_s']:9.1f} tok/s | window x{row['window_speedup']:.2f}"
+    if "transformers" in row:
+        text += f" | transformers {row['transformers']['tokens_per_s']:8.1f} tok/s | x{row['speedup_vs_transformers']:.2f}"
+    if "roofline" in row:
+        text += f" | {100 * row['roofline']['fraction']:.0f}% of HBM roofline"
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""What every benchmark shares: the machine it ran on, its memory bandwidth, and writing the report
+(JSON, and a markdown table where the benchmark has one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+# Peak memory bandwidth of known accelerators (vendor figures), bytes/s. Order matters: "H100 PCIe"
+# is matched before "H100" (the SXM part). A device not listed has no roofline unless declared.
+HBM_BYTES_PER_S = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.04e12}
+
+
+def hbm_bandwidth(device_kind: str) -> float | None:
+    """Peak memory bandwidth of a device kind (``jax.Device.device_kind``), or None if unknown."""
+    for name, bandwidth in HBM_BYTES_PER_S.items():
+        if name in device_kind:
+            return bandwidth
+    return None
+
+
+def machine(note: str = "") -> dict:
+    """The device and host a figure was measured on (with the load: other work skews rates)."""
+    device = jax.devices()[0]
+    return {
+        "jax_platform": device.platform, "device_kind": device.device_kind,
+        "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
+        "jax": jax.__version__, "note": note,
+    }  # fmt: skip
+
+
+def write_report(report: dict, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"[bench] wrote {path}")
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table; cells are printed with ``str``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_markdown(text: str, json_path: str | os.PathLike) -> Path:
+    """Write ``text`` next to a report's JSON, with the suffix ``.md``."""
+    path = Path(json_path).with_suffix(".md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(f"[bench] wrote {path}")
+    return path

@@ -1,0 +1,536 @@
+"""One StarPO-S training iteration at the paper's size, timed by phase.
+
+    python -m experiments.bench_step                       # Qwen2.5-0.5B shape, random weights, N = 100 and 400
+    python -m experiments.bench_step --model PATH          # a checkpoint (HF folder or GGUF) instead
+    python -m experiments.bench_step --cost-analysis       # + XLA's bytes per decode step (compiled for CPU)
+    python -m experiments.bench_step --tiny                # CPU, under a minute: tiny model, smoke test
+
+Workload: ``configs/sokoban.py`` unchanged unless a flag says otherwise — SimpleSokoban, 8 groups
+× 16, 5 turns, ``response_length`` 400, ``max_model_len`` 3,600, PPO with a critic (GAE), filter
+0.25 (2 groups × 16 = 32 trajectories updated), bf16 compute over float32 master weights.
+Random weights never stop on their own, so ``--response-tokens N`` makes every turn end after
+exactly N sampled tokens (``rollout.LLMResponder.fixed_length``; stop tokens ignored): the
+workload is then fixed, B × turns × N generated tokens. N = 100 is the paper's typical trained
+length, N = 400 the worst case. The update always sees ``response_length`` = 400 of room per turn.
+
+The iteration is what ``experiments.run`` executes: ``jit(train_step.collect)`` then
+``jit(train_step.learn, donate_argnums=0)``, compiled ahead of time (compile time reported apart),
+then ``--steps`` warm iterations; every phase figure is the median over them.
+
+Phases (seconds):
+
+- ``rollout``: ``collect`` (level generation and the whole multi-turn rollout).
+- ``update``: ``learn`` (filter, old log-probs and values, advantages, critic and actor updates).
+- ``step``: ``rollout`` + ``update``, timed as one.
+- ``logprobs_values``: ``learn`` with ``ppo_epochs = 0`` (filter, old / ref log-probs, values,
+  advantages: everything before the first optimiser step).
+- ``actor_update``: ``learn`` with GRPO advantages (no critic) minus the same with
+  ``ppo_epochs = 0``: the actor's passes over the mini-batches.
+- ``critic_update``: ``update`` − ``logprobs_values`` − ``actor_update`` (the rest).
+
+``learn`` is one program, so the split comes from timing these variants of it, each compiled by
+``make_train_step`` from the same settings but one; differences of medians are noisy when phases
+are short.
+
+Side by side, in the same run:
+
+- ``host_loop``: ``bench_rollout``'s baseline (per turn: rebuild the conversation text, tokenise,
+  re-prefill the whole history, decode, decode to text, parse and step the envs on the host) on
+  the same batch, the same N and the same device.
+- ``generate``: the decode part alone — B random prompts of the first turn's prompt length, N new
+  tokens, stop tokens off — with ``starpo_jax.sampling.generate`` (cache of ``max_model_len``
+  slots, as the rollout) and transformers' ``generate`` on the same device (``bench_generate``).
+
+Roofline (``experiments.bench_report.hbm_bandwidth``; H100 SXM 3.35 TB/s, H200 4.8 TB/s; a CPU
+has none unless ``--bandwidth`` declares one): ``bench_rollout.decode_roofline`` on the rollout's
+trajectories — the bytes a decode must read (every weight once per step, each generated token's
+context once) over the bandwidth, as a fraction of the measured rollout time.
+
+Memory: the device's peak bytes in use (``memory_stats``; GPUs) and XLA's compiled memory analysis
+of ``collect`` and ``learn`` (arguments, outputs, temporaries).
+
+``--cost-analysis``: ``decode_cost`` compiles one decode step (``sampling.decode_step``) of the
+paper's model for the CPU from abstract shapes (no weights allocated) and reports the bytes it
+accesses per generated token, from the optimised HLO, next to the ideal: weights / batch + the
+live KV cache of a row (see ``hlo_bytes``).
+
+Writes JSON (``--out``) and a markdown table next to it (``.md``); every record carries the device
+and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from experiments import bench_generate, bench_rollout
+from experiments.bench_report import hbm_bandwidth, machine, markdown_table, write_markdown, write_report
+
+# ---- the workload ------------------------------------------------------------------------------
+
+TINY = {
+    "model.source": "smollm2-135m-instruct",  # its (bundled) tokenizer; the weights are random
+    "model.random_init_preset": "tiny-llama",
+    "model.dtype": "float32",
+    "envs.train.n_groups": (4,),
+    "envs.train.group_size": 2,
+    "rollout.max_turn": 2,
+    "rollout.response_length": 8,
+    "rollout.max_model_len": 512,  # the first prompt (313 tokens) + a next prompt (170) + 2 x 8
+    "actor.ppo_mini_batch_size": 2,
+    "actor.micro_batch_size": 2,
+}  # fmt: skip
+
+
+def experiment_config(args):
+    from configs import base, sokoban
+
+    changes = {"envs.val.n_groups": (1,), "trainer.output_dir": "bench_results/bench_step_run"}
+    if args.model:
+        changes |= {"model.source": args.model}
+    else:
+        changes |= {"model.source": "qwen2.5", "model.random_init_preset": "qwen2.5-0.5b"}
+    if args.tiny:
+        changes |= TINY
+    if args.dtype:
+        changes["model.dtype"] = args.dtype
+    return base.with_overrides(sokoban.get_config(), changes)
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - start
+
+
+def compiled(fn, *args):
+    """``fn`` compiled ahead of time for ``args``, and the seconds it took."""
+    return timed(lambda: fn.lower(*args).compile())
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+@dataclasses.dataclass
+class Programs:
+    """The compiled pieces shared by every N: ``learn`` and its variants (see the docstring)."""
+
+    learn: object
+    variants: dict
+    compile_s: dict
+    memory: dict
+
+
+def memory_analysis(compiled_fn) -> dict:
+    m = compiled_fn.memory_analysis()
+    if m is None:
+        return {}
+    return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+
+
+def compile_learn(exp, state, traj) -> Programs:
+    from starpo_jax.train import make_train_step
+
+    settings = exp.settings
+    variants = {
+        "learn": (settings, True),
+        "forward_only": (dataclasses.replace(settings, ppo_epochs=0), False),
+        "grpo": (dataclasses.replace(settings, adv_estimator="grpo"), False),
+        "grpo_forward_only": (dataclasses.replace(settings, adv_estimator="grpo", ppo_epochs=0), False),
+    }
+    programs, compile_s = {}, {}
+    for name, (s, donate) in tqdm(variants.items(), desc="compile learn", leave=False):
+        learn = make_train_step(s, exp.model.graphdef, exp.train_plan).learn
+        jitted = jax.jit(learn, donate_argnums=0) if donate else jax.jit(learn)
+        programs[name], compile_s[name] = compiled(jitted, state, traj, exp.hyper)
+    learn = programs.pop("learn")
+    return Programs(learn, programs, compile_s, memory_analysis(learn))
+
+
+def run_steps(exp, state, collect, learn, steps: int, bar):
+    """``steps`` warm iterations as ``experiments.run`` runs them; per-iteration seconds."""
+    times = {"rollout": [], "update": [], "step": []}
+    traj = None
+    for i in range(steps):
+        key = jax.random.PRNGKey(i)
+        t0 = time.perf_counter()
+        traj = jax.block_until_ready(collect(state, exp.train_tables, key))
+        t1 = time.perf_counter()
+        state, metrics = jax.block_until_ready(learn(state, traj, exp.hyper))
+        t2 = time.perf_counter()
+        times["rollout"].append(t1 - t0)
+        times["update"].append(t2 - t1)
+        times["step"].append(t2 - t0)
+        bar.update()
+    return state, traj, times, jax.device_get(metrics)
+
+
+def split_update(programs: Programs, state, traj, hyper, steps: int, bar) -> dict[str, list[float]]:
+    """Seconds of each ``learn`` variant on the same batch, ``steps`` times each."""
+    times = {}
+    for name, fn in programs.variants.items():
+        times[name] = []
+        for _ in range(steps):
+            times[name].append(timed(lambda: fn(state, traj, hyper))[1])
+            bar.update()
+    return times
+
+
+def phases(times: dict, variants: dict) -> dict[str, float]:
+    forward = median(variants["forward_only"])
+    actor = median(variants["grpo"]) - median(variants["grpo_forward_only"])
+    update = median(times["update"])
+    return {
+        "rollout": median(times["rollout"]),
+        "logprobs_values": forward,
+        "critic_update": update - forward - actor,
+        "actor_update": actor,
+        "update": update,
+        "step": median(times["step"]),
+    }
+
+
+# ---- side by side: the host loop and transformers ------------------------------------------------
+
+
+def host_loop(exp, policy, n: int, steps: int, bar) -> dict:
+    """``bench_rollout``'s baseline on the same batch and device, every turn N tokens."""
+    plan = dataclasses.replace(exp.train_plan, response_length=n, stop_tokens=())
+    subject = bench_rollout.Subject("policy", policy, exp.tokenizer, "")
+    init = bench_rollout.initial_states_from_seeds(plan, exp.config.envs.train.seed)
+    result, _ = bench_rollout.bench_baseline(subject, plan, init, jax.random.key(0), steps, bucket=256, bar=bar)
+    return result
+
+
+def decode_side_by_side(exp, policy, n: int, args) -> dict:
+    """Prefill + N decode steps of B random first-turn prompts: starpo_jax vs transformers."""
+    config = policy.merge().config
+    plan = exp.train_plan
+    prompt_len = exp.train_tables.tags[0].prompts.first_len
+    prompts = np.random.default_rng(0).integers(0, config.vocab_size, (plan.batch_size, prompt_len), np.int32)
+    out = {"batch": plan.batch_size, "prompt_len": prompt_len, "new_tokens": n, "cache_size": plan.max_len}
+    out["starpo_jax"] = bench_generate.bench_jax(policy, config, prompts, n, args.steps, plan.max_len)
+    device = None if args.no_hf else bench_generate.transformers_device(jax.devices()[0].platform)
+    if device:
+        hf = bench_generate.hf_model(config, device)
+        out["transformers"] = bench_generate.bench_transformers(hf, prompts, n, args.hf_repeats, device)
+        out["speedup"] = out["starpo_jax"]["tokens_per_s"] / out["transformers"]["tokens_per_s"]
+        del hf
+    return out
+
+
+# ---- XLA cost analysis of one decode step ------------------------------------------------------
+
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+         "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*?)\)(.*)$")
+_IN_PLACE = {"dynamic-update-slice", "scatter"}  # XLA updates the operand's buffer in place
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "iota"}  # fmt: skip
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_BITS[t] // 8 * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for t, dims in _SHAPE.findall(text))  # fmt: skip
+
+
+def _sliced_parameters(parsed) -> dict[int, int]:
+    """Fused parameters read only through (dynamic-)slices: parameter index -> bytes read."""
+    params = {inst: int(re.search(r"parameter\((\d+)\)", f"{op}({operands})").group(1))
+              for inst, _, op, operands, _ in parsed if op == "parameter"}  # fmt: skip
+    uses: dict[str, list[tuple[str, str, bool]]] = {p: [] for p in params}
+    for inst, shape, op, operands, _ in parsed:
+        for i, name in enumerate(re.findall(r"%([\w.-]+)", operands)):
+            if name in uses:
+                uses[name].append((op, shape, i == 0))
+    return {
+        params[p]: sum(_shape_bytes(shape) for _, shape, _ in u)
+        for p, u in uses.items()
+        if u and all(op in ("dynamic-slice", "slice") and first for op, _, first in u)
+    }
+
+
+def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
+    """Bytes an optimised HLO module reads and writes, loops counted by their trip counts.
+
+    XLA's own ``cost_analysis`` counts a while loop's body once, and a decode step is a loop over
+    the layers. Here every executed instruction outside fused computations (fusions, copies, dots,
+    custom calls, slices, updates, ...) counts its operands' and result's bytes, times the known
+    trip counts of the loops around it; an operand that a fusion only slices counts the slice. An
+    in-place update (``dynamic-update-slice``, or a fusion
+    whose result aliases its first operand and whose root is one) counts the bytes it writes twice
+    (read and write) instead of the whole buffer. Returns the total and the biggest items
+    (bytes, instruction name and ``op_name``).
+    """
+    computations: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name and line.strip() and line.strip() != "}":
+            computations[name].append(line)
+    fused_roots, sliced = {}, {}
+    for comp, lines in computations.items():
+        parsed = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+        fused_roots[comp] = next((op for line, (_, _, op, _, _) in zip(lines, parsed) if "ROOT" in line), "")
+        sliced[comp] = _sliced_parameters(parsed)
+
+    items: list[tuple[int, str]] = []
+
+    def walk(comp: str, times: int) -> int:
+        shapes, total = {}, 0
+        for line in computations[comp]:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            inst, shape, op, operands, attrs = m.groups()
+            shapes[inst] = shape
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+                body = re.search(r"body=%(\S+?)[,\s]", attrs + " ")
+                total += walk(body.group(1), times * (int(trips.group(1)) if trips else 1))
+                continue
+            if op in ("call", "conditional"):  # conditional: every branch counted (an upper bound)
+                for called in re.findall(r"(?:to_apply|branch_computations=\{|, )%([\w.-]+)", attrs):
+                    if called in computations:
+                        total += walk(called, times)
+                continue
+            if op in _FREE:
+                continue
+            names = re.findall(r"%([\w.-]+)", operands)
+            called = re.search(r"calls=%([\w.-]+)", attrs)
+            root = fused_roots.get(called.group(1), "") if called else op
+            read = {i: _shape_bytes(shapes.get(n, "")) for i, n in enumerate(names)}
+            if called:  # a fused operand that is only sliced is read only in part
+                read |= sliced.get(called.group(1), {})
+            if op in ("dynamic-slice", "slice"):
+                read = {0: _shape_bytes(shape)}
+            if root in _IN_PLACE and names:  # the first operand is the buffer updated in place
+                nbytes = 2 * sum(v for i, v in read.items() if i > 0)
+            else:
+                nbytes = _shape_bytes(shape) + sum(read.values())
+            meta = re.search(r'op_name="([^"]*)"', attrs)
+            items.append((nbytes * times, f"{op} {inst} {shape} x{times} {meta.group(1) if meta else ''}"))
+            total += nbytes * times
+        return total
+
+    total = walk(entry, 1)
+    return total, sorted(items, reverse=True)[:12]
+
+
+def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
+    """Bytes one decode step of ``config`` accesses per generated token, batch ``batch`` in a
+    cache of ``window`` slots, compiled for the CPU from abstract shapes; the ideal next to it."""
+    from flax import nnx
+
+    from starpo_jax import sampling
+    from starpo_jax.models import Decoder, ModelState
+
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    on_cpu = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)  # noqa: E731
+    model = ModelState(graphdef, jax.tree.map(on_cpu, params))
+    state = jax.tree.map(on_cpu, jax.eval_shape(lambda: sampling.initial_decode_state(
+        sampling.init_cache(config, batch, window), jnp.zeros((batch, config.vocab_size)), 1, None)))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=cpu)
+
+    def step(model, state, key):
+        return sampling.decode_step(model.merge(), state, key, 1.0, 0, 1.0, jnp.full((batch, 1), -1), 0)
+
+    # The state is donated, as the decode loop carries it: its cache is updated in place.
+    hlo = jax.jit(step, donate_argnums=1).lower(model, state, key).compile().as_text()
+    total, biggest = hlo_bytes(hlo)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    ideal = weight_bytes / batch + window * kv_per_token
+    out = {
+        "batch": batch, "window": window, "bytes_per_token": total / batch, "ideal_bytes_per_token": ideal,
+        "ideal_weights": weight_bytes / batch, "ideal_kv": window * kv_per_token, "over_ideal": total / batch / ideal,
+    }  # fmt: skip
+    if top:
+        out["biggest"] = [{"bytes": b, "what": w} for b, w in biggest]
+    return out
+
+
+def cost_analysis(batch: int = 128, max_len: int = 3600) -> list[dict]:
+    """``decode_cost`` of Qwen2.5-0.5B in every decode window of a ``max_len`` cache, in float32
+    and in bfloat16 (XLA:CPU computes bf16 in float32, converting buffers around each dot, so the
+    float32 program shows the structure a GPU's bf16 program has, at twice the bytes)."""
+    from starpo_jax.models import preset
+    from starpo_jax.sampling import decode_windows
+
+    windows = decode_windows(max_len)
+    out = []
+    for dtype in tqdm(("float32", "bfloat16"), desc="cost analysis", leave=False):
+        config = preset("qwen2.5-0.5b", dtype=dtype, param_dtype=dtype)
+        out += [{"dtype": dtype, **decode_cost(config, batch, w, top=w == windows[-1])} for w in windows]
+    return out
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="a checkpoint (HF folder, GGUF file, hub id) instead of random weights")
+    p.add_argument("--response-tokens", default=None,
+                   help="comma-separated N: every turn ends after exactly N tokens (default 100,400; --tiny 8)")
+    p.add_argument("--steps", type=int, default=3, help="warm iterations per N (median; at least 3)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the config's, bfloat16)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="memory bandwidth in bytes/s for the roofline where the device is not in the table (CPU)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the host loop")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--hf-repeats", type=int, default=1, help="timed transformers runs (median)")
+    p.add_argument("--cost-analysis", action="store_true", help="XLA bytes per decode step at the paper's size (CPU)")
+    p.add_argument("--cost-only", action="store_true", help="only the cost analysis (no timing)")
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. machine load)")
+    p.add_argument("--out", default="bench_results/bench_step.json")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny-llama, 4 groups x 2, 2 turns, N = 8")
+    args = p.parse_args(argv)
+    if args.steps < 3 and not args.tiny:
+        p.error("--steps must be at least 3 (the median of warm steps)")
+    args.response_tokens = [int(n) for n in (args.response_tokens or ("8" if args.tiny else "100,400")).split(",")]
+    limit = TINY["rollout.response_length"] if args.tiny else 400
+    if any(not 0 < n <= limit for n in args.response_tokens):
+        p.error(f"--response-tokens must lie in 1..{limit} (the response length)")
+    args.cost_analysis = args.cost_analysis or args.cost_only
+    return args
+
+
+def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, dict]:
+    from starpo_jax.rollout import LLMResponder
+    from starpo_jax.train import make_train_step, policy_weights, sampling_policy
+
+    responder = LLMResponder(exp.train_plan, fixed_length=n)
+    collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan, responder).collect)
+    collect, collect_s = compiled(collect, state, exp.train_tables, jax.random.PRNGKey(0))
+    state, traj, times, metrics = run_steps(exp, state, collect, programs.learn, args.steps, bar)
+    variants = split_update(programs, state, traj, exp.hyper, args.steps, bar)
+    tokens = int(np.asarray(traj.response_tokens).sum())
+    result = {
+        "date": _now(), "device": jax.devices()[0].device_kind, "response_tokens": n,
+        "compile_s": {"collect": collect_s, **programs.compile_s},
+        "phases_s": phases(times, variants), "runs_s": {**times, **variants},
+        "generated_tokens": tokens, "turns_played": int(np.asarray(traj.num_turns).sum()),
+        "rollout_tokens_per_s": tokens / median(times["rollout"]),
+        "train_metrics": {k: float(metrics[k]) for k in ("train/generated_tokens", "actor/grad_norm", "critic/grad_norm")},
+        "memory": {"collect": memory_analysis(collect), "learn": programs.memory},
+    }  # fmt: skip
+    policy = sampling_policy(exp.model.graphdef, policy_weights(exp.settings, state))
+    if bandwidth:
+        subject = bench_rollout.Subject("policy", policy, exp.tokenizer, "")
+        result["roofline"] = bench_rollout.decode_roofline(traj, subject, exp.train_plan, median(times["rollout"]), bandwidth)
+    if not args.no_baseline:
+        result["host_loop"] = host_loop(exp, policy, n, args.steps, bar)
+        result["speedup_vs_host_loop"] = result["rollout_tokens_per_s"] / result["host_loop"]["tokens_per_s"]
+    result["generate"] = decode_side_by_side(exp, policy, n, args)
+    return state, result
+
+
+def workload(exp, args) -> dict:
+    config, plan = exp.model.merge().config, exp.train_plan
+    return {
+        "model": args.model or ("tiny-llama (random)" if args.tiny else "qwen2.5-0.5b (random)"),
+        "dtype": config.dtype, "env": plan.tags[0].name, "groups": plan.num_groups, "group_size": plan.group_size,
+        "rows": plan.batch_size, "max_turn": plan.max_turn, "response_length": plan.response_length,
+        "max_model_len": plan.max_len, "estimator": exp.settings.adv_estimator,
+        "filter_ratio": float(exp.config.filter.ratio), "updated_rows": exp.settings.kept_groups * plan.group_size,
+        "steps": args.steps,
+    }  # fmt: skip
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def peak_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("peak_bytes_in_use") if stats else None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from starpo_jax.experiment import build_experiment
+    from starpo_jax.train import init_train_state
+
+    device = jax.devices()[0]
+    bandwidth = args.bandwidth or hbm_bandwidth(device.device_kind)
+    report = {"date": _now(), "machine": machine(args.note), "hbm_bytes_per_s": bandwidth, "results": []}
+    if not args.cost_only:
+        exp = build_experiment(experiment_config(args))
+        report["workload"] = workload(exp, args)
+        state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))
+        runs = len(args.response_tokens) * args.steps * (5 + (0 if args.no_baseline else 2))
+        with tqdm(total=runs, desc="bench_step", unit="run") as bar:
+            from starpo_jax.train import make_train_step
+
+            collect = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).collect
+            traj = jax.eval_shape(collect, state, exp.train_tables, jax.random.PRNGKey(0))  # shapes only
+            programs = compile_learn(exp, state, traj)
+            for n in args.response_tokens:
+                bar.set_postfix_str(f"N={n}")
+                state, result = run_n(exp, state, programs, n, args, bandwidth, bar)
+                report["results"].append(result)
+        report["peak_device_bytes"] = peak_memory()
+    if args.cost_analysis:
+        report["decode_cost"] = {"date": _now(), "device": "cpu (compiled, not run)", "model": "qwen2.5-0.5b",
+                                 "batch": 128, "max_len": 3600, "steps": cost_analysis(128, 3600)}
+    text = markdown(report)
+    print(text, flush=True)
+    write_report(report, args.out)
+    write_markdown(text, args.out)
+    return report
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    parts = [f"bench_step {report['date']}, {m['device_kind']} ({m['jax_platform']}, jax {m['jax']})"]
+    if report["results"]:
+        w = report["workload"]
+        parts[0] += (f", {w['model']} {w['dtype']}, {w['rows']} rows x {w['max_turn']} turns, "
+                     f"update on {w['updated_rows']} rows")
+        rows = []
+        for r in report["results"]:
+            p, c = r["phases_s"], r["compile_s"]
+            roof = f"{100 * r['roofline']['fraction']:.0f}%" if "roofline" in r else "n/a"
+            host = f"{r['speedup_vs_host_loop']:.2f}x" if "speedup_vs_host_loop" in r else "-"
+            gen = r["generate"]
+            hf = f"{gen['speedup']:.2f}x" if "speedup" in gen else "-"
+            rows.append([
+                r["response_tokens"], f"{p['step']:.2f}", f"{p['rollout']:.2f}", f"{p['logprobs_values']:.2f}",
+                f"{p['critic_update']:.2f}", f"{p['actor_update']:.2f}", f"{r['rollout_tokens_per_s']:,.0f}", roof,
+                host, hf, f"{c['collect'] + c['learn']:.1f}",
+            ])  # fmt: skip
+        parts.append(markdown_table(
+            ["N", "step s", "rollout s", "log-probs + values s", "critic update s", "actor update s",
+             "rollout tok/s", "HBM roofline", "vs host loop", "generate vs transformers", "compile s"], rows))
+    if "decode_cost" in report:
+        rows = [[c["dtype"], c["window"], f"{c['bytes_per_token'] / 2**20:.2f}",
+                 f"{c['ideal_bytes_per_token'] / 2**20:.2f}", f"{c['over_ideal']:.2f}x"]
+                for c in report["decode_cost"]["steps"]]  # fmt: skip
+        parts.append("Decode step, Qwen2.5-0.5B, batch 128 (XLA, compiled for CPU):\n\n" + markdown_table(
+            ["dtype", "cache window", "MiB accessed per token", "ideal MiB per token", "over ideal"], rows))
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Evaluate a policy on a validation suite: RAGEN's fixed levels (seeds 123 upward), temperature 0.5.
+
+    python -m experiments.evaluate --model smollm2-135m-instruct --suite bandit
+    python -m experiments.evaluate --model runs/sokoban --suite sokoban_generalisation --levels 256
+    python -m experiments.evaluate --model Qwen/Qwen2.5-0.5B-Instruct --suite sokoban
+
+``--model`` is anything ``load_model`` takes (the bundled name, a GGUF file, a Hugging Face folder
+or hub id) or a training run folder (its config and latest checkpoint). Prints a success table per
+env, in the shape of the paper's Tables 2-4, and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+SUITES = {
+    "sokoban": ("SimpleSokoban",),
+    "frozen_lake": ("FrozenLake",),
+    "bandit": ("Bandit", "BanditTest"),
+    "sokoban_generalisation": ("SimpleSokoban", "SokobanDifferentGridVocab", "LargerSokoban", "FrozenLake"),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="bundled name, .gguf, HF folder, hub id, or a run folder")
+    p.add_argument("--suite", default="sokoban", help=f"one of {', '.join(SUITES)}, or an env name")
+    p.add_argument("--levels", type=int, default=256, help="levels per env (RAGEN's seeds 123..; the paper used 256)")
+    p.add_argument("--batch", type=int, default=64, help="levels per compiled rollout call")
+    p.add_argument("--temperature", type=float, default=0.5)
+    p.add_argument("--max-turn", type=int, default=None, help="default: the run's config, else 5")
+    p.add_argument("--response-length", type=int, default=None, help="default: the run's config, else 400")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    p.add_argument("--seed", type=int, default=123, help="first level seed")
+    p.add_argument("--out", default="bench_results/evaluate.json")
+    return p.parse_args(argv)
+
+
+def suite_tags(name: str) -> tuple[str, ...]:
+    import envs_jax
+
+    if name in SUITES:
+        return SUITES[name]
+    if name in envs_jax.VARIANTS:
+        return (name,)
+    raise ValueError(f"Unknown suite {name!r}: use one of {', '.join(SUITES)} or an env name ({', '.join(sorted(envs_jax.VARIANTS))}).")
+
+
+def load_config_and_model(source: str, args):
+    """A run folder gives its own config and trained weights; anything else uses the base config."""
+    from ml_collections import ConfigDict
+
+    from configs import base
+    from starpo_jax import checkpoint
+    from starpo_jax.experiment import load_policy, train_settings, rollout_plan
+    from starpo_jax.train import init_train_state, policy_weights
+
+    run_dir = Path(source)
+    if (run_dir / "config.json").is_file() and (run_dir / "checkpoints").is_dir():
+        config = ConfigDict(json.loads((run_dir / "config.json").read_text()))
+        model, tokenizer = load_policy(config)
+        settings = train_settings(config, rollout_plan(config, "train"))
+        import jax
+
+        state = init_train_state(settings, model, jax.random.PRNGKey(0))
+        state, _, step = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), state)
+        model = dataclasses.replace(model, params=policy_weights(settings, state))
+        print(f"loaded {run_dir} at step {step}")
+        return config, model, tokenizer
+    config = base.get_config()
+    config.model.source = source
+    config.model.dtype = args.dtype or ("bfloat16" if _on_gpu() else "float32")
+    model, tokenizer = load_policy(config)
+    return config, model, tokenizer
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def evaluate(args) -> dict:
+    import jax
+
+    from starpo_jax import sharding
+    from starpo_jax.experiment import ConfigError, device_mesh
+    from starpo_jax.train import sampling_policy
+
+    tags = suite_tags(args.suite)
+    config, model, tokenizer = load_config_and_model(args.model, args)
+    if args.max_turn:
+        config.rollout.max_turn = args.max_turn
+    if args.response_length:
+        config.rollout.response_length = args.response_length
+    batch = min(args.batch, args.levels)
+    if args.levels % batch:
+        raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
+    mesh = device_mesh(config, **{"--batch": batch})
+    with sharding.use_mesh(mesh):
+        policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
+        results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
+    return {"model": args.model, "suite": args.suite, "temperature": args.temperature,
+            "device": jax.devices()[0].device_kind, "devices": len(mesh.devices.flat), "results": results}
+
+
+def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
+    """Success and friends per env tag, over ``args.levels`` fixed levels each, ``batch`` at a time."""
+    import jax
+    from tqdm import tqdm
+
+    from starpo_jax.experiment import rollout_plan
+    from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
+    from starpo_jax.train import rollout_metrics
+
+    results, seed = {}, args.seed
+    bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
+    for tag in tags:
+        config.envs.val.tags, config.envs.val.n_groups, config.envs.val.group_size = (tag,), (batch,), 1
+        plan = rollout_plan(config, "val", tokenizer)
+        tables = build_tables(
+            tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
+            legend_from_env_symbols=config.envs.legend_from_env_symbols,
+            chat_template=config.model.get("chat_template", "") or None,
+            vocab_size=policy.merge().config.vocab_size,
+        )
+        plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables))
+        rollout = make_rollout(plan)
+        sums, t0 = {}, time.perf_counter()
+        for chunk in range(args.levels // batch):
+            init = initial_states_from_seeds(plan, seed)
+            seed += batch
+            traj = rollout(policy, tables, init, jax.random.PRNGKey(chunk), args.temperature)
+            m = rollout_metrics(traj, plan, "val")
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * batch / args.levels
+            bar.update(batch)
+        results[tag] = {
+            "success": sums[f"val/{tag}/success"],
+            "reward": sums["val/reward/mean"],
+            "num_actions": sums[f"val/{tag}/num_actions"],
+            "action_is_effective": sums[f"val/{tag}/action_is_effective"],
+            "response_length": sums["val/response_length"],
+            "levels": args.levels,
+            "seconds": time.perf_counter() - t0,
+        }
+    bar.close()
+    return results
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'env':28s} {'success %':>10s} {'reward':>8s} {'actions':>8s} {'levels':>7s}"]
+    for tag, r in report["results"].items():
+        rows.append(f"{tag:28s} {100 * r['success']:10.2f} {r['reward']:8.3f} {r['num_actions']:8.2f} {r['levels']:7d}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from starpo_jax.checkpoint import CheckpointError
+    from starpo_jax.experiment import ConfigError
+    from starpo_jax.models.loading import ModelLoadError
+
+    try:
+        report = evaluate(args)
+    except (ValueError, ConfigError, ModelLoadError, CheckpointError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(report))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Train an LLM agent with StarPO / StarPO-S.
+
+    python -m experiments.run --config configs/sokoban.py [--config.rollout.max_turn=3 ...]
+    python -m experiments.run --config configs/presets.py:starpo_grpo
+    python -m experiments.run --config configs/quickstart.py          # bundled model, CPU, minutes
+
+Writes to ``trainer.output_dir``: ``config.json``, ``metrics.jsonl`` (one line per step and per
+validation), TensorBoard events under ``tb/`` (``tensorboard --logdir <output_dir>/tb``),
+validation trajectories as ``val/step_<N>.jsonl``, orbax checkpoints under ``checkpoints/``
+(every ``trainer.save_freq`` steps and at the end; ``--config.trainer.resume=True`` continues a
+killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
+flags.DEFINE_integer("max_steps", None, "Stop after this many training steps this invocation (for smoke runs).")
+FLAGS = flags.FLAGS
+
+
+def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, log) -> dict:
+    """One validation rollout on the fixed levels: metrics, JSONL dump and a printed sample."""
+    import jax
+
+    from starpo_jax import dumps
+    from starpo_jax.train import rollout_metrics
+
+    cfg = exp.config
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
+    t0 = time.perf_counter()
+    traj = jax.block_until_ready(val_rollout(policy_of(state), exp.val_tables, val_init, key, cfg.rollout.val_temperature))
+    seconds = time.perf_counter() - t0
+    metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
+    metrics["timing_s/testing"] = seconds
+    records = dumps.trajectory_records(traj, exp.val_plan, exp.tokenizer, cfg.envs.val.seed)
+    dumps.write_jsonl(records, out / "val" / f"step_{step}.jsonl")
+    successes = ", ".join(
+        f"{t.name} {metrics[f'val-env/{t.name}/success']:.3f}" for t in exp.val_plan.tags
+    )
+    log(f"validation @ step {step}: success {successes} | reward {metrics['val-env/reward/mean']:+.3f} | {seconds:.1f}s")
+    if records and cfg.trainer.log_trajectories > 0:
+        log(dumps.format_record(records[0]))
+    return metrics
+
+
+def main(argv) -> int:
+    del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
+    from starpo_jax import sharding
+    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.models.loading import ModelLoadError
+
+    try:
+        exp = build_experiment(_CONFIG.value)
+    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    with sharding.use_mesh(exp.mesh):
+        return train(exp)
+
+
+def train(exp) -> int:
+    """The training loop of a built experiment (inside its mesh)."""
+    import jax
+    from flax import nnx
+    from tensorboardX import SummaryWriter
+    from tqdm import tqdm
+
+    from starpo_jax import checkpoint, sharding
+    from starpo_jax.metrics import CollapseWatch
+    from starpo_jax.models.loading import save_model
+    from starpo_jax.models.lora import save_adapter
+    from starpo_jax.rollout import initial_states_from_seeds, make_rollout
+    from starpo_jax.train import init_train_state, make_train_step, policy_weights, sampling_policy
+
+    cfg = exp.config
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+    log = tqdm.write
+
+    step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
+    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
+    val_rollout = make_rollout(exp.val_plan)
+    val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
+    state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
+    policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
+    key = jax.random.PRNGKey(cfg.trainer.seed)
+
+    mgr = checkpoint.manager(out / "checkpoints")
+    watch, start = CollapseWatch(), 0
+    metrics_path = out / "metrics.jsonl"
+    if cfg.trainer.resume:
+        try:
+            state, host, start = checkpoint.restore(mgr, state)
+        except checkpoint.CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        watch = CollapseWatch.from_state(host.get("collapse_watch", {}))
+        _truncate_log(metrics_path, start)
+        log(f"resumed from step {start} in {out}")
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    writer = SummaryWriter(str(out / "tb"))
+
+    def record(step: int, metrics: dict) -> None:
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, step)
+        with metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    total = cfg.trainer.total_steps
+    stop = total if FLAGS.max_steps is None else min(total, start + FLAGS.max_steps)
+    if cfg.trainer.val_before_train and start == 0 and cfg.trainer.test_freq > 0:
+        record(0, validation(exp, policy_of, val_rollout, val_init, state, 0, out, log))
+
+    bar = tqdm(range(start, stop), initial=start, total=total, desc="train", unit="step")
+    for step in bar:
+        t0 = time.perf_counter()
+        traj = jax.block_until_ready(collect(state, exp.train_tables, key))
+        t1 = time.perf_counter()
+        state, metrics = learn(state, traj, exp.hyper)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        t2 = time.perf_counter()
+        metrics |= {
+            "timing_s/gen": t1 - t0,
+            "timing_s/update": t2 - t1,
+            "timing_s/step": t2 - t0,
+            "perf/generated_tokens_per_s": metrics["train/generated_tokens"] / (t1 - t0),
+            "perf/env_steps_per_s": metrics["train/env_steps"] / (t1 - t0),
+        }
+        warnings = watch.update(metrics)
+        metrics["collapse/warning"] = float(bool(warnings))
+        for w in warnings:
+            log(f"warning @ step {step + 1}: {w}")
+        done = step + 1
+        record(done, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['train/reward/mean']:+.3f}",
+            std=f"{metrics['rollout/in_group_std']:.3f}",
+            s_step=f"{metrics['timing_s/step']:.1f}",
+        )
+        if cfg.trainer.test_freq > 0 and (done % cfg.trainer.test_freq == 0 or done == total):
+            record(done, validation(exp, policy_of, val_rollout, val_init, state, done, out, log))
+        if (cfg.trainer.save_freq > 0 and done % cfg.trainer.save_freq == 0) or done == stop:
+            checkpoint.save(mgr, done, state, {"collapse_watch": watch.state()})
+    bar.close()
+    writer.close()
+    if stop == total and cfg.trainer.export_hf:
+        policy = nnx.merge(exp.model.graphdef, policy_weights(exp.settings, state))
+        folder = save_model(policy, exp.tokenizer, out / "hf_policy")
+        log(f"policy saved as a Hugging Face checkpoint: {folder}")
+        if exp.settings.lora_rank:
+            folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
+                                  base_model=str(cfg.model.source))
+            log(f"LoRA adapters saved for peft: {folder}")
+    log(f"done: {stop} steps, outputs in {out}")
+    return 0
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from, so the log equals an
+    uninterrupted run's."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def run() -> None:
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,247 @@
+"""From a config (``configs/*.py``) to the objects a run needs: model, tokenizer, rollout plans and
+tables for training and validation, update settings and hyperparameters.
+
+Everything a user can get wrong in a config is checked here, once, with a message that names the
+key and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+from ml_collections import ConfigDict
+
+import envs_jax
+from starpo_jax import bundled
+from starpo_jax.filtering import num_kept_groups
+from starpo_jax.models.decoder import Decoder, ModelState
+from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
+from starpo_jax.train import Hyperparams, TrainSettings
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+@dataclasses.dataclass
+class Experiment:
+    config: ConfigDict
+    model: ModelState  # float32 master weights, compute dtype from the config
+    tokenizer: Any
+    train_plan: RolloutPlan
+    train_tables: RolloutTables
+    val_plan: RolloutPlan
+    val_tables: RolloutTables
+    settings: TrainSettings
+    hyper: Hyperparams
+    mesh: Any  # jax.sharding.Mesh the run shards over (starpo_jax.sharding)
+
+
+def device_mesh(config: ConfigDict, **batch_sizes: int):
+    """``config.mesh`` as a device mesh, checked against the batches it splits over ``data``
+    (named as the user sets them)."""
+    from starpo_jax import sharding
+
+    try:
+        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model))
+        sharding.check_batch(mesh, **batch_sizes)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return mesh
+
+
+def load_policy(config: ConfigDict):
+    """(ModelState, tokenizer) from ``config.model``."""
+    from starpo_jax.models.config import preset
+    from starpo_jax.models.loading import load_model
+
+    dtype = config.model.dtype
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', not {dtype!r}.")
+    if config.model.random_init_preset:
+        # Random weights of a preset (tests and benchmarks); the tokenizer still comes from `source`.
+        tokenizer = _tokenizer_only(config.model.source)
+        cfg = dataclasses.replace(
+            preset(config.model.random_init_preset), vocab_size=len(tokenizer), dtype=dtype, param_dtype="float32"
+        )
+        model = Decoder(cfg, rngs=nnx.Rngs(config.trainer.seed))
+    else:
+        model, tokenizer = load_model(config.model.source, dtype=dtype, param_dtype="float32")
+    return ModelState.split(model), tokenizer
+
+
+def _tokenizer_only(source: str):
+    """The tokenizer of a model source, without reading its weights ("qwen2.5": the bundled one)."""
+    if source == bundled.SMOLLM2_NAME:
+        return bundled.smollm2_tokenizer()  # cached
+    if source == "qwen2.5":
+        return bundled.qwen_tokenizer()
+    from starpo_jax.models.loading import load_tokenizer, resolve_source
+
+    return load_tokenizer(resolve_source(source)[1])
+
+
+def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
+    split = config.envs[side]
+    if len(split.tags) != len(split.n_groups):
+        raise ConfigError(
+            f"envs.{side}.tags has {len(split.tags)} entries but envs.{side}.n_groups has "
+            f"{len(split.n_groups)}; give one group count per tag."
+        )
+    plans = []
+    for tag, n in zip(split.tags, split.n_groups):
+        if tag not in envs_jax.VARIANTS:
+            raise ConfigError(f"envs.{side}.tags: unknown env {tag!r}. Known envs: {', '.join(sorted(envs_jax.VARIANTS))}.")
+        if tag not in config.envs.max_actions_per_traj:
+            raise ConfigError(f"envs.max_actions_per_traj has no entry for {tag!r}; add one.")
+        overrides = dict(config.envs.overrides.get(tag, {}))
+        try:
+            env = envs_jax.make(tag, **overrides)
+        except ValueError as err:
+            raise ConfigError(f"envs.overrides.{tag}: {err}") from err
+        plans.append(TagPlan(tag, env, int(n), int(config.envs.max_actions_per_traj[tag])))
+    return tuple(plans)
+
+
+def rollout_plan(config: ConfigDict, side: str, tokenizer=None) -> RolloutPlan:
+    r = config.rollout
+    for key in ("max_turn", "max_actions_per_turn", "response_length", "max_model_len"):
+        if r[key] <= 0:
+            raise ConfigError(f"rollout.{key} must be positive, not {r[key]}.")
+    return RolloutPlan(
+        tags=_tag_plans(config, side),
+        group_size=int(config.envs[side].group_size),
+        max_turn=int(r.max_turn),
+        max_actions_per_turn=int(r.max_actions_per_turn),
+        response_length=int(r.response_length),
+        max_len=int(r.max_model_len),
+        enable_think=bool(r.enable_think),
+        format_penalty=float(r.format_penalty),
+        top_k=int(r.top_k) if r.top_k > 0 else 0,
+        top_p=float(r.top_p),
+        pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0) if tokenizer is not None else 0,
+    )
+
+
+def train_settings(config: ConfigDict, plan: RolloutPlan) -> TrainSettings:
+    a, alg, f = config.actor, config.algorithm, config.filter
+    if f.type == "top_p_var":
+        kept = plan.num_groups  # how many groups top-p keeps is data dependent: keep room for all
+    else:
+        kept = int(num_kept_groups(f.ratio, plan.num_groups))
+    batch = kept * plan.group_size
+    if batch % a.ppo_mini_batch_size or a.ppo_mini_batch_size % a.micro_batch_size:
+        raise ConfigError(
+            f"The update batch is {kept} kept groups x {plan.group_size} = {batch} trajectories: "
+            f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) must divide it and "
+            f"actor.micro_batch_size ({a.micro_batch_size}) must divide the mini-batch."
+        )
+    return TrainSettings(
+        adv_estimator=alg.adv_estimator,
+        grpo_norm_by_std=alg.grpo_norm_by_std,
+        reward_grouping=config.reward.grouping,
+        reward_method=config.reward.method,
+        use_turn_scores=config.reward.use_turn_scores,
+        filter_type=f.type,
+        kept_groups=kept,
+        loss_agg_mode=a.loss_agg_mode,
+        ppo_mini_batch_size=a.ppo_mini_batch_size,
+        micro_batch_size=a.micro_batch_size,
+        ppo_epochs=a.ppo_epochs,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_type=a.kl_loss_type,
+        kl_in_reward=alg.kl_in_reward,
+        kl_penalty=alg.kl_penalty,
+        rollout_temperature=float(config.rollout.temperature),
+        use_sampler_logprobs=config.rollout.use_sampler_logprobs,
+        critic_warmup=config.critic.warmup_steps,
+        betas=tuple(a.betas),
+        actor_weight_decay=a.weight_decay,
+        critic_weight_decay=config.critic.weight_decay,
+        actor_grad_clip=a.grad_clip,
+        critic_grad_clip=config.critic.grad_clip,
+        cliprange_value=config.critic.cliprange_value,
+        lora_rank=int(config.lora.rank),
+        lora_alpha=float(config.lora.alpha),
+    )
+
+
+def hyperparams(config: ConfigDict) -> Hyperparams:
+    a, alg = config.actor, config.algorithm
+    lrs = config.lora if config.lora.rank > 0 else {"actor_lr": a.lr, "critic_lr": config.critic.lr}
+    return Hyperparams.create(
+        actor_lr=lrs["actor_lr"],
+        critic_lr=lrs["critic_lr"],
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        entropy_coeff=a.entropy_coeff,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_in_reward_coef=alg.kl_in_reward_coef,
+        filter_ratio=config.filter.ratio,
+        gamma=alg.gamma,
+        lam=alg.lam,
+        high_level_gamma=alg.high_level_gamma,
+    )
+
+
+_CHOICES = {
+    "algorithm.adv_estimator": ("gae", "grpo", "bilevel_gae"),
+    "reward.grouping": ("state", "batch", "inductive"),
+    "reward.method": ("identity", "mean", "mean_std", "asym_clip"),
+    "filter.type": ("std", "std_rev", "top_p_var"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
+    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
+}
+
+
+def check_choices(config: ConfigDict) -> None:
+    for path, choices in _CHOICES.items():
+        section, key = path.split(".")
+        value = config[section][key]
+        if value not in choices:
+            raise ConfigError(f"{path} = {value!r} is not one of {', '.join(choices)}.")
+    if not 0 < config.filter.ratio <= 1:
+        raise ConfigError(f"filter.ratio must be in (0, 1], not {config.filter.ratio}.")
+    if not (isinstance(config.lora.rank, int) and config.lora.rank >= 0):
+        raise ConfigError(f"lora.rank must be a whole number >= 0 (0 = full fine-tuning), not {config.lora.rank!r}.")
+    if config.lora.rank and not config.lora.alpha > 0:
+        raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
+
+
+def build_experiment(config: ConfigDict) -> Experiment:
+    """Load the model and tokenise every prompt piece: the host-side work before training."""
+    check_choices(config)
+    model, tokenizer = load_policy(config)
+    chat_template = config.model.get("chat_template", "") or None
+    train_plan = rollout_plan(config, "train", tokenizer)
+    val_plan = rollout_plan(config, "val", tokenizer)
+    tables = {}
+    for name, plan in (("train", train_plan), ("val", val_plan)):
+        tables[name] = build_tables(
+            tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
+            legend_from_env_symbols=config.envs.legend_from_env_symbols, chat_template=chat_template,
+            vocab_size=model.merge().config.vocab_size,
+        )
+    stops = stop_tokens_for(tokenizer, tables["train"])
+    train_plan = dataclasses.replace(train_plan, stop_tokens=stops)
+    val_plan = dataclasses.replace(val_plan, stop_tokens=stops)
+    return Experiment(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        train_plan=train_plan,
+        train_tables=tables["train"],
+        val_plan=val_plan,
+        val_tables=tables["val"],
+        settings=train_settings(config, train_plan),
+        hyper=hyperparams(config),
+        mesh=device_mesh(config, **{
+            "the training batch (n_groups × group_size)": train_plan.batch_size,
+            "the validation batch (n_groups × group_size)": val_plan.batch_size,
+            "actor.micro_batch_size": config.actor.micro_batch_size,
+        }),
+    )

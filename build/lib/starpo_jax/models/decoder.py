@@ -1,0 +1,452 @@
+"""One decoder for Qwen2 / Qwen2.5 and Llama-family checkpoints (e.g. SmolLM2), in Flax NNX.
+
+Block: x += o_proj(attention(rope(q), rope(k), v)) on RMSNorm(x); x += down(silu(gate(h)) * up(h)) on
+RMSNorm(x). GQA, RoPE with θ from the config, q/k/v biases for Qwen2, tied or untied embeddings.
+
+Layout choices:
+- Every layer weight is stacked along a leading ``layers`` axis and the forward is one ``lax.scan``,
+  so compile time does not grow with depth.
+- Weights are stored ``[in..., out...]`` (``x @ W``), heads kept as their own axis: q_proj is
+  ``[embed, heads, kv]``. Logical axis names (``nnx.Param`` metadata ``out_sharding``): ``layers``,
+  ``vocab``, ``embed``, ``heads`` (query heads), ``kv_heads`` (key/value heads, kept apart from
+  ``heads`` because 2 kv heads rarely divide a tensor-parallel axis), ``kv`` (the per-head feature
+  axis, MaxText's name), ``mlp``. Activations carry the same names through
+  ``with_logical_constraint``, a no-op until a rules table is set.
+- The KV cache is ``[layers, batch, kv_heads, max_len, head_dim]``: each head's keys are contiguous,
+  so the decode-time score and value products are plain batched matrix products. (The
+  ``[.., max_len, kv_heads, ..]`` layout measured 4x slower for decode attention on CPU.)
+- Rows of a cache are ragged: each has its own length. ``extend`` writes each row's new tokens at
+  that row's offset, continues its positions from there, and attends to the cached prefix
+  (``slot < length``) plus the new block (causal); only the real tokens of the block are written.
+  Nothing is recomputed for the prefix, which is what lets a multi-turn rollout append the next
+  observation to a live cache.
+- Attention is masked dense attention with the softmax in float32. For full sequences on GPU in
+  bf16/fp16 it is ``jax.nn.dot_product_attention(implementation="cudnn")`` (flash attention); the
+  cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
+  reading the cache anyway.
+
+Known cost: the layer scan hands each block its cache slice through a dynamic slice, which XLA
+materialises (a copy of one layer's cache per block, about 20% of a decode step at batch 32 on
+CPU). Removing it needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
+Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
+window of the cache (``KVCache.head``) just large enough for the live rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from flax.linen import with_logical_constraint
+
+from starpo_jax.models.config import ModelConfig
+
+Array = jax.Array
+
+# A finite "minus infinity": a fully masked row then softmaxes to a uniform row instead of NaN.
+_MASKED = -1e30
+_INIT_STD = 0.02  # transformers' initializer_range for both families
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: one table drives initialisation, sharding names and the Hugging Face mapping.
+# ----------------------------------------------------------------------------------------------
+
+
+class _Weight(NamedTuple):
+    hf_name: str
+    shape: tuple[int, ...]  # ours, without the leading layer axis
+    axes: tuple[str, ...]  # logical axis names, same rank as `shape`
+    hf_shape: tuple[int, ...]
+    linear: bool  # a torch.nn.Linear weight: HF stores [out, in], we store [in..., out...]
+    init: str  # "normal" | "ones" | "zeros"
+
+
+def _top_weights(c: ModelConfig) -> dict[str, _Weight]:
+    V, D = c.vocab_size, c.hidden_size
+    weights = {
+        "embed": _Weight("model.embed_tokens.weight", (V, D), ("vocab", "embed"), (V, D), False, "normal"),
+        "final_norm": _Weight("model.norm.weight", (D,), ("embed",), (D,), False, "ones"),
+    }
+    if not c.tie_word_embeddings:
+        weights["lm_head"] = _Weight("lm_head.weight", (D, V), ("embed", "vocab"), (V, D), True, "normal")
+    return weights
+
+
+def _layer_weights(c: ModelConfig) -> dict[str, _Weight]:
+    D, H, K, Dh, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    weights = {
+        "input_norm": _Weight("input_layernorm.weight", (D,), ("embed",), (D,), False, "ones"),
+        "q_proj": _Weight("self_attn.q_proj.weight", (D, H, Dh), ("embed", "heads", "kv"), (H * Dh, D), True, "normal"),
+        "k_proj": _Weight("self_attn.k_proj.weight", (D, K, Dh), ("embed", "kv_heads", "kv"), (K * Dh, D), True, "normal"),
+        "v_proj": _Weight("self_attn.v_proj.weight", (D, K, Dh), ("embed", "kv_heads", "kv"), (K * Dh, D), True, "normal"),
+        "o_proj": _Weight("self_attn.o_proj.weight", (H, Dh, D), ("heads", "kv", "embed"), (D, H * Dh), True, "normal"),
+        "post_attn_norm": _Weight("post_attention_layernorm.weight", (D,), ("embed",), (D,), False, "ones"),
+        "gate_proj": _Weight("mlp.gate_proj.weight", (D, F), ("embed", "mlp"), (F, D), True, "normal"),
+        "up_proj": _Weight("mlp.up_proj.weight", (D, F), ("embed", "mlp"), (F, D), True, "normal"),
+        "down_proj": _Weight("mlp.down_proj.weight", (F, D), ("mlp", "embed"), (D, F), True, "normal"),
+    }
+    if c.qkv_bias:
+        weights["q_bias"] = _Weight("self_attn.q_proj.bias", (H, Dh), ("heads", "kv"), (H * Dh,), False, "zeros")
+        weights["k_bias"] = _Weight("self_attn.k_proj.bias", (K, Dh), ("kv_heads", "kv"), (K * Dh,), False, "zeros")
+        weights["v_bias"] = _Weight("self_attn.v_proj.bias", (K, Dh), ("kv_heads", "kv"), (K * Dh,), False, "zeros")
+    return weights
+
+
+def linear_layer_weights(c: ModelConfig) -> dict[str, tuple[int, int, str]]:
+    """The blocks' linear weights (what LoRA adapts): name -> (in features, out features, HF name)."""
+    return {name: (w.hf_shape[1], w.hf_shape[0], w.hf_name) for name, w in _layer_weights(c).items() if w.linear}
+
+
+def _new_param(w: _Weight, key: Array, dtype, num_layers: int | None = None) -> nnx.Param:
+    lead = () if num_layers is None else (num_layers,)
+    shape = lead + w.shape
+    if w.init == "normal":
+        value = _INIT_STD * jax.random.normal(key, shape, jnp.float32)
+    else:
+        value = (jnp.ones if w.init == "ones" else jnp.zeros)(shape, jnp.float32)
+    axes = (("layers",) if lead else ()) + w.axes
+    # eager_sharding=False: the names are metadata until a mesh and a rules table shard the state.
+    return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer for a batch of ragged rows; slot s of a row holds position s."""
+
+    k: Array  # [layers, batch, kv_heads, max_len, head_dim]
+    v: Array  # [layers, batch, kv_heads, max_len, head_dim]
+    lengths: Array  # [batch] int32: slots [0, length) are valid
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch_size: int, max_len: int) -> "KVCache":
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+        zeros = jnp.zeros(shape, jnp.dtype(config.dtype))
+        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def head(self, size: int) -> "KVCache":
+        """The first ``size`` slots of every row, as a smaller cache (a copy)."""
+        return KVCache(k=self.k[:, :, :, :size], v=self.v[:, :, :, :size], lengths=self.lengths)
+
+    def with_head(self, head: "KVCache") -> "KVCache":
+        """This cache with its first slots taken from ``head`` (the inverse of ``head``)."""
+        size = head.max_len
+        return KVCache(k=self.k.at[:, :, :, :size].set(head.k), v=self.v.at[:, :, :, :size].set(head.v),
+                       lengths=head.lengths)
+
+    def write(self, k_new: Array, v_new: Array, positions: Array, num_new: Array) -> "KVCache":
+        """Write the real part of k/v_new [layers, batch, T, kv_heads, head_dim] at `positions` [batch, T].
+
+        Row b's first ``num_new[b]`` tokens are real. Padding, and anything past ``max_len``, is sent
+        to an out-of-range slot and dropped, so rows with nothing new are left exactly as they were.
+        (Writing past ``max_len`` is a caller error that cannot raise inside jit: those tokens are
+        lost; ``decode`` stops a row when its cache row is full.)
+        """
+        rows = jnp.arange(positions.shape[0])[:, None]
+        real = jnp.arange(positions.shape[1])[None, :] < num_new[:, None]
+        positions = jnp.where(real, positions, self.max_len)
+
+        def put(cache: Array, new: Array) -> Array:
+            # Advanced indices (rows, positions) come first in the indexed view: [batch, T, layers, kv_heads, d].
+            return cache.at[:, rows, :, positions].set(new.transpose(1, 2, 0, 3, 4).astype(cache.dtype), mode="drop")
+
+        return KVCache(k=put(self.k, k_new), v=put(self.v, v_new), lengths=self.lengths + num_new)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+    return with_logical_constraint(x, axes)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm as in transformers: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary embedding of x [B, T, heads, d] at integer positions [B, T], in HF's rotate-half layout:
+    feature i and i + d/2 form the pair rotated by angle position * theta^(-2i/d)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+KeyBlock = tuple[Array, Array, Array]  # k, v [B, kv_heads, S, d] and allowed [B|1, T|1, S] (bool)
+
+
+def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
+    """Grouped-query softmax attention of q [B, T, heads, d] over key blocks, normalised jointly.
+
+    Splitting keys into blocks lets the cached path attend to "the cache" and "the new tokens"
+    without concatenating (copying) the cache. The T query steps and the heads sharing a kv head
+    are folded into one axis, so each (row, kv head) is one plain matrix product with its keys.
+    Scores and softmax are float32.
+    """
+    B, T, H, D = q.shape
+    kv_heads = blocks[0][0].shape[1]
+    G = H // kv_heads
+    qg = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+
+    def scores(k: Array, allowed: Array) -> Array:
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+        allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
+        return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
+
+    probs = jax.nn.softmax(jnp.concatenate([scores(k, allowed) for k, _, allowed in blocks], axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for k, v, _ in blocks:
+        p = probs[..., start : start + k.shape[2]].astype(v.dtype)
+        out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
+        start += k.shape[2]
+    return out.astype(q.dtype).reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
+
+
+def _cudnn_applies(q: Array) -> bool:
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
+
+
+def self_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+    """Attention within one full sequence: q [B, T, H, d], k/v [B, T, kv_heads, d], allowed [B, T, T]."""
+    if _cudnn_applies(q):
+        return fused_attention(q, k, v, allowed, implementation="cudnn")
+    return attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
+
+
+def fused_attention(q: Array, k: Array, v: Array, allowed: Array, implementation: str) -> Array:
+    """``jax.nn.dot_product_attention`` with our mask; "cudnn" is flash attention on NVIDIA GPUs."""
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], is_causal=True, implementation=implementation)
+
+
+def sequence_mask(segment_ids: Array) -> Array:
+    """allowed[b, t, s]: causal, same segment, not padding (segment 0). Every token also sees itself,
+    so padding rows stay finite and never feed NaN into later layers."""
+    T = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    return (causal & same) | jnp.eye(T, dtype=bool)
+
+
+def _project(x: Array, w: Array, bias: Array | None) -> Array:
+    y = jnp.einsum("btd,dhk->bthk", x, w.astype(x.dtype))
+    return y if bias is None else y + bias.astype(x.dtype)
+
+
+Attention = Callable[[Array, Array, Array], Array]  # (q [B,T,H,d], k, v [B,T,kv_heads,d]) -> [B,T,H,d]
+
+
+def decoder_block(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: Array, attention: Attention):
+    """One pre-norm block on x [B, T, D]; returns the new x and this block's (k, v) [B, T, kv_heads, d]."""
+    dtype = x.dtype
+    h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
+    q = rope(_project(h, p["q_proj"], p.get("q_bias")), positions, c.rope_theta)
+    k = rope(_project(h, p["k_proj"], p.get("k_bias")), positions, c.rope_theta)
+    v = _project(h, p["v_proj"], p.get("v_bias"))
+    q = _constrain(q, ("batch", None, "heads", "kv"))
+    x = x + jnp.einsum("bthk,hkd->btd", attention(q, k, v), p["o_proj"].astype(dtype))
+    h = rms_norm(x, p["post_attn_norm"], c.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["gate_proj"].astype(dtype))
+    up = jnp.einsum("btd,df->btf", h, p["up_proj"].astype(dtype))
+    mlp = _constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
+    x = x + jnp.einsum("btf,fd->btd", mlp, p["down_proj"].astype(dtype))
+    return _constrain(x, ("batch", None, "embed")), (k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# The module
+# ----------------------------------------------------------------------------------------------
+
+
+class DecoderLayers(nnx.Module):
+    """All blocks' weights, each stacked along a leading ``layers`` axis."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.param_dtype)
+        for name, w in _layer_weights(config).items():
+            setattr(self, name, _new_param(w, rngs.params(), dtype, config.num_layers))
+        self.names = tuple(_layer_weights(config))
+
+    def arrays(self) -> dict[str, Array]:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training, ``extend`` for the KV-cached sampler."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.param_dtype)
+        for name, w in _top_weights(config).items():
+            setattr(self, name, _new_param(w, rngs.params(), dtype))
+        self.layers = DecoderLayers(config, rngs=rngs)
+
+    def _embed(self, tokens: Array) -> Array:
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.config.dtype))
+        return _constrain(x, ("batch", None, "embed"))
+
+    def _scan_blocks(self, x: Array, positions: Array, attention, per_layer=None) -> tuple[Array, tuple[Array, Array]]:
+        """All blocks in one lax.scan over the stacked weights. ``attention(q, k, v, layer_input)``
+        computes a block's attention, where ``layer_input`` is this layer's slice of ``per_layer``
+        (its KV cache), scanned alongside the weights. Returns final-normed x and each layer's k, v."""
+        c = self.config
+
+        def body(x, xs):
+            params, layer_input = xs
+            return decoder_block(c, params, x, positions, lambda q, k, v: attention(q, k, v, layer_input))
+
+        x, kv = jax.lax.scan(body, x, (self.layers.arrays(), per_layer))
+        return rms_norm(x, self.final_norm[...], c.rms_norm_eps), kv
+
+    def hidden_states(self, tokens: Array, positions: Array, segment_ids: Array | None = None) -> Array:
+        """Final-normed hidden states [B, T, D] of full sequences.
+
+        tokens, positions: [B, T] int. segment_ids: [B, T] int, 0 marks padding and tokens attend
+        (causally, by index) only to earlier tokens of their own segment; a 0/1 attention mask is the
+        one-segment case. None means every token is real.
+        """
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32)
+        allowed = sequence_mask(segment_ids.astype(jnp.int32))
+        x, _ = self._scan_blocks(self._embed(tokens), positions, lambda q, k, v, _: self_attention(q, k, v, allowed))
+        return x
+
+    def logits(self, hidden: Array) -> Array:
+        """float32 logits [..., V] of hidden states [..., D]."""
+        h = hidden.astype(jnp.dtype(self.config.dtype))
+        if self.config.tie_word_embeddings:
+            out = jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype), preferred_element_type=jnp.float32)
+        else:
+            out = jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
+        return _constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))
+
+    def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None) -> Array:
+        """float32 logits [B, T, V] of full sequences (see ``hidden_states``)."""
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))
+
+    def extend(self, tokens: Array, num_new: Array, cache: KVCache) -> tuple[Array, KVCache]:
+        """Append a block of tokens [B, T] to each row of the cache; row b's real tokens are the first
+        ``num_new[b]`` (right padding). Returns the block's hidden states [B, T, D] and the cache with
+        the block written at each row's offset and lengths advanced by ``num_new``.
+        """
+        T = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
+        causal = jnp.tril(jnp.ones((T, T), bool))[None]  # [1, T, T]
+
+        def attention(q, k, v, layer_cache):
+            k_cache, v_cache = layer_cache  # [B, kv_heads, S, d]
+            new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
+            return attend(q, [(k_cache, v_cache, cached), new])
+
+        x, (k_new, v_new) = self._scan_blocks(self._embed(tokens), positions, attention, (cache.k, cache.v))
+        return x, cache.write(k_new, v_new, positions, num_new.astype(jnp.int32))
+
+
+@struct.dataclass
+class ModelState:
+    """A Decoder split by ``nnx.split`` into its static graph and its weights.
+
+    Jitted functions take this pytree: the weights are traced leaves and the graph is static
+    structure, which keeps the HLO small and avoids retracing the module.
+    """
+
+    graphdef: nnx.GraphDef = struct.field(pytree_node=False)
+    params: nnx.State
+
+    @classmethod
+    def split(cls, model: Decoder) -> "ModelState":
+        graphdef, params = nnx.split(model)
+        return cls(graphdef=graphdef, params=params)
+
+    def merge(self) -> Decoder:
+        return nnx.merge(self.graphdef, self.params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face tensors <-> Decoder
+# ----------------------------------------------------------------------------------------------
+
+
+def _from_hf(array: np.ndarray, w: _Weight, name: str, dtype) -> np.ndarray:
+    if array.shape != w.hf_shape:
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has shape {tuple(array.shape)}, but the config expects {w.hf_shape}; "
+            "check that the config matches the checkpoint."
+        )
+    return (array.T if w.linear else array).reshape(w.shape).astype(dtype)
+
+
+def _to_hf(array: np.ndarray, w: _Weight) -> np.ndarray:
+    if w.linear:
+        return np.ascontiguousarray(array.reshape(w.hf_shape[::-1]).T)
+    return np.ascontiguousarray(array.reshape(w.hf_shape))
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    # Tied checkpoints may still list lm_head.weight (it is the embedding); old ones store RoPE tables.
+    return (name == "lm_head.weight" and config.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
+def decoder_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Decoder:
+    """Build a Decoder from tensors named and laid out as transformers' Qwen2/LlamaForCausalLM state_dict."""
+    dtype = jnp.dtype(config.param_dtype)
+
+    def read(name: str, w: _Weight) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(
+                f"Checkpoint tensor {name!r} is missing; a {config.model_type} model with {config.num_layers} layers "
+                f"and qkv_bias={config.qkv_bias} needs it."
+            )
+        return _from_hf(np.asarray(tensors[name]), w, name, dtype)
+
+    top = {name: read(w.hf_name, w) for name, w in _top_weights(config).items()}
+    layers = {
+        name: np.stack([read(f"model.layers.{i}.{w.hf_name}", w) for i in range(config.num_layers)])
+        for name, w in _layer_weights(config).items()
+    }
+    expected = {w.hf_name for w in _top_weights(config).values()} | {
+        f"model.layers.{i}.{w.hf_name}" for w in _layer_weights(config).values() for i in range(config.num_layers)
+    }
+    unexpected = sorted(n for n in tensors if n not in expected and not _ignorable(n, config))
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint has tensors this config does not use ({', '.join(unexpected[:5])}"
+            f"{', ...' if len(unexpected) > 5 else ''}); check num_layers, qkv_bias and tie_word_embeddings."
+        )
+    # Build the module abstractly (no random init of weights we are about to replace), then fill it.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    values = jax.tree.map(jnp.asarray, {**top, "layers": layers})
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+def decoder_to_hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
+    """The inverse of ``decoder_from_hf_tensors``: HF names and layouts, float32 numpy arrays."""
+    config = model.config
+    out = {w.hf_name: _to_hf(np.asarray(getattr(model, name)[...], np.float32), w) for name, w in _top_weights(config).items()}
+    for name, w in _layer_weights(config).items():
+        stacked = np.asarray(getattr(model.layers, name)[...], np.float32)
+        for i in range(config.num_layers):
+            out[f"model.layers.{i}.{w.hf_name}"] = _to_hf(stacked[i], w)
+    return out

@@ -1,0 +1,252 @@
+"""Load the policy model and its tokenizer from anything a user is likely to hold, and save it back
+as a Hugging Face checkpoint folder that transformers and vLLM read.
+
+``load_model(source)`` accepts
+- ``"smollm2-135m-instruct"``: the bundled SmolLM2 GGUF (works offline; the default model);
+- a path to a ``.gguf`` file (llama / qwen2 architectures, any type ``gguf`` dequantises);
+- a local Hugging Face folder: ``config.json`` + ``model.safetensors`` (or a sharded
+  ``model.safetensors.index.json``) + tokenizer files;
+- a hub id such as ``"Qwen/Qwen2.5-0.5B-Instruct"``, fetched with ``huggingface_hub``.
+
+Every source is first turned into the same thing: an HF config dict and numpy tensors under
+transformers' names and layouts. ``decoder_from_hf_tensors`` builds the JAX model from that, so
+there is one weight-mapping path for all formats. Anything wrong with the input is a
+``ModelLoadError`` naming the file or tensor. Nothing is cached on disk except what
+``huggingface_hub`` itself caches for hub downloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from starpo_jax import bundled
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint source that cannot be loaded; the message names the file and what to do."""
+
+
+HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                     "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                     "chat_template.jinja", "chat_template.json"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SOURCES_HINT = (f"pass a local checkpoint folder, a .gguf file, or {bundled.SMOLLM2_NAME!r} "
+                 "(the bundled model, which needs no network)")
+
+
+def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "float32",
+               param_dtype: str | None = None):
+    """``(Decoder, tokenizer)`` from a bundled name, GGUF file, local HF folder or hub id.
+
+    ``dtype`` is the compute dtype ("float32" or "bfloat16"); ``param_dtype`` the dtype the weights
+    are kept in (default: ``dtype``). For a folder, the config and tokenizer are checked before any
+    weight is read, so a wrong checkpoint fails fast.
+    """
+    kind, path = resolve_source(source)
+    dtypes = {"dtype": dtype, "param_dtype": param_dtype or dtype}
+    if kind == "gguf":
+        from starpo_jax.models.gguf_reader import read_gguf
+
+        hf_config, tensors = read_gguf(path)
+        config = model_config(hf_config, path, **dtypes)
+        tokenizer = load_tokenizer(path)
+    else:
+        config = model_config(read_hf_config(path), path / "config.json", **dtypes)
+        tokenizer = load_tokenizer(path)
+        tensors = read_safetensors(path)
+    return build_decoder(config, tensors, path), tokenizer
+
+
+def model_config(hf_config: dict, origin: Path, **overrides):
+    """``ModelConfig`` from an HF config dict; an unsupported model names the file it came from."""
+    from starpo_jax.models.config import ModelConfig
+
+    try:
+        return ModelConfig.from_hf_config(hf_config, **overrides)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(f"{origin}: unsupported model config ({err}).") from err
+
+
+def build_decoder(config, tensors: dict[str, np.ndarray], origin: Path):
+    """``decoder_from_hf_tensors``, with the checkpoint named in its errors (missing or misshapen tensors)."""
+    from starpo_jax.models.decoder import decoder_from_hf_tensors
+
+    try:
+        return decoder_from_hf_tensors(config, tensors)
+    except (ValueError, KeyError) as err:
+        raise ModelLoadError(f"{origin}: {err}") from err
+
+
+def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
+    """``("gguf", file)`` or ``("folder", dir)``; hub ids are downloaded to a local folder here."""
+    if str(source) == bundled.SMOLLM2_NAME:
+        return "gguf", bundled.smollm2_gguf_path()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return "folder", path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file; {_SOURCES_HINT}.")
+        return "gguf", path
+    if path.suffix.lower() == ".gguf" or path.is_absolute() or not _HUB_ID.match(str(source)):
+        raise ModelLoadError(f"No checkpoint folder or GGUF file exists at {path}; {_SOURCES_HINT}.")
+    return "folder", download_from_hub(str(source))
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Snapshot of the config, safetensors and tokenizer files of a hub repo (cached by
+    huggingface_hub). Honours ``HF_HUB_OFFLINE`` as set now, not only at import time, and fails
+    fast with one message when the hub cannot be reached."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=HUB_FILE_PATTERNS, local_files_only=offline,
+                                   etag_timeout=5)
+    except HfHubHTTPError as err:  # reached the hub, which answered with an error (unknown repo, gated, ...)
+        raise ModelLoadError(f"The Hugging Face hub refused {repo_id!r} ({err}); check the id, or "
+                             f"{_SOURCES_HINT}.") from err
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as err:
+        raise ModelLoadError(f"Could not reach the Hugging Face hub to fetch {repo_id!r}, and it is not in the "
+                             f"local cache (no local folder of that name exists either); {_SOURCES_HINT}.") from err
+    return Path(folder)
+
+
+def read_hf_config(folder: Path) -> dict:
+    """``config.json`` of a Hugging Face checkpoint folder."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json; a checkpoint folder needs config.json, "
+                             "model.safetensors (or model.safetensors.index.json and its shards) and tokenizer files.")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path} is not valid JSON ({err}).") from err
+
+
+def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``,
+    as numpy arrays in their stored dtype (bfloat16 via ml_dtypes)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
+            raise ModelLoadError(f"{index} is not a valid safetensors index (needs a 'weight_map').") from err
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ModelLoadError(f"{folder} has neither model.safetensors nor model.safetensors.index.json "
+                             "(PyTorch .bin checkpoints are not read; re-save with safe_serialization=True).")
+    tensors = {}
+    for name in files:
+        tensors.update(_read_safetensors_file(folder / name))
+    return tensors
+
+
+def _read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
+    import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16", which safetensors' numpy reader needs)
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ModelLoadError(f"Safetensors shard {path} is missing; download the checkpoint again.")
+    try:
+        with safe_open(path, framework="np") as file:
+            return {name: file.get_tensor(name) for name in file.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ModelLoadError(f"{path} is not a readable safetensors file ({err}); it may be truncated or "
+                             "corrupt.") from err
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")  # one of these holds the vocabulary
+
+
+def load_tokenizer(path: Path):
+    """transformers tokenizer (with its chat template) of a checkpoint folder or a GGUF file."""
+    from transformers import AutoTokenizer
+
+    # transformers 5 quietly builds an empty tokenizer for a folder without vocabulary files.
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); save the "
+                             "tokenizer into the checkpoint folder with tokenizer.save_pretrained(folder).")
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(f"Could not load a tokenizer from {path} ({err}).") from err
+
+
+def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
+    """Write ``model`` and ``tokenizer`` as a Hugging Face checkpoint folder (config.json,
+    model.safetensors, tokenizer files with the chat template) that transformers and vLLM load.
+
+    The folder is written next to its destination under a temporary name and renamed into place,
+    so a crash never leaves a half-written checkpoint; an existing folder is replaced.
+    """
+    from safetensors.numpy import save_file
+
+    from starpo_jax.models.decoder import decoder_to_hf_tensors
+
+    with atomic_folder(folder) as staging:
+        hf_config = _hf_config_for_saving(model.config, tokenizer)
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        tensors = {name: value.astype(_numpy_dtype(model.config.param_dtype))  # the dtype config.json states
+                   for name, value in decoder_to_hf_tensors(model).items()}
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(str(staging))
+    return Path(folder).expanduser().absolute()
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _hf_config_for_saving(config, tokenizer) -> dict:
+    """``config.to_hf_config()`` plus the special-token ids, which serving engines read from it."""
+    hf_config = dict(config.to_hf_config())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tokenizer, key, None)
+        if hf_config.get(key) is None and token_id is not None:
+            hf_config[key] = token_id
+    return hf_config
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty staging folder next to ``folder``; when the block finishes it replaces
+    ``folder``, and if it raises the staging folder is deleted. A crash never leaves a half-written
+    ``folder``."""
+    folder = Path(folder).expanduser().absolute()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        yield staging
+        _move_into_place(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _move_into_place(staging: Path, folder: Path) -> None:
+    """Rename ``staging`` to ``folder``; an existing ``folder`` is renamed away first and deleted last."""
+    if not folder.exists():
+        staging.rename(folder)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".old", dir=folder.parent))
+    folder.rename(old / folder.name)
+    staging.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)

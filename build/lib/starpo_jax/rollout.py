@@ -1,0 +1,455 @@
+"""The compiled multi-turn rollout of StarPO (spec §2.2-2.6): one jitted function per batch.
+
+For every turn, inside one XLA program:
+
+    prompt tokens (from tables) → append to the KV cache → decode → parse <answer> on token ids
+    → step the envs → reward message and next observation as tokens → next turn
+
+The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
+Finished rows keep their slot and stop generating. Host Python never sees a token or a turn.
+
+Batch layout (RAGEN's es_manager, spec §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
+``t`` owning ``n_groups[t] * group_size`` consecutive rows; row ``b`` belongs to group
+``b // group_size``, and all rows of a group start from the same initial state.
+
+Departures from the original, on purpose:
+
+- **Token-in / token-out.** The trajectory is exactly the ids the model sampled, interleaved with
+  the prompt ids the environment produced (which equal the tokenizer's encoding of RAGEN's
+  chat-templated text, see ``starpo_jax.prompts``). RAGEN re-renders each response from the parse
+  (``<think>{think}</think><answer>{answer}</answer>``, text outside the tags dropped) and re-encodes
+  the whole conversation (quirk 4); we never decode and re-encode.
+- **Loss mask = sampled tokens.** ``loss_mask`` marks exactly the tokens the policy generated
+  (its stop token included). RAGEN's mask is shifted by one (quirk 3: it trains the assistant
+  header and the next ``<|im_start|>`` but not the assistant's own ``<|im_start|>``).
+- **Context budget.** A row whose next turn (prompt plus ``response_length``) would not fit in
+  ``max_len`` tokens ends there, unsuccessful, and is flagged ``context_exhausted``; vLLM would
+  have refused the request.
+- A response cut by ``response_length`` is closed with the template's assistant end
+  (``<|im_end|>\\n``), which is not in the loss mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from envs_jax.base import TextEnv
+from starpo_jax import parsing, prompts
+from starpo_jax.env_turn import execute_turn
+from starpo_jax.models.decoder import ModelState
+from starpo_jax.sampling import append, decode, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class TagPlan:
+    """One env tag's share of the batch (static)."""
+
+    name: str
+    env: TextEnv
+    n_groups: int
+    max_actions_per_traj: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutPlan:
+    """Everything static about a rollout: shapes, budgets, sampling switches."""
+
+    tags: tuple[TagPlan, ...]
+    group_size: int
+    max_turn: int = 5
+    max_actions_per_turn: int = 5
+    response_length: int = 400
+    max_len: int = 3600
+    enable_think: bool = True
+    format_penalty: float = -0.1
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return sum(t.n_groups for t in self.tags) * self.group_size
+
+    @property
+    def num_groups(self) -> int:
+        return sum(t.n_groups for t in self.tags)
+
+    def row_slices(self) -> list[slice]:
+        out, start = [], 0
+        for t in self.tags:
+            stop = start + t.n_groups * self.group_size
+            out.append(slice(start, stop))
+            start = stop
+        return out
+
+
+@flax.struct.dataclass
+class TagTables:
+    prompts: prompts.PromptTables
+    names: parsing.ActionNames  # [orders, A, L]: names of each possible action-name order
+
+
+@flax.struct.dataclass
+class RolloutTables:
+    """Host-built lookup tables (prompt pieces, token bytes, action names); a jit argument."""
+
+    tags: tuple[TagTables, ...]
+    token_bytes: jax.Array
+    token_lengths: jax.Array
+
+
+@flax.struct.dataclass
+class Trajectories:
+    """One rollout batch: token sequences and what happened in each episode."""
+
+    tokens: jax.Array  # int32[B, L] the whole conversation, padded with pad_id
+    loss_mask: jax.Array  # bool[B, L] tokens the policy generated
+    sampler_logprobs: jax.Array  # float32[B, L] log-prob of each generated token at sampling time
+    length: jax.Array  # int32[B] tokens in the conversation
+    turn_start: jax.Array  # int32[B, T] first response token of each turn
+    turn_end: jax.Array  # int32[B, T] one past the last response token of each turn
+    turn_played: jax.Array  # bool[B, T]
+    turn_reward: jax.Array  # float32[B, T] env reward of each turn
+    turn_penalised: jax.Array  # bool[B, T] the turn paid the format penalty
+    env_reward: jax.Array  # float32[B] sum of env rewards
+    format_penalty: jax.Array  # float32[B] sum of format penalties (<= 0)
+    success: jax.Array  # bool[B] the env reported success when the episode ended
+    num_actions: jax.Array  # int32[B] actions executed
+    num_turns: jax.Array  # int32[B]
+    action_is_effective: jax.Array  # float32[B] per-turn mean (RAGEN's metric, spec §2.2)
+    action_is_valid: jax.Array  # float32[B] per-turn mean
+    response_tokens: jax.Array  # int32[B] generated tokens over all turns
+    think_tokens: jax.Array  # int32[B] tokens inside <think> over all turns (matched turns only)
+    context_exhausted: jax.Array  # bool[B] ended because max_len could not hold another turn
+    group_id: jax.Array  # int32[B]
+    tag_id: jax.Array  # int32[B]
+    name_order: jax.Array  # int32[B] index into the tag env's action_name_orders (Bandit arm order)
+
+
+def build_tables(
+    tokenizer, plan: RolloutPlan, *, max_tokens: int = 100, legend_from_env_symbols=False, chat_template=None,
+    vocab_size: int | None = None,
+) -> RolloutTables:
+    """Tokenise every prompt piece and action name of the plan's tags (host, once)."""
+    tags = []
+    max_actions = max(len(t.env.action_name_orders[0]) for t in plan.tags)
+    max_name = max(len(n) for t in plan.tags for order in t.env.action_name_orders for n in order)
+    for tag in plan.tags:
+        tables = prompts.PromptTables.build(
+            tokenizer,
+            tag.env,
+            max_actions_per_traj=tag.max_actions_per_traj,
+            max_actions_per_turn=plan.max_actions_per_turn,
+            max_turn=plan.max_turn,
+            max_tokens=max_tokens,
+            enable_think=plan.enable_think,
+            legend_from_env_symbols=legend_from_env_symbols,
+            chat_template=chat_template,
+        )
+        tags.append(TagTables(tables, _padded_names(tag.env.action_name_orders, max_actions, max_name)))
+    # vocab_size: the model's logit count, which may exceed the tokenizer's (Qwen2.5: 151,936 vs
+    # 151,665); ids past the tokenizer add no text, as they decode to nothing on the host.
+    token_bytes, token_lengths = parsing.build_token_bytes_table(tokenizer, vocab_size)
+    return RolloutTables(tuple(tags), jnp.asarray(token_bytes), jnp.asarray(token_lengths))
+
+
+def _padded_names(orders: Sequence[Sequence[str]], num_actions: int, width: int) -> parsing.ActionNames:
+    """Every name ordering of a tag as [orders, num_actions, width]; missing actions get empty
+    names, which never match (an empty answer piece is dropped)."""
+    names = parsing.encode_action_names([list(o) for o in orders], width)
+    pad = num_actions - names.bytes.shape[1]
+    return parsing.ActionNames(
+        jnp.pad(names.bytes, ((0, 0), (0, pad), (0, 0))), jnp.pad(names.lengths, ((0, 0), (0, pad)))
+    )
+
+
+def stop_tokens_for(tokenizer, tables: RolloutTables) -> tuple[int, ...]:
+    """The chat template's end-of-turn token and the tokenizer's EOS (RAGEN: 151645, 151643)."""
+    ids = {tables.tags[0].prompts.stop_token_id}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if isinstance(end_of_text, int) and end_of_text != tokenizer.unk_token_id:
+        ids.add(end_of_text)
+    return tuple(sorted(ids))
+
+
+# ---- initial states ------------------------------------------------------------------------------
+
+
+def repeat_groups(states, group_size: int):
+    """[G, ...] group states -> [G * group_size, ...] row states (rows of a group are identical)."""
+    return jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=0), states)
+
+
+def initial_states_from_key(plan: RolloutPlan, key) -> tuple:
+    """Fresh procedurally generated levels, one per group (training)."""
+    states = []
+    for i, tag in enumerate(plan.tags):
+        keys = jax.random.split(jax.random.fold_in(key, i), tag.n_groups)
+        group_states, _ = jax.vmap(tag.env.reset)(keys)
+        states.append(repeat_groups(group_states, plan.group_size))
+    return tuple(states)
+
+
+def initial_states_from_seeds(plan: RolloutPlan, first_seed: int) -> tuple:
+    """RAGEN's levels for seeds ``first_seed, first_seed + 1, ...``, continuing across tags in group
+    order (validation: seed 123 gives the paper's 256 fixed levels)."""
+    states, seed = [], first_seed
+    for tag in plan.tags:
+        group_states = [tag.env.reset_from_seed(seed + g) for g in range(tag.n_groups)]
+        seed += tag.n_groups
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *group_states)
+        states.append(repeat_groups(stacked, plan.group_size))
+    return tuple(states)
+
+
+# ---- the rollout ---------------------------------------------------------------------------------
+
+
+def _pad_to(ids, width: int, pad_id: int):
+    return jnp.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad_id)
+
+
+def _per_row(plan: RolloutPlan, per_tag_values) -> jax.Array:
+    """int32[B]: each tag's value repeated over that tag's rows."""
+    return jnp.concatenate(
+        [jnp.full((sl.stop - sl.start,), v, jnp.int32) for v, sl in zip(per_tag_values, plan.row_slices())]
+    )
+
+
+def _concat_ids(outs, pad_id):
+    width = max(ids.shape[1] for ids, _ in outs)
+    ids = jnp.concatenate([_pad_to(ids, width, pad_id) for ids, _ in outs])
+    return ids, jnp.concatenate([n for _, n in outs])
+
+
+def _write(buffer, offsets, values, count):
+    """buffer[b, offsets[b] + j] = values[b, j] for j < count[b]; other writes are dropped."""
+    B, W = values.shape
+    cols = offsets[:, None] + jnp.arange(W)[None]
+    cols = jnp.where(jnp.arange(W)[None] < count[:, None], cols, buffer.shape[1])  # out of range
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, W))
+    return buffer.at[rows, cols].set(values.astype(buffer.dtype), mode="drop")
+
+
+@flax.struct.dataclass
+class _Carry:
+    tokens: jax.Array
+    loss_mask: jax.Array
+    logprobs: jax.Array
+    length: jax.Array
+    cache: object
+    env_states: tuple
+    done: jax.Array
+    success: jax.Array
+    num_actions: jax.Array
+    num_turns: jax.Array
+    effective_sum: jax.Array
+    valid_sum: jax.Array
+    response_tokens: jax.Array
+    think_tokens: jax.Array
+    context_exhausted: jax.Array
+    prompt_ids: jax.Array  # the next turn's prompt
+    prompt_len: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMResponder:
+    """The policy's side of a turn: append the prompt to the KV cache, then sample a response.
+
+    ``fixed_length`` (benchmarks): every response is exactly that many sampled tokens, stop tokens
+    ignored, as if each turn ended there; the plan's ``response_length`` still sizes the context
+    budget and the update. A fixed workload for random weights, which never stop on their own.
+    """
+
+    plan: RolloutPlan
+    fixed_length: int | None = None
+
+    def init(self, model: ModelState, batch_size: int):
+        return init_cache(model.merge().config, batch_size, self.plan.max_len)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
+        plan = self.plan
+        stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
+        cache, logits = append(model, cache, prompt_ids, num_new)
+        return decode(
+            model, cache, logits, key,
+            max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
+            top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
+        )
+
+
+def make_rollout(plan: RolloutPlan, responder=None):
+    """Returns ``rollout(model, tables, init_states, key, temperature) -> Trajectories`` (jitted).
+
+    ``responder`` produces each turn's responses (default: ``LLMResponder``, the model sampling
+    from its KV cache); tests pass a scripted one.
+    """
+    B, T, R = plan.batch_size, plan.max_turn, plan.response_length
+    responder = responder or LLMResponder(plan)
+    budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
+    tag_id = _per_row(plan, range(len(plan.tags)))
+
+    def name_tables(tables: RolloutTables, env_states):
+        def per_tag(i, tag, states):
+            order = jax.vmap(tag.env.action_name_order)(states)
+            return jax.tree.map(lambda x: x[order], tables.tags[i].names)
+
+        outs = [per_tag(i, tag, s) for i, (tag, s) in enumerate(zip(plan.tags, env_states))]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
+
+    def first_prompts(tables, env_states):
+        outs = []
+        for i, (tag, states) in enumerate(zip(plan.tags, env_states)):
+            obs = jax.vmap(tag.env.observe)(states)
+            left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
+            outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tables.tags[i].prompts, obs, left))
+        return _concat_ids(outs, plan.pad_id)
+
+    def play_turn(model, tables, key, temperature, turn, c: _Carry):
+        """One turn for every row still playing; ``turn`` is 0-based."""
+        fits = c.length + c.prompt_len + R <= plan.max_len
+        exhausted = ~c.done & ~fits
+        active = ~c.done & fits
+        n_new = jnp.where(active, c.prompt_len, 0)
+        tokens = _write(c.tokens, c.length, c.prompt_ids, n_new)
+        out = responder.respond(model, c.cache, c.prompt_ids, n_new, jax.random.fold_in(key, turn), temperature, active, turn)
+        start = c.length + n_new
+        n_out = jnp.where(active, out.lengths, 0)
+        tokens = _write(tokens, start, out.tokens, n_out)
+        loss_mask = _write(c.loss_mask, start, jnp.ones_like(out.tokens, bool), n_out)
+        logprobs = _write(c.logprobs, start, out.logprobs, n_out)
+        end = start + n_out
+
+        # parse the answers on token ids
+        parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, name_tables(tables, c.env_states))
+        in_response = jnp.arange(out.tokens.shape[1])[None] < n_out[:, None]
+        parsed = parsing.parse_response_tokens(
+            parser_tables, out.tokens, in_response, plan.max_actions_per_turn, plan.enable_think
+        )
+        last_token = jnp.take_along_axis(out.tokens, jnp.maximum(n_out - 1, 0)[:, None], axis=1)[:, 0]
+        ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
+
+        # step the envs, tag by tag
+        actions_left_before = budget - c.num_actions
+        new_states, results, next_prompts = [], [], []
+        for i, (tag, sl) in enumerate(zip(plan.tags, plan.row_slices())):
+            step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
+            state, res = step(
+                tag.env, c.env_states[i], parsed.valid_action_ids[sl], parsed.n_valid[sl],
+                actions_left_before[sl], active[sl], tables.tags[i].prompts.reward_values,
+            )
+            left = actions_left_before[sl] - res.num_executed
+            obs = jax.vmap(tag.env.observe)(state)
+            nxt = jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
+                tables.tags[i].prompts, res.reward_key, turn + 2, obs, left, ended_with_stop[sl]
+            )
+            new_states.append(state)
+            results.append(res)
+            next_prompts.append(nxt)
+        res = jax.tree.map(lambda *xs: jnp.concatenate(xs), *results)
+        prompt_ids, prompt_len = _concat_ids(next_prompts, plan.pad_id)
+
+        num_actions = c.num_actions + res.num_executed
+        finished = active & (res.env_done | (num_actions >= budget))
+        penalised = active & parsed.format_penalty
+        record = dict(
+            start=jnp.where(active, start, 0),
+            end=jnp.where(active, end, 0),
+            played=active,
+            reward=jnp.where(active, res.reward, 0.0),
+            penalised=penalised,
+        )
+        carry = _Carry(
+            tokens=tokens,
+            loss_mask=loss_mask,
+            logprobs=logprobs,
+            length=end,
+            cache=out.cache,
+            env_states=tuple(new_states),
+            done=c.done | finished | exhausted,
+            success=c.success | (finished & res.env_done & res.success),
+            num_actions=num_actions,
+            num_turns=c.num_turns + active,
+            effective_sum=c.effective_sum + (active & res.effective),
+            valid_sum=c.valid_sum + (active & res.valid),
+            response_tokens=c.response_tokens + n_out,
+            think_tokens=c.think_tokens + jnp.where(active, jnp.maximum(parsed.think_tokens, 0), 0),
+            context_exhausted=c.context_exhausted | exhausted,
+            prompt_ids=prompt_ids,
+            prompt_len=prompt_len,
+        )
+        return carry, record
+
+    def rollout(model: ModelState, tables: RolloutTables, init_states: tuple, key, temperature) -> Trajectories:
+        first_ids, first_len = first_prompts(tables, init_states)
+        zeros_i = jnp.zeros((B,), jnp.int32)
+        carry = _Carry(
+            tokens=jnp.full((B, plan.max_len), plan.pad_id, jnp.int32),
+            loss_mask=jnp.zeros((B, plan.max_len), bool),
+            logprobs=jnp.zeros((B, plan.max_len), jnp.float32),
+            length=zeros_i,
+            cache=responder.init(model, B),
+            env_states=tuple(init_states),
+            done=jnp.zeros((B,), bool),
+            success=jnp.zeros((B,), bool),
+            num_actions=zeros_i,
+            num_turns=zeros_i,
+            effective_sum=zeros_i,
+            valid_sum=zeros_i,
+            response_tokens=zeros_i,
+            think_tokens=zeros_i,
+            context_exhausted=jnp.zeros((B,), bool),
+            prompt_ids=first_ids,
+            prompt_len=first_len,
+        )
+        # Turn 1 has its own (long) prompt width; later turns share one, so they run in a scan.
+        carry, first = play_turn(model, tables, key, temperature, 0, carry)
+        if T > 1:
+            def body(c, turn):
+                return play_turn(model, tables, key, temperature, turn, c)
+
+            carry, rest = jax.lax.scan(body, carry, jnp.arange(1, T))
+            records = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+        else:
+            records = jax.tree.map(lambda a: a[None], first)
+        rec = jax.tree.map(lambda x: x.T, records)  # [B, T]
+        turns = jnp.maximum(carry.num_turns, 1)
+        env_reward = jnp.sum(rec["reward"], axis=1)
+        group_id = jnp.arange(B, dtype=jnp.int32) // plan.group_size
+        return Trajectories(
+            tokens=carry.tokens,
+            loss_mask=carry.loss_mask,
+            sampler_logprobs=carry.logprobs,
+            length=carry.length,
+            turn_start=rec["start"],
+            turn_end=rec["end"],
+            turn_played=rec["played"],
+            turn_reward=rec["reward"],
+            turn_penalised=rec["penalised"],
+            env_reward=env_reward,
+            format_penalty=plan.format_penalty * jnp.sum(rec["penalised"], axis=1).astype(jnp.float32),
+            success=carry.success,
+            num_actions=carry.num_actions,
+            num_turns=carry.num_turns,
+            action_is_effective=carry.effective_sum / turns,
+            action_is_valid=carry.valid_sum / turns,
+            response_tokens=carry.response_tokens,
+            think_tokens=carry.think_tokens,
+            context_exhausted=carry.context_exhausted,
+            group_id=group_id,
+            tag_id=tag_id,
+            name_order=jnp.concatenate(
+                [jax.vmap(t.env.action_name_order)(s) for t, s in zip(plan.tags, init_states)]
+            ).astype(jnp.int32),
+        )
+
+    return jax.jit(rollout)

@@ -1,0 +1,298 @@
+"""KV-cached generation: prefill / append a block of tokens, then a ``lax.while_loop`` decode.
+
+Everything here jits and never syncs with the host inside the decode loop. The model enters as a
+``ModelState`` (``nnx.split``: static graph + weight pytree).
+
+Rows are ragged. A cache row has its own length; ``append`` writes each row's new tokens at that
+row's offset (right padding inside the block is not written), and ``decode`` writes every emitted
+token, the stop token included, so the next turn is just another ``append`` on the same cache: the
+prefix is never recomputed.
+
+Sampling follows vLLM's order: temperature, then top-k, then top-p. ``temperature`` is traced (a
+scalar or one per row, 0 means greedy); ``top_k`` and ``top_p`` are static, so a disabled filter
+costs nothing (top-p sorts the vocabulary every step).
+
+Log-probs: the returned log-prob of a token is ``log_softmax(logits / temperature)[token]``, under
+the temperature-scaled distribution *before* the top-k / top-p truncation. That is the quantity a
+trainer recomputes from logits (RAGEN/veRL divide logits by the rollout temperature, and top-p = 1,
+top-k off there anyway). Greedy rows (temperature 0) report ``log_softmax(logits)[token]``.
+
+Randomness: step t uses ``jax.random.fold_in(key, t)`` for the whole batch, so the same key gives
+the same tokens bit for bit.
+
+Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
+rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
+of it. ``decode`` therefore runs in the smallest of a few static windows (``decode_windows``: the
+whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
+budget: the window's slots are copied out once per call, decoded in, and copied back, so each step
+reads only the window. One ``lax.switch`` per call picks it; the results are the same as decoding
+in the whole cache, since no live row can reach the window's end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from starpo_jax.models.config import ModelConfig
+from starpo_jax.models.decoder import KVCache, ModelState
+
+Array = jax.Array
+
+__all__ = [
+    "KVCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode", "decode_step",
+    "initial_decode_state", "generate", "sample_logits",
+]
+
+
+@struct.dataclass
+class DecodeOutput:
+    tokens: Array  # [B, max_new] int32; slots at and past a row's length hold pad_id
+    logprobs: Array  # [B, max_new] float32 (see the module docstring); 0 past a row's length
+    lengths: Array  # [B] int32: tokens generated, the stop token included
+    cache: KVCache  # with every generated token written
+    last_logits: Array  # [B, V] logits after each row's last token (decode can go on from here)
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
+    """An empty cache with room for ``max_len`` tokens per row (prompt, generations, later turns)."""
+    return KVCache.init(config, batch_size, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def append(
+    model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = 128
+) -> tuple[KVCache, Array]:
+    """Prefill / continue: append tokens [B, T] (row b's first ``num_new[b]`` are real) to the cache.
+
+    Returns the cache and the float32 logits [B, V] after each row's last new token. A row with
+    ``num_new == 0`` is left unchanged and its logits are meaningless: mark it inactive in ``decode``.
+    Long blocks go through the model ``chunk_size`` tokens at a time (a lax.scan), so attention
+    scores never exceed [B, heads, chunk_size, cache length] whatever the prompt length.
+    """
+    decoder = model.merge()
+    B, T = tokens.shape
+    num_chunks = -(-T // chunk_size)
+    size = min(T, chunk_size)
+    chunks = jnp.pad(tokens, ((0, 0), (0, num_chunks * size - T))).reshape(B, num_chunks, size).swapaxes(0, 1)
+
+    def step(carry, xs):
+        cache, last_hidden = carry
+        index, chunk = xs
+        real = jnp.clip(num_new - index * size, 0, size)
+        hidden, cache = decoder.extend(chunk, real, cache)
+        at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
+        return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
+
+    init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
+    (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+    return cache, decoder.logits(last_hidden)
+
+
+def _top_k_filter(logits: Array, k: int) -> Array:
+    kth = jax.lax.top_k(logits, k)[0][:, -1:]
+    return jnp.where(logits < kth, -jnp.inf, logits)
+
+
+def _top_p_filter(logits: Array, p: float) -> Array:
+    """Keep the smallest set of most likely tokens whose probability mass reaches p (at least one)."""
+    sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    num_kept = jnp.sum(mass_before < p, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_logits, jnp.maximum(num_kept - 1, 0), axis=-1)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def sample_logits(
+    logits: Array, key: Array, temperature: Array | float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[Array, Array]:
+    """Sample one token per row from logits [B, V]; returns (tokens [B] int32, logprobs [B] float32).
+
+    temperature: scalar or [B]; rows with temperature <= 0 take the argmax. top_k <= 0 and
+    top_p >= 1 are off.
+    """
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    filtered = scaled
+    if top_k > 0:
+        filtered = _top_k_filter(filtered, top_k)
+    if top_p < 1.0:
+        filtered = _top_p_filter(filtered, top_p)
+    sampled = jax.random.categorical(key, filtered, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
+
+
+def _stop_table(stop_tokens: Array | None, batch_size: int) -> Array:
+    """Per-row stop ids [B, K]; -1 fills unused slots. None means no stop token."""
+    if stop_tokens is None:
+        return jnp.full((batch_size, 1), -1, jnp.int32)
+    stop_tokens = jnp.asarray(stop_tokens, jnp.int32)
+    if stop_tokens.ndim == 1:
+        stop_tokens = jnp.broadcast_to(stop_tokens[None], (batch_size, stop_tokens.shape[0]))
+    return stop_tokens
+
+
+#: Caches shorter than this decode in full: a smaller window would save little and cost compile time.
+MIN_WINDOWED_CACHE = 1024
+
+
+def decode_windows(max_len: int) -> tuple[int, ...]:
+    """The cache sizes a decode call may run in, ascending: ``max_len``, and for long caches
+    ``max_len`` / 2, / 4, / 8 rounded down to multiples of 128."""
+    if max_len < MIN_WINDOWED_CACHE:
+        return (max_len,)
+    return tuple(sorted({max_len} | {(max_len >> k) // 128 * 128 for k in (1, 2, 3)}))
+
+
+@struct.dataclass
+class DecodeState:
+    """What the decode loop carries from one step to the next."""
+
+    step: Array
+    cache: KVCache
+    logits: Array
+    tokens: Array
+    logprobs: Array
+    lengths: Array
+    done: Array
+
+
+def initial_decode_state(cache: KVCache, last_logits: Array, max_new_tokens: int, active: Array | None,
+                         pad_id: int = 0) -> DecodeState:
+    B = last_logits.shape[0]
+    active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+    return DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=last_logits.astype(jnp.float32),
+        tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
+        lengths=jnp.zeros((B,), jnp.int32),
+        done=~active | (cache.lengths >= cache.max_len),
+    )
+
+
+def decode_step(decoder, s: DecodeState, key: Array, temperature, top_k: int, top_p: float, stops: Array,
+                pad_id: int) -> DecodeState:
+    """One token for every live row: sample from ``s.logits``, run it through the model, record it."""
+    live = ~s.done
+    token, logprob = sample_logits(s.logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
+    token = jnp.where(live, token, pad_id)
+    logprob = jnp.where(live, logprob, 0.0)
+    hidden, cache = decoder.extend(token[:, None], live.astype(jnp.int32), s.cache)
+    # Finished rows keep the logits after their last real token.
+    logits = jnp.where(live[:, None], decoder.logits(hidden[:, 0]), s.logits)
+    stopped = jnp.any(token[:, None] == stops, axis=-1)
+    return DecodeState(
+        step=s.step + 1,
+        cache=cache,
+        logits=logits,
+        tokens=s.tokens.at[:, s.step].set(token),
+        logprobs=s.logprobs.at[:, s.step].set(logprob),
+        lengths=s.lengths + live,
+        done=s.done | (live & stopped) | (cache.lengths >= cache.max_len),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed"))
+def decode(
+    model: ModelState,
+    cache: KVCache,
+    last_logits: Array,
+    key: Array,
+    *,
+    max_new_tokens: int,
+    temperature: Array | float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_tokens: Array | None = None,
+    active: Array | None = None,
+    pad_id: int = 0,
+    windowed: bool = True,
+) -> DecodeOutput:
+    """Sample up to ``max_new_tokens`` tokens per row, starting from ``last_logits`` [B, V].
+
+    A row stops after emitting one of its stop tokens (``stop_tokens``: [K] for all rows or [B, K],
+    -1 = unused), when the budget is spent, or when its cache row is full. Rows with
+    ``active[b] = False`` generate nothing and their cache row is untouched. The loop ends as soon as
+    every row is done. Step t draws with ``fold_in(key, t)``: give each call (each turn) its own key.
+    ``windowed=False`` always decodes in the whole cache (for comparison; see the module docstring).
+    """
+    decoder = model.merge()
+    B = last_logits.shape[0]
+    stops = _stop_table(stop_tokens, B)
+    active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+
+    def cond(s: DecodeState) -> Array:
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        return decode_step(decoder, s, key, temperature, top_k, top_p, stops, pad_id)
+
+    def decode_in(cache: KVCache) -> DecodeState:
+        init = initial_decode_state(cache, last_logits, max_new_tokens, active, pad_id)
+        return jax.lax.while_loop(cond, body, init)
+
+    def in_window(size: int):
+        def decode_in_head(full: KVCache) -> DecodeState:
+            s = decode_in(full.head(size))
+            return s.replace(cache=full.with_head(s.cache))
+
+        return decode_in if size == cache.max_len else decode_in_head
+
+    windows = decode_windows(cache.max_len) if windowed else (cache.max_len,)
+    if len(windows) == 1:
+        s = decode_in(cache)
+    else:
+        needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
+        branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
+        s = jax.lax.switch(branch, [in_window(size) for size in windows], cache)
+    return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=s.cache, last_logits=s.logits)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size", "top_k", "top_p", "pad_id", "windowed"))
+def generate(
+    model: ModelState,
+    prompts: Array,
+    prompt_lengths: Array,
+    key: Array,
+    *,
+    max_new_tokens: int,
+    cache_size: int | None = None,
+    temperature: Array | float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_tokens: Array | None = None,
+    pad_id: int = 0,
+    windowed: bool = True,
+) -> DecodeOutput:
+    """One program: an empty cache, prefill of right-padded prompts [B, T], then ``decode``.
+
+    ``cache_size`` defaults to T + max_new_tokens; pass more to leave room for later turns.
+    """
+    B, T = prompts.shape
+    config = model.merge().config
+    cache = init_cache(config, B, cache_size or T + max_new_tokens)
+    cache, logits = append(model, cache, prompts, prompt_lengths)
+    return decode(
+        model,
+        cache,
+        logits,
+        key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_tokens=stop_tokens,
+        active=prompt_lengths > 0,
+        pad_id=pad_id,
+        windowed=windowed,
+    )
