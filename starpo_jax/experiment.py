@@ -40,12 +40,12 @@ class Experiment:
 
 
 def device_mesh(config: ConfigDict, **batch_sizes: int):
-    """``config.mesh`` as a device mesh, checked against the batches it splits over ``data``
-    (named as the user sets them)."""
+    """``config.mesh`` as a device mesh, checked against the batches it splits into rows over
+    ``data × fsdp`` (named as the user sets them)."""
     from starpo_jax import sharding
 
     try:
-        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model))
+        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.model))
         sharding.check_batch(mesh, **batch_sizes)
     except ValueError as err:
         raise ConfigError(str(err)) from err
