@@ -153,6 +153,9 @@ def get_config() -> ConfigDict:
     # the others leave). data splits rows; fsdp splits rows and stores weights, critic, reference
     # and Adam moments 1/fsdp per device; model splits attention heads, MLP and vocabulary.
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, model=1))
+    # Many hosts (starpo_jax/distributed.py): the coordinator's host:port, the number of processes and
+    # this one's index. Unset (""/-1): detected from SLURM, Open MPI or a TPU pod, else one process.
+    c.distributed = ConfigDict(dict(coordinator_address="", num_processes=-1, process_id=-1))
     c.trainer = ConfigDict(
         dict(
             total_steps=200,

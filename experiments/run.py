@@ -30,7 +30,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     """One validation rollout on the fixed levels: metrics, JSONL dump and a printed sample."""
     import jax
 
-    from starpo_jax import dumps
+    from starpo_jax import distributed, dumps
     from starpo_jax.train import rollout_metrics
 
     cfg = exp.config
@@ -40,6 +40,9 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     seconds = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds
+    traj = distributed.to_host(traj)  # with several processes, every row on every process
+    if not distributed.is_writer():
+        return metrics
     records = dumps.trajectory_records(traj, exp.val_plan, exp.tokenizer, cfg.envs.val.seed)
     dumps.write_jsonl(records, out / "val" / f"step_{step}.jsonl")
     successes = ", ".join(
@@ -56,14 +59,17 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax import sharding
+    from experiments.plan import PlanError, check_fits
+    from starpo_jax import distributed, sharding
     from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
 
     try:
+        distributed.initialize(_CONFIG.value.distributed)
+        check_fits(_CONFIG.value)  # on accelerators: refuse a run that cannot fit before loading it
         exp = build_experiment(_CONFIG.value)
-    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ConfigError, ModelLoadError, FileNotFoundError, PlanError, distributed.DistributedError) as err:
+        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
     with sharding.use_mesh(exp.mesh):
         return train(exp)
@@ -76,7 +82,7 @@ def train(exp) -> int:
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
-    from starpo_jax import checkpoint, sharding
+    from starpo_jax import checkpoint, distributed, sharding
     from starpo_jax.metrics import CollapseWatch
     from starpo_jax.models.loading import save_model
     from starpo_jax.models.lora import save_adapter
@@ -85,9 +91,12 @@ def train(exp) -> int:
 
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-    log = tqdm.write
+    # Every process trains and checkpoints; process 0 alone writes logs, dumps and exports.
+    writer = distributed.is_writer()
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+    log = (lambda message: tqdm.write(distributed.tag() + message)) if writer else (lambda message: None)
 
     step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
     collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
@@ -104,18 +113,21 @@ def train(exp) -> int:
         try:
             state, host, start = checkpoint.restore(mgr, state)
         except checkpoint.CheckpointError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"{distributed.tag()}error: {err}", file=sys.stderr)
             return 2
         watch = CollapseWatch.from_state(host.get("collapse_watch", {}))
-        _truncate_log(metrics_path, start)
+        if writer:
+            _truncate_log(metrics_path, start)
         log(f"resumed from step {start} in {out}")
-    elif metrics_path.exists():
+    elif writer and metrics_path.exists():
         metrics_path.unlink()
-    writer = SummaryWriter(str(out / "tb"))
+    board = SummaryWriter(str(out / "tb")) if writer else None
 
     def record(step: int, metrics: dict) -> None:
+        if not writer:
+            return
         for name, value in metrics.items():
-            writer.add_scalar(name, value, step)
+            board.add_scalar(name, value, step)
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
@@ -124,7 +136,7 @@ def train(exp) -> int:
     if cfg.trainer.val_before_train and start == 0 and cfg.trainer.test_freq > 0:
         record(0, validation(exp, policy_of, val_rollout, val_init, state, 0, out, log))
 
-    bar = tqdm(range(start, stop), initial=start, total=total, desc="train", unit="step")
+    bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     for step in bar:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(collect(state, exp.train_tables, key))
@@ -155,15 +167,18 @@ def train(exp) -> int:
         if (cfg.trainer.save_freq > 0 and done % cfg.trainer.save_freq == 0) or done == stop:
             checkpoint.save(mgr, done, state, {"collapse_watch": watch.state()})
     bar.close()
-    writer.close()
+    if writer:
+        board.close()
     if stop == total and cfg.trainer.export_hf:
-        policy = nnx.merge(exp.model.graphdef, policy_weights(exp.settings, state))
-        folder = save_model(policy, exp.tokenizer, out / "hf_policy")
-        log(f"policy saved as a Hugging Face checkpoint: {folder}")
-        if exp.settings.lora_rank:
-            folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
-                                  base_model=str(cfg.model.source))
-            log(f"LoRA adapters saved for peft: {folder}")
+        weights = distributed.to_host(policy_weights(exp.settings, state))  # a collective with several processes
+        if writer:
+            policy = nnx.merge(exp.model.graphdef, weights)
+            folder = save_model(policy, exp.tokenizer, out / "hf_policy")
+            log(f"policy saved as a Hugging Face checkpoint: {folder}")
+            if exp.settings.lora_rank:
+                folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
+                                      base_model=str(cfg.model.source))
+                log(f"LoRA adapters saved for peft: {folder}")
     log(f"done: {stop} steps, outputs in {out}")
     return 0
 

@@ -212,10 +212,13 @@ def check_choices(config: ConfigDict) -> None:
         raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
 
 
-def build_experiment(config: ConfigDict) -> Experiment:
-    """Load the model and tokenise every prompt piece: the host-side work before training."""
+def build_experiment(config: ConfigDict, load=load_policy) -> Experiment:
+    """Load the model and tokenise every prompt piece: the host-side work before training.
+
+    ``load(config) -> (ModelState, tokenizer)``; ``experiments.plan.abstract_policy`` gives the
+    model's shapes without its weights."""
     check_choices(config)
-    model, tokenizer = load_policy(config)
+    model, tokenizer = load(config)
     chat_template = config.model.get("chat_template", "") or None
     train_plan = rollout_plan(config, "train", tokenizer)
     val_plan = rollout_plan(config, "val", tokenizer)
