@@ -59,7 +59,7 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from experiments.plan import PlanError, check_fits
+    from starpo_jax.planning import PlanError, check_fits
     from starpo_jax import distributed, sharding
     from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from configs import base
-from experiments import plan as planner
+from starpo_jax import planning as planner
 
 REPO = Path(__file__).resolve().parents[1]
 
