@@ -149,9 +149,13 @@ def get_config() -> ConfigDict:
     # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning. With
     # LoRA the learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr.
     c.lora = ConfigDict(dict(rank=0, alpha=64, actor_lr=1e-5, critic_lr=1e-4))
-    # Devices: a data × model mesh (starpo_jax/sharding.py). data=-1 takes every device model leaves;
-    # model > 1 splits attention heads, MLP and vocabulary (tensor parallel).
-    c.mesh = ConfigDict(dict(data=-1, model=1))
+    # Devices: a data × fsdp × model mesh (starpo_jax/sharding.py); one size may be -1 (the devices
+    # the others leave). data splits rows; fsdp splits rows and stores weights, critic, reference
+    # and Adam moments 1/fsdp per device; model splits attention heads, MLP and vocabulary.
+    c.mesh = ConfigDict(dict(data=-1, fsdp=1, model=1))
+    # Many hosts (starpo_jax/distributed.py): the coordinator's host:port, the number of processes and
+    # this one's index. Unset (""/-1): detected from SLURM, Open MPI or a TPU pod, else one process.
+    c.distributed = ConfigDict(dict(coordinator_address="", num_processes=-1, process_id=-1))
     c.trainer = ConfigDict(
         dict(
             total_steps=200,

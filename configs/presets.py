@@ -154,6 +154,10 @@ PRESETS: dict[str, dict] = {
     "bandit_rev_nothink": {**BANDIT_REV, **NOTHINK},
     # Model-size runs (section 5.2 of train_all.sh): only the checkpoint changes.
     **{name: {"model.source": source} for name, source in MODELS.items()},
+    # Past one device (docs/scaling.md): every device holds 1/N of the weights, critic, reference and
+    # Adam moments (FSDP), rows split N ways, one row per device per micro-batch on 8 devices. E.g.
+    # starpo_ppo+qwen2.5_7b_instruct+fsdp_8 is 7B full fine-tuning with critic and reference on 8 GPUs.
+    "fsdp_8": {"mesh.data": 1, "mesh.fsdp": -1, "mesh.model": 1, "actor.micro_batch_size": 8},
 }
 
 

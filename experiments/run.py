@@ -36,7 +36,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     """One validation rollout on the fixed levels: metrics, JSONL dump and a printed sample."""
     import jax
 
-    from starpo_jax import dumps
+    from starpo_jax import distributed, dumps
     from starpo_jax.train import rollout_metrics
 
     cfg = exp.config
@@ -46,6 +46,9 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     seconds = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds
+    traj = distributed.to_host(traj)  # with several processes, every row on every process
+    if not distributed.is_writer():
+        return metrics
     records = dumps.trajectory_records(traj, exp.val_plan, exp.tokenizer, cfg.envs.val.seed)
     dumps.write_jsonl(records, out / "val" / f"step_{step}.jsonl")
     successes = ", ".join(
@@ -62,28 +65,33 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax import sharding
+    from starpo_jax import distributed, sharding
     from starpo_jax.checkpoint import CheckpointError
     from starpo_jax.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.models.loading import ModelLoadError
+    from starpo_jax.planning import PlanError, check_fits
 
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
+        distributed.initialize(cfg.distributed)
         check_config(cfg)
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
+        check_fits(cfg)  # on accelerators: refuse a run that cannot fit before loading it
         exp = build_experiment(cfg)
-    except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError,
+            distributed.DistributedError) as err:
+        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
-    if cfg.trainer.overwrite and not cfg.trainer.resume:
+    if cfg.trainer.overwrite and not cfg.trainer.resume and distributed.is_writer():
         clear_run(out)
     with sharding.use_mesh(exp.mesh):
         return train(exp)
 
 
 # What a run writes into its output folder (``clear_run`` deletes exactly these).
-RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy", "lora_adapter")
+RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy", "lora_adapter",
+             "base_model")
 
 
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
@@ -124,7 +132,7 @@ def train(exp) -> int:
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
-    from starpo_jax import checkpoint, sharding
+    from starpo_jax import checkpoint, distributed, sharding
     from starpo_jax.metrics import CollapseWatch, write_scalars
     from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
@@ -133,7 +141,9 @@ def train(exp) -> int:
 
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)
-    log = tqdm.write
+    # Every process trains and checkpoints; process 0 alone writes logs, dumps and exports.
+    writer = distributed.is_writer()
+    log = (lambda message: tqdm.write(distributed.tag() + message)) if writer else (lambda message: None)
 
     step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
     collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
@@ -144,7 +154,8 @@ def train(exp) -> int:
     key = jax.random.PRNGKey(cfg.trainer.seed)
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+    if writer:
+        (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     mgr = checkpoint.manager(out / "checkpoints")
     watch, start = CollapseWatch(), 0
     metrics_path = out / "metrics.jsonl"
@@ -152,19 +163,22 @@ def train(exp) -> int:
         try:
             state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
         except checkpoint.CheckpointError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"{distributed.tag()}error: {err}", file=sys.stderr)
             return 2
         damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
         if damaged:
             log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
         watch = CollapseWatch.from_state(host.get("collapse_watch", {}))
-        _truncate_log(metrics_path, start)
+        if writer:
+            _truncate_log(metrics_path, start)
         log(f"resumed from step {start} in {out}")
     # purge_step: TensorBoard drops the events a killed run logged after its checkpoint.
-    writer = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None)
+    board = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None) if writer else None
 
     def record(step: int, metrics: dict) -> None:
-        write_scalars(writer, metrics, step)
+        if not writer:
+            return
+        write_scalars(board, metrics, step)
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
@@ -173,7 +187,7 @@ def train(exp) -> int:
     if cfg.trainer.val_before_train and start == 0 and cfg.trainer.test_freq > 0:
         record(0, validation(exp, policy_of, val_rollout, val_init, state, 0, out, log))
 
-    bar = tqdm(range(start, stop), initial=start, total=total, desc="train", unit="step")
+    bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     for step in bar:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(collect(state, exp.train_tables, key))
@@ -204,19 +218,23 @@ def train(exp) -> int:
         if (cfg.trainer.save_freq > 0 and done % cfg.trainer.save_freq == 0) or done == stop:
             checkpoint.save(mgr, done, state, {"collapse_watch": watch.state()})
     bar.close()
-    writer.close()
+    if writer:
+        board.close()
     if stop == total and cfg.trainer.export_hf:
-        policy = nnx.merge(exp.model.graphdef, policy_weights(exp.settings, state))
-        folder = save_model(policy, exp.tokenizer, out / "hf_policy")
-        log(f"policy saved as a Hugging Face checkpoint: {folder}")
-        if exp.settings.lora_rank:
-            base = None if cfg.model.random_init_preset else hf_name(cfg.model.source)
-            if base is None:  # GGUF, bundled or random weights: a peft client needs them as a folder
-                base = str(save_model(nnx.merge(exp.model.graphdef, state.base), exp.tokenizer, out / "base_model"))
-                log(f"LoRA base saved as a Hugging Face checkpoint: {base}")
-            folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
-                                  base_model=base)
-            log(f"LoRA adapters saved for peft (base {base}): {folder}")
+        weights = distributed.to_host(policy_weights(exp.settings, state))  # a collective with several processes
+        if writer:
+            policy = nnx.merge(exp.model.graphdef, weights)
+            folder = save_model(policy, exp.tokenizer, out / "hf_policy")
+            log(f"policy saved as a Hugging Face checkpoint: {folder}")
+            if exp.settings.lora_rank:
+                base = None if cfg.model.random_init_preset else hf_name(cfg.model.source)
+                if base is None:  # GGUF, bundled or random weights: a peft client needs them as a folder
+                    base_weights = nnx.merge(exp.model.graphdef, state.base)
+                    base = str(save_model(base_weights, exp.tokenizer, out / "base_model"))
+                    log(f"LoRA base saved as a Hugging Face checkpoint: {base}")
+                folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
+                                      base_model=base)
+                log(f"LoRA adapters saved for peft (base {base}): {folder}")
     log(f"done: {stop} steps, outputs in {out}")
     return 0
 

@@ -40,12 +40,12 @@ class Experiment:
 
 
 def device_mesh(config: ConfigDict, **batch_sizes: int):
-    """``config.mesh`` as a device mesh, checked against the batches it splits over ``data``
-    (named as the user sets them)."""
+    """``config.mesh`` as a device mesh, checked against the batches it splits into rows over
+    ``data × fsdp`` (named as the user sets them)."""
     from starpo_jax import sharding
 
     try:
-        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model))
+        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.model))
         sharding.check_batch(mesh, **batch_sizes)
     except ValueError as err:
         raise ConfigError(str(err)) from err
@@ -231,10 +231,13 @@ def _mesh_batches(config: ConfigDict, train_plan: RolloutPlan, val_plan: Rollout
     }
 
 
-def build_experiment(config: ConfigDict) -> Experiment:
-    """Load the model and tokenise every prompt piece: the host-side work before training."""
+def build_experiment(config: ConfigDict, load=load_policy) -> Experiment:
+    """Load the model and tokenise every prompt piece: the host-side work before training.
+
+    ``load(config) -> (ModelState, tokenizer)``; ``experiments.plan.abstract_policy`` gives the
+    model's shapes without its weights."""
     check_config(config)
-    model, tokenizer = load_policy(config)
+    model, tokenizer = load(config)
     chat_template = config.model.get("chat_template", "") or None
     train_plan = rollout_plan(config, "train", tokenizer)
     val_plan = rollout_plan(config, "val", tokenizer)

@@ -7,17 +7,24 @@ moments that mirror it) by its names, everything else (LoRA adapters, the value 
 replicated — and XLA's SPMD partitioner spreads the compiled rollout and update over the mesh:
 
 - ``data``: data parallel. The rows of the rollout and of every micro-batch (``batch``).
+- ``fsdp``: fully sharded data parallel. The rows as well (``batch`` splits over ``data × fsdp``),
+  and in the update every weight's ``embed`` dimension, so actor, critic, reference and Adam
+  moments are stored 1/fsdp per device; XLA gathers each layer's weights where it uses them and
+  reduce-scatters their gradients. The rollout instead gets the policy gathered once per iteration
+  (``for_decoding``): decoding reads every weight once per token, so it wants them local.
 - ``model``: tensor parallel. Query heads, MLP features and the vocabulary (``heads``, ``mlp``,
   ``vocab``); key/value heads stay whole because Qwen2.5's 2 kv heads rarely divide the axis.
 
-A mesh of one device is the single-device program. Sizes must divide: each sharded weight
-dimension by its mesh axis, and the rollout batch and micro-batch by ``data`` (``check_batch``);
-a mismatch is an error naming what to change.
+An activation's ``embed`` is never split: ``batch`` comes first in the rules and already holds
+``fsdp`` (flax assigns each mesh axis once per array). A mesh of one device is the single-device
+program. Sizes must divide: each sharded weight dimension by its mesh axis, and the rollout batch
+and micro-batch by ``data × fsdp`` (``check_batch``); a mismatch is an error naming what to change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator
 
 import jax
@@ -26,32 +33,51 @@ from flax import nnx
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "model")
+AXES = ("data", "fsdp", "model")
+ROWS = ("data", "fsdp")  # the mesh axes that split rows
 RULES = (
-    ("batch", "data"),
+    ("batch", ROWS),
     ("heads", "model"),
     ("mlp", "model"),
     ("vocab", "model"),
-    ("embed", None),
+    ("embed", "fsdp"),
     ("kv_heads", None),
     ("kv", None),
     ("layers", None),
 )
+# The rollout's layout of the policy: the same, with weights whole over ``fsdp``.
+DECODE_RULES = tuple((name, None if name == "embed" else axes) for name, axes in RULES)
 
 
-def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
-    """A ``data × model`` mesh over ``devices`` (default: all); ``data=-1`` takes what ``model`` leaves."""
+def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ``data × fsdp × model`` mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
     devices = list(jax.devices() if devices is None else devices)
-    if model < 1 or len(devices) % model:
-        raise ValueError(f"mesh.model={model} must be a positive divisor of the {len(devices)} devices available.")
-    data = len(devices) // model if data == -1 else data
-    if data < 1 or data * model > len(devices):
+    sizes = {"data": data, "fsdp": fsdp, "model": model}
+    rest = [name for name, size in sizes.items() if size == -1]
+    if len(rest) > 1:
+        raise ValueError(f"Only one of mesh.data, mesh.fsdp, mesh.model may be -1 (the rest); got {', '.join(rest)}.")
+    for name, size in sizes.items():
+        if size != -1 and size < 1:
+            raise ValueError(f"mesh.{name}={size} must be a positive size, or -1 for the devices the others leave.")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        if len(devices) % fixed:
+            named = " × ".join(f"mesh.{n}={s}" for n, s in sizes.items() if s != -1)
+            raise ValueError(f"{named} must divide the {len(devices)} devices available.")
+        sizes[rest[0]] = len(devices) // fixed
+    total = math.prod(sizes.values())
+    if total > len(devices):
         raise ValueError(
-            f"mesh.data × mesh.model = {data} × {model} needs {data * model} devices, but {len(devices)} are "
-            "available; use mesh.data=-1 to take all of them."
+            f"mesh.data × mesh.fsdp × mesh.model = {' × '.join(map(str, sizes.values()))} needs {total} devices, but "
+            f"{len(devices)} are available; set one of them to -1 to take the rest."
         )
-    grid = np.asarray(devices[: data * model]).reshape(data, model)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    grid = np.asarray(devices[:total]).reshape(tuple(sizes.values()))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def rows_per_mesh(mesh) -> int:
+    """How many ways the rows of a batch are split (``data × fsdp``)."""
+    return math.prod(mesh.shape[axis] for axis in ROWS)
 
 
 @contextlib.contextmanager
@@ -61,26 +87,32 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
         yield mesh
 
 
-def _spec(names, shape, mesh: Mesh, where: str) -> PartitionSpec:
-    spec = nn.logical_to_mesh_axes(names, RULES)
+def _axis_size(mesh, axis) -> int:
+    return math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+
+
+def _spec(names, shape, mesh, where: str, rules=RULES) -> PartitionSpec:
+    spec = nn.logical_to_mesh_axes(names, rules)
     for size, axis, name in zip(shape, spec, names):
-        if axis is not None and size % mesh.shape[axis]:
+        if axis is not None and size % _axis_size(mesh, axis):
             raise ValueError(
-                f"{where}: its {name!r} axis ({size}) does not divide over mesh.{axis}={mesh.shape[axis]}; "
+                f"{where}: its {name!r} axis ({size}) does not divide over mesh.{axis}={_axis_size(mesh, axis)}; "
                 f"choose a mesh.{axis} that divides it."
             )
     return spec
 
 
-def shardings(tree, mesh: Mesh):
+def _names(x):
+    return x.get_metadata().get("out_sharding") if isinstance(x, nnx.Variable) else None
+
+
+def shardings(tree, mesh: Mesh, rules=RULES):
     """The ``NamedSharding`` of every array in ``tree``: a named weight by its names, else replicated."""
 
     def one(path, x):
-        names = x.get_metadata().get("out_sharding") if isinstance(x, nnx.Variable) else None
-        if not names:
-            sharding = NamedSharding(mesh, PartitionSpec())
-        else:
-            sharding = NamedSharding(mesh, _spec(names, x.shape, mesh, jax.tree_util.keystr(path)))
+        names = _names(x)
+        spec = _spec(names, x.shape, mesh, jax.tree_util.keystr(path), rules) if names else PartitionSpec()
+        sharding = NamedSharding(mesh, spec)
         return x.replace(sharding) if isinstance(x, nnx.Variable) else sharding
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -91,9 +123,30 @@ def shard(tree, mesh: Mesh):
     return jax.device_put(tree, shardings(tree, mesh))
 
 
+def for_decoding(params):
+    """Inside a jitted function on a mesh: the policy's weights gathered over ``fsdp`` (still split
+    over ``model``), the layout decoding is fastest in. One constraint at the phase boundary, so the
+    gather happens once per iteration, not once per decoded token. Without a mesh, ``params``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "fsdp" not in mesh.axis_names or mesh.shape["fsdp"] == 1:
+        return params
+
+    def one(x):
+        names = _names(x)
+        if not names:
+            return x
+        return x.replace(jax.lax.with_sharding_constraint(x[...], _spec(names, x.shape, mesh, "policy", DECODE_RULES)))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def check_batch(mesh: Mesh, **batch_sizes: int) -> None:
-    """Every batch the step splits over ``data`` must divide evenly: e.g. ``check_batch(mesh,
-    rollout_batch=128, micro_batch_size=4)``."""
+    """Every batch the step splits into rows must divide evenly over ``data × fsdp``: e.g.
+    ``check_batch(mesh, rollout_batch=128, micro_batch_size=4)``."""
+    rows = rows_per_mesh(mesh)
     for name, size in batch_sizes.items():
-        if size % mesh.shape["data"]:
-            raise ValueError(f"{name} ({size}) must be a multiple of mesh.data ({mesh.shape['data']}).")
+        if size % rows:
+            raise ValueError(
+                f"{name} ({size}) must be a multiple of mesh.data × mesh.fsdp ({mesh.shape['data']} × "
+                f"{mesh.shape['fsdp']} = {rows})."
+            )

@@ -46,7 +46,7 @@ import optax
 from flax import nnx
 
 from starpo_jax import advantages as adv
-from starpo_jax import filtering, losses, rewards
+from starpo_jax import filtering, losses, rewards, sharding
 from starpo_jax.masked import masked_mean
 from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
@@ -245,9 +245,10 @@ def token_values(graphdef, critic: Critic, tokens, length):
 
 def sampling_policy(graphdef, params) -> ModelState:
     """The policy for sampling: master weights cast once to the compute dtype (bf16 on GPU halves
-    the bytes read per decode step)."""
+    the bytes read per decode step), then gathered over the ``fsdp`` mesh axis (cast first, so the
+    gather moves half the bytes): decoding reads every weight per token and wants them local."""
     dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-    return ModelState(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
+    return ModelState(graphdef, sharding.for_decoding(jax.tree.map(lambda p: p.astype(dtype), params)))
 
 
 # ---- state -------------------------------------------------------------------------------------

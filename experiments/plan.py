@@ -1,0 +1,73 @@
+"""Will a run fit? Compile its rollout and update for a mesh of N devices, allocating no weights.
+
+    python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB
+    python -m experiments.plan --config configs/presets.py:starpo_ppo+qwen2.5_7b_instruct+fsdp_8 \\
+        --devices 8 --device-memory 80GiB
+
+The planner builds the run's real programs (``make_train_step``'s rollout and update, as
+``experiments.run`` jits them) over N simulated CPU devices, with every weight, moment and batch an
+abstract shape (``nnx.eval_shape``, ``jax.ShapeDtypeStruct`` with its mesh sharding), and reads
+XLA's ``compiled.memory_analysis()`` of each. It prints per device: the train state (actor,
+critic, reference, Adam moments), the rollout's KV cache, the update's working memory, and the peak
+against the budget; when the peak does not fit it names the knob to turn. The model's shapes come
+from the checkpoint's ``config.json`` or, for Qwen2.5 hub ids and the bundled SmolLM2, from
+``starpo_jax.models.preset`` (nothing is downloaded).
+
+It exits 0 when the run fits and 1 when it does not. ``experiments.run`` makes the same check on
+its real devices before loading the model (``starpo_jax.planning.check_fits``); CPU devices have no
+fixed memory (host RAM) and are not checked. The library is ``starpo_jax/planning.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
+flags.DEFINE_integer("devices", 1, "Number of devices to plan for (simulated CPU devices).")
+flags.DEFINE_string("device-memory", "80GiB", "Memory of one device, e.g. 80GiB, 24GB, 16e9.")
+FLAGS = flags.FLAGS
+def main(argv) -> int:
+    del argv
+    from starpo_jax.planning import PlanError, abstract_policy, parse_bytes, plan_memory
+
+    try:
+        budget = parse_bytes(FLAGS["device-memory"].value)
+        if FLAGS.devices < 1:
+            raise PlanError(f"--devices must be at least 1, not {FLAGS.devices}.")
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # Simulated CPU devices: must be set before JAX starts (nothing above imports it).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={FLAGS.devices}").strip()
+    import jax
+
+    from starpo_jax.experiment import ConfigError, build_experiment
+
+    if len(jax.devices()) != FLAGS.devices:
+        print(f"error: JAX started before the planner could simulate {FLAGS.devices} devices.", file=sys.stderr)
+        return 2
+    try:
+        exp = build_experiment(_CONFIG.value, load=abstract_policy)
+    except (ConfigError, PlanError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"compiling the rollout and the update for {FLAGS.devices} device(s)...", file=sys.stderr, flush=True)
+    plan = plan_memory(exp)
+    print(plan.report(budget), flush=True)
+    return 0 if plan.peak <= budget else 1
+
+
+def run() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):  # absl exits 1 after help; asking for help is no error
+        FLAGS(sys.argv[:1])
+        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    run()

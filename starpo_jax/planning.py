@@ -1,0 +1,225 @@
+"""Memory before compute: a run's rollout and update compiled for abstract shapes, and the bytes per
+device XLA says they need (``compiled.memory_analysis()``). No weight is allocated and no checkpoint
+read: the model's shapes come from ``nnx.eval_shape``.
+
+``plan_memory(exp)`` for an experiment built with ``load=abstract_policy``; ``check_fits(config)``
+is ``experiments.run``'s refusal of a config that cannot fit its accelerators. The command line is
+``python -m experiments.plan`` (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class PlanError(ValueError):
+    """Input the planner cannot work with; the message says what to change."""
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` -> 85899345920; also GB (10^9), MiB, plain numbers (bytes)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise PlanError(f"--device-memory {text!r} is not a size; write e.g. 80GiB, 24GB or 16e9.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ---- abstract model ------------------------------------------------------------------------------
+
+
+def model_config_and_tokenizer(config):
+    """(ModelConfig, tokenizer) of ``config.model`` without reading a weight."""
+    import json
+    from pathlib import Path
+
+    from starpo_jax import bundled
+    from starpo_jax.experiment import _tokenizer_only
+    from starpo_jax.models.config import PRESETS, ModelConfig, preset
+    from starpo_jax.models.loading import load_tokenizer
+
+    source = str(config.model.source)
+    dtypes = {"dtype": config.model.dtype, "param_dtype": "float32"}
+    if config.model.random_init_preset:
+        tokenizer = _tokenizer_only(source)
+        return preset(config.model.random_init_preset, vocab_size=len(tokenizer), **dtypes), tokenizer
+    if source == bundled.SMOLLM2_NAME:
+        return preset("smollm2-135m-instruct", **dtypes), bundled.smollm2_tokenizer()
+    folder = Path(source).expanduser()
+    if (folder / "config.json").is_file():
+        hf = json.loads((folder / "config.json").read_text())
+        return ModelConfig.from_hf_config(hf, **dtypes), load_tokenizer(folder)
+    name = source.split("/")[-1].lower()
+    if name in PRESETS and name.startswith("qwen2.5"):
+        return preset(name, **dtypes), bundled.qwen_tokenizer()  # every Qwen2.5 size shares the tokenizer
+    raise PlanError(
+        f"Cannot plan for model.source={source!r} without downloading it: give a folder with its config.json, "
+        f"or set model.random_init_preset to one of {', '.join(sorted(PRESETS))}."
+    )
+
+
+def abstract_policy(config):
+    """(ModelState whose weights are ``jax.ShapeDtypeStruct``, tokenizer): a load with no weights."""
+    from flax import nnx
+
+    from starpo_jax.models.decoder import Decoder, ModelState
+
+    model_config, tokenizer = model_config_and_tokenizer(config)
+    return ModelState.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))), tokenizer
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of one training iteration on ``mesh``."""
+
+    mesh: dict  # axis -> size
+    train_state: int  # actor, critic, reference, Adam moments, counters (the update's donated input)
+    kv_cache: int  # the rollout's keys and values (part of rollout_temp)
+    rollout_temp: int  # the rollout program's working memory: KV cache, gathered policy, activations
+    rollout_peak: int  # the resident train state + the rollout's tables, outputs and working memory
+    update_temp: int  # the update program's working memory: gathered weights, activations, gradients
+    update_peak: int  # inputs + outputs + working memory of the update program (donated state reused)
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout_peak, self.update_peak)
+
+    def report(self, budget: int) -> str:
+        mesh = " × ".join(f"{axis} {size}" for axis, size in self.mesh.items())
+        rows = [
+            ("train state (actor, critic, reference, Adam)", self.train_state),
+            ("rollout KV cache", self.kv_cache),
+            ("rollout working memory (incl. KV cache)", self.rollout_temp),
+            ("update working memory", self.update_temp),
+            ("peak, rollout program", self.rollout_peak),
+            ("peak, update program", self.update_peak),
+        ]
+        lines = [f"per device, mesh {mesh}:"] + [f"  {name:<46} {gib(value):>12}" for name, value in rows]
+        verdict = "fits" if self.peak <= budget else "does NOT fit"
+        lines.append(f"  {'total (peak) vs budget':<46} {gib(self.peak):>12} / {gib(budget)}: {verdict}")
+        advice = self.advice(budget)
+        if advice:
+            lines.append(advice)
+        return "\n".join(lines)
+
+    def advice(self, budget: int) -> str | None:
+        """Which knob to turn when the peak is over ``budget`` (None when it fits)."""
+        if self.peak <= budget:
+            return None
+        weights = self.train_state
+        parts = {
+            "the train state": (weights, "raise mesh.fsdp (the state is stored 1/fsdp per device; take it from "
+                                "mesh.data), or train LoRA adapters (lora.rank=64) instead of every weight"),
+            "the rollout's KV cache": (self.kv_cache, "lower the rows per device (envs.train.n_groups × group_size "
+                                       "over mesh.data × mesh.fsdp; more devices split them) or rollout.max_model_len"),
+            "the update's working memory": (self.update_temp, "lower actor.micro_batch_size (rows per gradient "
+                                            "pass) or rollout.max_model_len"),
+        }
+        name, (_, knob) = max(parts.items(), key=lambda item: item[1][0])
+        return f"  over budget by {gib(self.peak - budget)}; the largest part is {name}: {knob}."
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of an abstract (sharded) tree."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shape)) * x.dtype.itemsize
+    return total
+
+
+def _abstract(tree, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _peak(stats) -> int:
+    """Inputs + outputs + working memory of a program; a donated input's buffer is reused (alias)."""
+    return stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+
+
+def compile_programs(exp):
+    """The run's rollout and update (jitted as ``experiments.run`` jits them) compiled for abstract
+    inputs on ``exp.mesh``: (compiled collect, compiled learn, abstract sharded train state)."""
+    import jax
+
+    from starpo_jax import sharding
+    from starpo_jax.train import init_train_state, make_train_step
+
+    step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
+    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
+    with sharding.use_mesh(exp.mesh):
+        state = jax.eval_shape(lambda m: init_train_state(exp.settings, m, jax.random.PRNGKey(0)), exp.model)
+        state = _abstract(state, sharding.shardings(state, exp.mesh))
+        key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
+        collect_c = collect.lower(state, exp.train_tables, key).compile()
+        traj = _abstract(jax.eval_shape(step_fn.collect, state, exp.train_tables, key), collect_c.output_shardings)
+        learn_c = learn.lower(state, traj, exp.hyper).compile()
+    return collect_c, learn_c, state
+
+
+def kv_cache_bytes(exp) -> int:
+    """Keys and values of the rollout per device: rows split over data × fsdp, kv heads whole."""
+    import jax.numpy as jnp
+
+    from starpo_jax import sharding
+
+    c, plan = exp.model.merge().config, exp.train_plan
+    rows = plan.batch_size // sharding.rows_per_mesh(exp.mesh)
+    return 2 * c.num_layers * rows * c.num_kv_heads * plan.max_len * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+
+def plan_memory(exp) -> MemoryPlan:
+    """The memory plan of a built experiment (its model may be abstract)."""
+    collect_c, learn_c, state = compile_programs(exp)
+    rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
+    train_state = _bytes_per_device(state)
+    return MemoryPlan(
+        mesh=dict(exp.mesh.shape),
+        train_state=train_state,
+        kv_cache=kv_cache_bytes(exp),
+        rollout_temp=rollout.temp_size_in_bytes,
+        # jit drops the inputs a program does not read (the rollout reads the policy only), but the
+        # whole train state stays resident while it runs.
+        rollout_peak=train_state + _bytes_per_device(exp.train_tables) + rollout.output_size_in_bytes
+        + rollout.temp_size_in_bytes,
+        update_temp=update.temp_size_in_bytes,
+        update_peak=_peak(update),
+    )
+
+
+def device_budget(devices) -> int | None:
+    """The memory one accelerator may use (the smallest over ``devices``); None for CPU devices,
+    whose memory is the host's RAM, shared and not fixed."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    return None if any(limit is None for limit in limits) else min(limits)
+
+
+def check_fits(config) -> MemoryPlan | None:
+    """``experiments.run``'s check before anything is allocated: plan on the real devices and raise
+    ``PlanError`` (with the knob to turn) when the peak exceeds a device's memory. No check on CPU."""
+    import jax
+
+    from starpo_jax.experiment import build_experiment
+
+    budget = device_budget(jax.devices())
+    if budget is None:
+        return None
+    plan = plan_memory(build_experiment(config, load=abstract_policy))
+    if plan.peak > budget:
+        raise PlanError(f"the run does not fit in device memory.\n{plan.report(budget)}")
+    return plan

@@ -1,0 +1,99 @@
+"""The memory planner: its figures for a tiny config are those of the programs that really run, it
+names the knob to turn when a run does not fit, and its command line fails with one sentence."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from configs import base
+from starpo_jax import planning as planner
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "model.source": "smollm2-135m-instruct",  # its tokenizer; the weights are random
+    "model.random_init_preset": "tiny-llama",
+    "model.dtype": "float32",
+    "envs.train.tags": ("Bandit",),
+    "envs.train.n_groups": (2,),
+    "envs.train.group_size": 2,
+    "envs.val.tags": ("Bandit",),
+    "envs.val.n_groups": (2,),
+    "rollout.enable_think": False,
+    "rollout.max_turn": 1,
+    "rollout.response_length": 6,
+    "rollout.max_model_len": 320,
+    "filter.ratio": 1.0,
+    "actor.ppo_mini_batch_size": 4,
+    "actor.micro_batch_size": 2,
+}
+
+
+def test_planner_figures_are_those_of_the_programs_that_run():
+    """Plan with abstract weights, then build the real run (weights allocated), compile and run its
+    rollout and update: the same bytes, since the same programs are compiled for the same shapes."""
+    from starpo_jax import sharding
+    from starpo_jax.experiment import build_experiment
+    from starpo_jax.train import init_train_state, make_train_step
+
+    config = base.with_overrides(base.get_config(), TINY)
+    plan = planner.plan_memory(build_experiment(config, load=planner.abstract_policy))
+
+    exp = build_experiment(config)
+    step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
+    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
+    key = jax.random.PRNGKey(0)
+    with sharding.use_mesh(exp.mesh):
+        state = sharding.shard(init_train_state(exp.settings, exp.model, key), exp.mesh)
+        state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+        collect_c = collect.lower(state, exp.train_tables, key).compile()
+        traj = collect_c(state, exp.train_tables, key)
+        learn_c = learn.lower(state, traj, exp.hyper).compile()
+        new_state, metrics = learn_c(state, traj, exp.hyper)
+    assert int(new_state.step) == 1 and bool(jax.numpy.isfinite(metrics["actor/pg_loss"]))
+
+    rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
+    assert plan.train_state == state_bytes
+    assert plan.rollout_temp == rollout.temp_size_in_bytes
+    assert plan.update_temp == update.temp_size_in_bytes
+    assert plan.update_peak == planner._peak(update)
+    # The rollout's working memory holds its KV cache (2 · layers · rows · kv heads · length · head dim · 4 B).
+    c = exp.model.merge().config
+    assert plan.kv_cache == 2 * c.num_layers * 4 * c.num_kv_heads * 320 * c.head_dim * 4
+    assert plan.kv_cache <= plan.rollout_temp
+    # The update donates the state: its buffers are reused for the new state.
+    assert update.alias_size_in_bytes >= state_bytes - 64
+
+
+def _plan(**parts):
+    figures = dict(mesh={"data": 1, "fsdp": 1, "model": 1}, train_state=10, kv_cache=1, rollout_temp=2,
+                   rollout_peak=13, update_temp=3, update_peak=14)
+    return planner.MemoryPlan(**{**figures, **parts})
+
+
+def test_advice_names_the_knob_for_the_largest_part():
+    assert _plan().advice(budget=20) is None and "fits" in _plan().report(20)
+    assert "mesh.fsdp" in _plan().advice(budget=12)
+    assert "micro_batch_size" in _plan(update_temp=50, update_peak=62).advice(budget=20)
+    assert "max_model_len" in _plan(kv_cache=40, rollout_temp=41, rollout_peak=52).advice(budget=20)
+    assert "does NOT fit" in _plan().report(12)
+
+
+def test_parse_bytes():
+    assert planner.parse_bytes("80GiB") == 80 * 2**30
+    assert planner.parse_bytes("24GB") == 24 * 10**9
+    assert planner.parse_bytes("16e9") == 16 * 10**9
+    with pytest.raises(planner.PlanError, match="is not a size"):
+        planner.parse_bytes("lots")
+
+
+def test_cli_help_and_bad_input():
+    cmd = [sys.executable, "-m", "experiments.plan"]
+    assert subprocess.run(cmd + ["--help"], cwd=REPO, capture_output=True, timeout=120).returncode == 0
+    proc = subprocess.run(cmd + ["--device-memory=lots"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --device-memory 'lots' is not a size; write e.g. 80GiB, 24GB or 16e9."
+    ]
