@@ -1,5 +1,10 @@
-"""Pure-JAX text environments with RAGEN semantics: Bandit, FrozenLake, Sokoban."""
+"""Pure-JAX text environments with RAGEN semantics: Bandit, FrozenLake, Sokoban.
 
-from envs_jax.registry import VARIANTS, make
+A new environment is one file: a ``envs_jax.base.TextEnv`` subclass (the contract), then
+``envs_jax.register("Name", MyEnv)`` or a class path ``"mypkg.myenv:MyEnv"`` wherever an env name
+goes (see docs/environments.md).
+"""
 
-__all__ = ["VARIANTS", "make"]
+from envs_jax.registry import VARIANTS, is_known, known_names, make, register
+
+__all__ = ["VARIANTS", "is_known", "known_names", "make", "register"]

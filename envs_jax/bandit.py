@@ -6,16 +6,13 @@ the agent is meant to infer from the names alone which arm is which.
 
 Action ids are positions in the prompt: action 0 pulls the arm named first, action 1 the arm named
 second (RAGEN's ``action_lookup`` ``{1: name_a, 2: name_b}``, shifted to 0-based). Because the order
-changes per episode, the names of the actions live in the state, not on the env:
+changes per episode, ``action_names`` is ``(safe arm, risky arm)`` and ``action_name_ids(state)``
+(jittable, the env contract's per-episode names) says which of them each action id is:
+``[1, 0]`` when the risky arm is named first (``hi_first``). Host helpers: ``arm_names(state)``
+(the two names in action-id order), ``first_is_hi`` / ``action_is_hi`` (jittable).
 
-- ``action_name_orders`` (the two possible orders, safe arm first or risky arm first) and
-  ``action_name_order(state)`` (jittable index into them, = ``hi_first``): the text env interface
-  the rollout uses to parse each row's answer against its own names;
-- ``arm_names(state)`` (host): the two names in action-id order;
-- ``first_is_hi(state)`` / ``action_is_hi(state, action)`` (jittable): which action is the risky arm;
-- ``lo_hi_names``: the names of the safe and risky arm.
-
-``action_names`` therefore raises: there is no episode-independent list.
+The prompt has no instruction prefix (RAGEN's Bandit config has no ``action_lookup`` at class
+level): the rules are the observation, one piece per arm order.
 
 Departures from RAGEN, documented:
 
@@ -74,6 +71,9 @@ def gymnasium_rng(seed: int) -> np.random.Generator:
 
 
 class Bandit(TextEnv):
+    lists_actions = False
+    default_max_actions_per_traj = 1
+
     def __init__(
         self,
         lo_arm_name: str = "Phoenix",
@@ -145,14 +145,10 @@ class Bandit(TextEnv):
         """What the prompt shows: which arm is named first."""
         return state.hi_first
 
-    @property
-    def action_name_orders(self) -> tuple[tuple[str, ...], ...]:
-        """Index 0: safe arm named first; 1: risky arm first (``hi_first``)."""
-        lo, hi = self.lo_hi_names
-        return ((lo, hi), (hi, lo))
-
-    def action_name_order(self, state: BanditState):
-        return state.hi_first.astype(jnp.int32)
+    def action_name_ids(self, state: BanditState):
+        """``[0, 1]`` (safe arm first) or ``[1, 0]`` (risky arm first)."""
+        hi_first = jnp.asarray(state.hi_first, jnp.int32)
+        return jnp.stack([hi_first, 1 - hi_first])
 
     @staticmethod
     def action_is_hi(state: BanditState, action):
@@ -171,10 +167,12 @@ class Bandit(TextEnv):
 
     @property
     def action_names(self) -> tuple[str, ...]:
-        raise AttributeError(
-            "Bandit action names change every episode (the arm order is random): use "
-            "env.action_name_orders[env.action_name_order(state)] or env.arm_names(state)."
-        )
+        """(safe arm, risky arm); which action id is which changes per episode (``action_name_ids``)."""
+        return self.lo_hi_names
+
+    @property
+    def step_reward_values(self) -> tuple[float, ...]:
+        return tuple(dict.fromkeys((self.lo_arm_score, self.hi_arm_loscore, self.hi_arm_hiscore)))
 
     # ---- text --------------------------------------------------------------------------------
 
@@ -195,6 +193,15 @@ class Bandit(TextEnv):
         if not matches:
             raise ValueError(f"Reward {reward!r} is none of this bandit's payouts {payouts}.")
         return f"{name}: {float(matches[0])} points"
+
+    @cached_property
+    def piece_texts(self) -> tuple[str, ...]:
+        """The reset prompt for each arm order (indexed by ``hi_first``), with its final newline."""
+        lo, hi = self.lo_hi_names
+        return tuple(INIT_PROMPT.format(name_a=a, name_b=b) + "\n" for a, b in ((lo, hi), (hi, lo)))
+
+    def observation_pieces(self, state: BanditState):
+        return jnp.asarray(state.hi_first, jnp.int32)[None]
 
     # ---- RAGEN seeds -------------------------------------------------------------------------
 

@@ -4,15 +4,11 @@ Envs are jumanji ``Environment`` subclasses: ``reset(key)`` and ``step(state, ac
 ``jit``- and ``vmap``-able and return ``(state, TimeStep)``. Static parameters (room size, symbols,
 payouts) live on the env object; everything that varies lives in the state pytree.
 
-On top of jumanji, a text env also provides what the LLM rollout needs:
-
-- ``action_names``: action names in action-id order (ids are 0-based; RAGEN's ``k`` is our ``k-1``).
-- ``render_text(state) -> str``: the observation exactly as RAGEN renders it (host side).
-- ``reset_from_seed(seed) -> state``: host-side reproduction of RAGEN's ``reset(seed)``, so
-  validation sets are RAGEN's levels.
-- grid envs: ``symbols`` (the glyph of each symbol id) and ``render_symbols(state)`` (jittable,
-  ``int32[rows, cols]`` symbol ids), from which text and token ids are rendered; and
-  ``state_from_text(text)`` for custom levels.
+On top of jumanji, a text env declares what the LLM rollout needs, the environment contract:
+instruction, action names, step rewards, observation text and its pieces (see ``TextEnv``).
+Grid envs (``GridEnv``) get their pieces, one per row, from ``symbols`` (the glyph of each symbol
+id) and ``render_symbols(state)`` (jittable ``int32[rows, cols]`` symbol ids), and offer
+``state_from_text(text)`` for custom levels. ``docs/environments.md`` walks through a new env.
 
 Terminated and truncated stay apart: a terminated step has discount 0, a truncated one discount 1,
 both are ``StepType.LAST``. ``extras`` holds per-step ``success``, ``action_is_effective`` and
@@ -29,6 +25,7 @@ costs about 45 ns (three threefry blocks), more than the rest of the step; the h
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 from functools import cached_property
 from typing import Any, Sequence
@@ -203,47 +200,124 @@ def count_cells(words):
 
 
 class TextEnv(Environment, abc.ABC):
-    """A jumanji environment whose observations an LLM reads as text."""
+    """A jumanji environment whose observations an LLM reads as text: the environment contract.
+
+    Everything the LLM rollout (``starpo_jax``) knows about an env is declared here, in the env's own
+    file; starpo_jax reads nothing else (no class names, no fields). To write a new env, subclass
+    this (or ``GridEnv``) and fill in:
+
+    - ``instruction`` (str): the task description at the start of the first user message. The
+      prompt prefix is ``instruction_text(max_actions_per_traj)``: the instruction, the ``legend``
+      (grid envs: what each glyph means), and unless ``lists_actions`` is False the action list and
+      the per-episode action budget. Override ``instruction_text`` for a different layout.
+    - ``action_names``: every action name the env uses, and ``action_name_ids(state)`` (jittable):
+      the index in ``action_names`` of each action id in this episode. Fixed names (the default):
+      ``arange(num_actions)``; Bandit's arms swap places per episode.
+    - ``step_reward_values``: every reward one step can pay, as the Python floats RAGEN's env
+      returns; the reward message prints their sums (``str`` of the double) after each turn.
+    - ``render_text(state)``: the observation text (host side, the oracle), and the same text as
+      pieces from a finite table, which the rollout turns into token ids inside the graph:
+      ``piece_texts`` (the table) and ``observation_pieces(state)`` (jittable: ``int32[P]`` indices
+      into it, ``-1`` for none; ``P`` is the observation's budget). The pieces' texts joined are
+      ``render_text(state) + "\n"``. Cut where a tokenizer starts a new chunk anyway: after a
+      newline, or before a space-led word or number (a grid row with its newline is one piece).
+    - ``reset(key)`` / ``step(state, action)`` (jumanji, pure, jittable), with per-step
+      ``extras["success"]``, ``"action_is_effective"`` and ``"action_is_valid"``.
+    - optionally ``reset_from_seed(seed)``: RAGEN's level for a seed (validation sets); by default
+      ``reset(PRNGKey(seed))``.
+    - optionally ``default_max_actions_per_traj``: the action budget of an episode when the config
+      names none (RAGEN's envs.yaml ``max_actions_per_traj``).
+
+    ``starpo_jax.contract.check_env`` checks an env against this contract when a run starts.
+    """
 
     #: registry name of the variant (e.g. "SimpleSokoban"); set by ``envs_jax.make``.
     name: str = ""
+    #: the task description that opens the prompt.
+    instruction: str = ""
+    #: whether the prompt lists the action names and the action budget after the instruction.
+    lists_actions: bool = True
+    #: an episode's action budget where the config gives none.
+    default_max_actions_per_traj: int = 10
 
     @property
     @abc.abstractmethod
     def action_names(self) -> tuple[str, ...]:
-        """Action names in action-id order."""
+        """Every action name, in action-id order for envs whose names are fixed."""
+
+    @property
+    def num_actions(self) -> int:
+        """Actions one step accepts (ids ``0 .. num_actions - 1``)."""
+        return len(self.action_names)
+
+    def action_name_ids(self, state) -> jnp.ndarray:
+        """Jittable ``int32[num_actions]``: the ``action_names`` index of each action id this episode."""
+        return jnp.arange(self.num_actions, dtype=jnp.int32)
+
+    @property
+    @abc.abstractmethod
+    def step_reward_values(self) -> tuple[float, ...]:
+        """Every reward one step can pay, as Python floats (their order fixes the reward keys)."""
+
+    def legend(self, from_env_symbols: bool = False) -> str:
+        """Text after the instruction that explains the observation's symbols ("" for none)."""
+        return ""
+
+    def instruction_text(self, max_actions_per_traj: int, legend_from_env_symbols: bool = False) -> str:
+        """The per-tag prefix of the first user message (RAGEN's ``env_instruction``, spec §2.3)."""
+        text = self.instruction + self.legend(legend_from_env_symbols)
+        if self.lists_actions:
+            text += "\nYour available actions are:\n" + ", ".join(self.action_names)
+            text += (
+                f"\nYou can make up to {max_actions_per_traj} actions, "
+                'separated by the action separator " || "\n'
+            )
+        return text
 
     @abc.abstractmethod
     def render_text(self, state) -> str:
         """The observation text exactly as RAGEN renders it."""
 
-    @abc.abstractmethod
-    def reset_from_seed(self, seed: int):
-        """Host-side reproduction of RAGEN's ``reset(seed)``; returns a state."""
-
-    @abc.abstractmethod
-    def observe(self, state):
-        """Jittable: what the prompt shows of ``state`` (the TimeStep observation)."""
-
     @property
-    def action_name_orders(self) -> tuple[tuple[str, ...], ...]:
-        """Every ordering of action names an episode can have (Bandit's arm order varies)."""
-        return (self.action_names,)
+    @abc.abstractmethod
+    def piece_texts(self) -> Sequence[str]:
+        """The finite table of observation pieces (host side, built once)."""
 
-    def action_name_order(self, state) -> jnp.ndarray:
-        """Jittable: index into ``action_name_orders`` of this episode's names."""
-        return jnp.zeros((), jnp.int32)
+    @abc.abstractmethod
+    def observation_pieces(self, state) -> jnp.ndarray:
+        """Jittable ``int32[P]``: the observation as indices into ``piece_texts`` (``-1``: none)."""
+
+    def reset_from_seed(self, seed: int):
+        """A level for ``seed`` (host side); envs with RAGEN's seeded levels reproduce them."""
+        return self.reset(jax.random.PRNGKey(seed))[0]
 
 
 class GridEnv(TextEnv, abc.ABC):
-    """A text env whose observation is a grid of symbols, one glyph per cell."""
+    """A text env whose observation is a grid of symbols, one glyph per cell, one piece per row."""
 
     #: The glyph of each symbol id, e.g. Sokoban ``("#", "_", "O", "√", "X", "P", "S")``; set in ``__init__``.
     grid_symbols: tuple[str, ...] = ()
+    #: What each symbol id means, for the legend; ``()``: no legend.
+    symbol_meanings: tuple[str, ...] = ()
+    #: Symbol id every border cell holds in every state (Sokoban's wall), or None. Only the interior
+    #: of a row then varies, which keeps the row table small (an 8x8 room: 7**6 rows, not 7**8).
+    border_symbol: int | None = None
 
     @property
     def symbols(self) -> tuple[str, ...]:
         return self.grid_symbols
+
+    @property
+    def legend_symbols(self) -> tuple[str, ...]:
+        """The glyphs the legend names (RAGEN: its config class's defaults, see Sokoban)."""
+        return self.symbols
+
+    def legend(self, from_env_symbols: bool = False) -> str:
+        if not self.symbol_meanings:
+            return ""
+        symbols = self.symbols if from_env_symbols else self.legend_symbols
+        entries = ", ".join(f"{s}: {m}" for s, m in zip(symbols, self.symbol_meanings))
+        return "\nThe meaning of each symbol in the state is:\n" + entries
 
     @cached_property
     def action_spec(self):
@@ -267,6 +341,33 @@ class GridEnv(TextEnv, abc.ABC):
 
     def render_text(self, state) -> str:
         return symbols_to_text(self.render_symbols(state), self.symbols)
+
+    # ---- pieces: one per row, keyed by the row's varying cells ---------------------------------
+
+    def _row_width(self) -> int:
+        """Cells of a row that vary (all, or the interior when the border is fixed)."""
+        return self.grid_shape[1] - (2 if self.border_symbol is not None else 0)
+
+    @cached_property
+    def piece_texts(self) -> tuple[str, ...]:
+        """Every possible row with its newline, keyed by its varying cells' symbol ids read as a
+        base-``len(symbols)`` number, first cell most significant (``itertools.product``'s order)."""
+        wall = self.symbols[self.border_symbol] if self.border_symbol is not None else ""
+        return tuple(
+            wall + "".join(cells) + wall + "\n"
+            for cells in itertools.product(self.symbols, repeat=self._row_width())
+        )
+
+    def grid_pieces(self, symbol_grid) -> jnp.ndarray:
+        """Jittable ``int32[rows]``: the piece of each row of a ``[rows, cols]`` symbol grid."""
+        cells = jnp.asarray(symbol_grid, jnp.int32)
+        if self.border_symbol is not None:
+            cells = cells[:, 1:-1]
+        weights = len(self.symbols) ** jnp.arange(cells.shape[1] - 1, -1, -1, dtype=jnp.int32)
+        return cells @ weights
+
+    def observation_pieces(self, state) -> jnp.ndarray:
+        return self.grid_pieces(self.render_symbols(state))
 
 
 def symbols_to_text(grid, symbols: Sequence[str]) -> str:

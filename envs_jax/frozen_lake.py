@@ -64,6 +64,13 @@ LETTERS = "FHSG"
 PLAYER, EMPTY, HOLE_SYM, GOAL_SYM, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(6)
 
 ACTION_NAMES = ("Left", "Down", "Right", "Up")
+DEFAULT_GRID_SYMBOLS = ("P", "_", "O", "G", "X", "√")
+INSTRUCTION = (  # sic: "Forbid the whole", as in RAGEN's envs.yaml
+    "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to "
+    "the unintended direction due to the slippery ice. Example answer format: <think>To forbid the "
+    "hole and go to the target, I should go left then go up.</think><answer>Left || Up</answer>"
+)
+SYMBOL_MEANINGS = ("player", "empty", "hole", "goal", "player in hole", "player on goal")
 # (d_row, d_col) of each direction, in action order.
 DIRECTION_DELTAS = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]], np.int32)
 
@@ -133,13 +140,18 @@ def goal_reachable(board) -> jnp.ndarray:
 
 
 class FrozenLake(GridEnv):
+    instruction = INSTRUCTION
+    symbol_meanings = SYMBOL_MEANINGS
+    legend_symbols = DEFAULT_GRID_SYMBOLS  # RAGEN's legend names its config class's glyphs
+    step_reward_values = (0.0, 1.0)
+
     def __init__(
         self,
         size: int = 4,
         p: float = 0.8,
         is_slippery: bool = True,
         max_steps: int = 100,
-        grid_symbols: tuple[str, ...] = ("P", "_", "O", "G", "X", "√"),
+        grid_symbols: tuple[str, ...] = DEFAULT_GRID_SYMBOLS,
     ):
         if not 2 <= size <= 32:  # the flood fill packs a row into 32 bits
             raise ValueError(f"FrozenLake size must be between 2 and 32, got {size}.")

@@ -66,8 +66,10 @@ Departures from RAGEN, documented:
   differs for a custom level with a box already on a target, where gym_sokoban would pay a spurious
   +1 on the first step).
 - [quirk 2, fixed] RAGEN's seed fallback is deterministic here (see ``sokoban_reference``).
-- [quirk 1] The prompt legend of SokobanDifferentGridVocab is a prompt matter, not the env's: the
-  env renders with its own ``grid_symbols``.
+- [quirk 1, replicated] The prompt legend names the default glyphs (``legend_symbols``), as
+  RAGEN's config class does, so SokobanDifferentGridVocab's legend explains ``# _ O √ X P S`` while
+  its grid shows ``W . G C B A @``; the rollout's ``legend_from_env_symbols`` explains the glyphs
+  the grid uses.
 """
 
 from __future__ import annotations
@@ -100,6 +102,18 @@ from envs_jax.base import (
 WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = range(7)
 
 ACTION_NAMES = ("Up", "Down", "Left", "Right")
+DEFAULT_GRID_SYMBOLS = ("#", "_", "O", "√", "X", "P", "S")
+
+INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to "
+    "targets. When you are right next to a box, you can push it by moving in the same direction. "
+    "You cannot push a box through a wall, and you cannot pull a box. The answer should be a "
+    "sequence of actions, like <answer>Right || Right || Up</answer>"
+)
+SYMBOL_MEANINGS = ("wall", "empty", "target", "box on target", "box", "player", "player on target")
+
+# Per-step rewards: the penalty, +1 / -1 for a box on / off a target, +10 for solving.
+STEP_PENALTY, BOX_ON_REWARD, BOX_OFF_REWARD, FINISHED_REWARD = -0.1, 1.0, -1.0, 10.0
 
 #: RAGEN's topology walk: direction change probability and the five 3x3 floor masks.
 P_CHANGE_DIRECTION = 0.35
@@ -164,13 +178,26 @@ def _fixed_codes(walls, targets):
 
 
 class Sokoban(GridEnv):
+    instruction = INSTRUCTION
+    symbol_meanings = SYMBOL_MEANINGS
+    border_symbol = WALL  # levels are enclosed by walls (``state_from_text`` enforces it)
+    legend_symbols = DEFAULT_GRID_SYMBOLS  # quirk 1
+    # Each value built in gym_sokoban's order of additions (penalty, box change, bonus): the
+    # reward message prints the exact double.
+    step_reward_values = (
+        STEP_PENALTY,
+        STEP_PENALTY + BOX_ON_REWARD,
+        STEP_PENALTY + BOX_OFF_REWARD,
+        STEP_PENALTY + BOX_ON_REWARD + FINISHED_REWARD,
+    )
+
     def __init__(
         self,
         dim_room: tuple[int, int] = (6, 6),
         num_boxes: int = 1,
         search_depth: int = 300,
         max_steps: int = 100,
-        grid_symbols: tuple[str, ...] = ("#", "_", "O", "√", "X", "P", "S"),
+        grid_symbols: tuple[str, ...] = DEFAULT_GRID_SYMBOLS,
     ):
         dim_room = tuple(int(d) for d in dim_room)
         if len(dim_room) != 2 or min(dim_room) < 3:
@@ -219,7 +246,7 @@ class Sokoban(GridEnv):
         boxes, player_cell, moved, change = push_or_move(state, action)
         boxes_on_target = state.boxes_on_target + change
         solved = boxes_on_target == count_cells(state.targets)
-        reward = -0.1 + change.astype(jnp.float32) + jnp.where(solved, 10.0, 0.0)
+        reward = STEP_PENALTY + change.astype(jnp.float32) + jnp.where(solved, FINISHED_REWARD, 0.0)
         step_count = state.step_count + 1
         state = state.replace(
             boxes=boxes,

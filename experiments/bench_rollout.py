@@ -252,7 +252,7 @@ class HostEnv:
             render = lambda state: symbols_to_text(np.asarray(symbols(state)), env.symbols)  # noqa: E731
         else:
             render = env.render_text
-        return cls(env, jax.jit(env.step), render, prompts.step_reward_values(env))
+        return cls(env, jax.jit(env.step), render, tuple(env.step_reward_values))
 
     def python_reward(self, reward) -> float:
         """The env's float32 reward as the Python double RAGEN's env returns (nearest known value)."""
@@ -266,7 +266,7 @@ def start_episodes(plan: RolloutPlan, host_envs, init_states) -> list[HostEpisod
         states = jax.device_put(jax.device_get(states), cpu)
         for i in range(tag.n_groups * plan.group_size):
             state = jax.tree.map(lambda x: x[i], states)
-            names = tag.env.action_name_orders[int(tag.env.action_name_order(state))]
+            names = tuple(tag.env.action_names[int(i)] for i in tag.env.action_name_ids(state))
             history = [{"state": host.render(state), "actions_left": tag.max_actions_per_traj}]
             episodes.append(HostEpisode(tag.env, state, names, tag.max_actions_per_traj, history))
     return episodes

@@ -49,9 +49,9 @@ def suite_tags(name: str) -> tuple[str, ...]:
 
     if name in SUITES:
         return SUITES[name]
-    if name in envs_jax.VARIANTS:
+    if envs_jax.is_known(name):
         return (name,)
-    raise ValueError(f"Unknown suite {name!r}: use one of {', '.join(SUITES)} or an env name ({', '.join(sorted(envs_jax.VARIANTS))}).")
+    raise ValueError(f"Unknown suite {name!r}: use one of {', '.join(SUITES)} or an env name ({envs_jax.known_names()}).")
 
 
 def load_config_and_model(source: str, args):

@@ -59,8 +59,8 @@ def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_s
 
 
 def _names_for(tag, traj, b) -> tuple[str, ...]:
-    """The action names of row b, in its episode's order (Bandit's arms vary)."""
-    return tag.env.action_name_orders[int(traj.name_order[b])]
+    """The action names of row b in action-id order (per episode: Bandit's arms swap places)."""
+    return tuple(tag.env.action_names[int(i)] for i in traj.action_name_ids[b] if i >= 0)
 
 
 def jax_to_numpy(tree):

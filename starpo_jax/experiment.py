@@ -15,6 +15,7 @@ from ml_collections import ConfigDict
 
 import envs_jax
 from starpo_jax import bundled
+from starpo_jax.contract import check_env
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
 from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
@@ -92,16 +93,20 @@ def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
         )
     plans = []
     for tag, n in zip(split.tags, split.n_groups):
-        if tag not in envs_jax.VARIANTS:
-            raise ConfigError(f"envs.{side}.tags: unknown env {tag!r}. Known envs: {', '.join(sorted(envs_jax.VARIANTS))}.")
-        if tag not in config.envs.max_actions_per_traj:
-            raise ConfigError(f"envs.max_actions_per_traj has no entry for {tag!r}; add one.")
+        if not envs_jax.is_known(tag):
+            raise ConfigError(f"envs.{side}.tags: unknown env {tag!r}. Known envs: {envs_jax.known_names()}.")
         overrides = dict(config.envs.overrides.get(tag, {}))
         try:
             env = envs_jax.make(tag, **overrides)
         except ValueError as err:
-            raise ConfigError(f"envs.overrides.{tag}: {err}") from err
-        plans.append(TagPlan(tag, env, int(n), int(config.envs.max_actions_per_traj[tag])))
+            raise ConfigError(f"envs.{'overrides.' + tag if overrides else side + '.tags'}: {err}") from err
+        try:
+            check_env(env, tag)
+        except ValueError as err:
+            raise ConfigError(f"envs.{side}.tags: {err}") from err
+        # The config's per-tag budget (RAGEN's envs.yaml), else the env's own default.
+        budget = config.envs.max_actions_per_traj.get(tag, env.default_max_actions_per_traj)
+        plans.append(TagPlan(tag, env, int(n), int(budget)))
     return tuple(plans)
 
 

@@ -9,21 +9,24 @@ one env's history) and ``chat_text`` (the chat-templated string, with the forced
 Tokens (in-graph): a BPE tokenizer only merges inside the chunks of its regex pre-tokenizer, so a
 prompt can be cut wherever every tokenizer we support always starts a new chunk, each piece
 tokenized once on the host into a table, and a prompt assembled by concatenating table rows.
-``PromptTables.build`` makes those tables for one env tag; ``first_prompt_tokens`` and
-``next_turn_tokens`` assemble a turn's tokens (jittable, vmappable over the batch). The pieces of
-a turn, and the cuts between them (each one checked against the tokenizer when the tables are
-built, and by the tests over many random states for Qwen2.5 and SmolLM2):
+``PromptTables.build`` makes those tables for one env tag from the env's contract
+(``envs_jax.base.TextEnv``: instruction text, step rewards, observation pieces; nothing else of the
+env is read); ``first_prompt_tokens`` and ``next_turn_tokens`` assemble a turn's tokens (jittable,
+vmappable over the batch). The pieces of a turn, and the cuts between them (each one checked
+against the tokenizer when the tables are built, and by the tests over many random states for
+Qwen2.5 and SmolLM2):
 
     turn 1:   [chat head: system message, user start, prefix, "\\nTurn 1:\\nState:\\n"]
-              [grid rows, each "row\\n"]  [tail: "You have {n} actions left ... (tokens).\\n" + user
-              end + assistant start + forced "<think>"]
+              [observation pieces: the env's text + "\\n", e.g. grid rows, each "row\\n"]
+              [tail: "You have {n} actions left ... (tokens).\\n" + user end + assistant start +
+              forced "<think>"]
     turn k>1: [assistant end, minus the stop token if the model emitted it]
-              [user start + "Reward:\\n{acc}"]  ["\\n\\nTurn {k}:\\nState:\\n"]  [grid rows]  [tail]
+              [user start + "Reward:\\n{acc}"]  ["\\n\\nTurn {k}:\\nState:\\n"]  [observation]  [tail]
 
 Cuts sit after a newline that ends a chunk, before a special token, or between a digit and a
 newline. Not every plausible cut is clean: Qwen's pre-tokenizer keeps ``".\\n\\n"`` in one chunk, so
-the Bandit observation (a text ending in ".\\n") is tabulated together with the tail, keyed by
-(arm order, actions left); and the reward's trailing newline stays with ``"\\nTurn"``.
+the observation's pieces end with the newline that follows the state text (Bandit's text ends in
+".\\n"); and the reward's trailing newline stays with ``"\\nTurn"``.
 
 The chat-template pieces are found by rendering the model's template with sentinel contents and
 splitting (``chat_glue``). The rollout keeps one KV cache per episode and only appends, so the
@@ -33,14 +36,15 @@ error. Pass ``chat_template=`` to use another template.
 
 Decisions on RAGEN details, documented:
 
-- [quirk 1, replicated by default] The legend is built from the env class's default symbols, so
-  SokobanDifferentGridVocab's prompt explains ``# _ O √ X P S`` while its grid shows
-  ``W . G C B A @``. ``legend_from_env_symbols=True`` explains the symbols the grid actually uses.
+- [quirk 1, replicated by default] The legend names the env's ``legend_symbols`` (RAGEN: its config
+  class's defaults), so SokobanDifferentGridVocab's prompt explains ``# _ O √ X P S`` while its
+  grid shows ``W . G C B A @``. ``legend_from_env_symbols=True`` explains the symbols the grid
+  actually uses.
 - The reward message shows the turn reward as RAGEN's es_manager accumulates it: ``acc = 0`` (an
   int), then ``acc += r`` for each executed action in order, printed with ``str``. A turn that
   executed nothing prints ``0``; three Sokoban steps print ``-0.30000000000000004``. (We add in a
   loop rather than with ``sum``, which compensates rounding from Python 3.12 on.) The per-step
-  rewards an env can pay are listed by ``step_reward_values``; the rollout maps each float32 step
+  rewards an env can pay are its ``step_reward_values``; the rollout maps each float32 step
   reward to the nearest one and keys the turn by the sequence (``reward_sequence_key``), since the
   printed double depends on the order of the additions.
 """
@@ -48,7 +52,6 @@ Decisions on RAGEN details, documented:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Sequence
 
 import jax
@@ -56,106 +59,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from envs_jax.base import GridEnv, symbols_to_text
-from envs_jax.tokens import GridTokenTable, grid_runs, pack_runs, padded_table, tokenize_texts
+from starpo_jax.tokens import PieceTable, pack_runs, padded_table, piece_runs, tokenize_texts
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
-
-SOKOBAN_INSTRUCTION = (
-    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to "
-    "targets. When you are right next to a box, you can push it by moving in the same direction. "
-    "You cannot push a box through a wall, and you cannot pull a box. The answer should be a "
-    "sequence of actions, like <answer>Right || Right || Up</answer>"
-)
-FROZEN_LAKE_INSTRUCTION = (  # sic: "Forbid the whole", as in RAGEN's envs.yaml
-    "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to "
-    "the unintended direction due to the slippery ice. Example answer format: <think>To forbid the "
-    "hole and go to the target, I should go left then go up.</think><answer>Left || Up</answer>"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptSpec:
-    """What RAGEN's prefix says about an env type (its envs.yaml instruction and config class)."""
-
-    instruction: str
-    symbol_meanings: tuple[str, ...] | None  # legend entries in symbol-id order; None: no legend
-    lists_actions: bool  # the config class has an action_lookup (Bandit's is None at class level)
-
-
-PROMPT_SPECS: dict[str, PromptSpec] = {
-    "Sokoban": PromptSpec(
-        SOKOBAN_INSTRUCTION,
-        ("wall", "empty", "target", "box on target", "box", "player", "player on target"),
-        lists_actions=True,
-    ),
-    "FrozenLake": PromptSpec(
-        FROZEN_LAKE_INSTRUCTION,
-        ("player", "empty", "hole", "goal", "player in hole", "player on goal"),
-        lists_actions=True,
-    ),
-    "Bandit": PromptSpec("", None, lists_actions=False),
-}
-
-
-def prompt_spec(env) -> PromptSpec:
-    name = type(env).__name__
-    if name not in PROMPT_SPECS:
-        raise ValueError(
-            f"No prompt is defined for env class {name!r}; add it to starpo_jax.prompts.PROMPT_SPECS "
-            f"(known: {', '.join(sorted(PROMPT_SPECS))})."
-        )
-    return PROMPT_SPECS[name]
-
-
-def step_reward_values(env) -> tuple[float, ...]:
-    """The per-step rewards an env can pay, as the Python doubles RAGEN's env returns.
-
-    Order matters twice: it defines the category ids of the reward keys, and each value is built
-    with gym_sokoban's order of additions (penalty, then box change, then the bonus).
-    """
-    name = type(env).__name__
-    if name == "Sokoban":
-        step, box_on, box_off, finished = -0.1, 1.0, -1.0, 10.0
-        return (step, step + box_on, step + box_off, step + box_on + finished)
-    if name == "FrozenLake":
-        return (0.0, 1.0)
-    if name == "Bandit":
-        return tuple(dict.fromkeys((env.lo_arm_score, env.hi_arm_loscore, env.hi_arm_hiscore)))
-    raise ValueError(f"No per-step reward values are defined for env class {name!r}.")
 
 
 # ---- text (host) --------------------------------------------------------------------------------
 
 
-def class_default_symbols(env) -> tuple[str, ...]:
-    """The ``grid_symbols`` default of the env's class (what RAGEN's config class holds)."""
-    return tuple(inspect.signature(type(env).__init__).parameters["grid_symbols"].default)
-
-
 def env_instruction(env, max_actions_per_traj: int, legend_from_env_symbols: bool = False) -> str:
-    """The per-tag prefix of the first user message (§2.3); empty for Bandit.
+    """The per-tag prefix of the first user message (§2.3), as the env declares it; empty for Bandit.
 
-    The legend uses the env class's default symbols (quirk 1) unless ``legend_from_env_symbols``.
+    The legend names the env's ``legend_symbols`` (quirk 1) unless ``legend_from_env_symbols``.
     """
-    spec = prompt_spec(env)
-    text = spec.instruction
-    if spec.symbol_meanings is not None:
-        symbols = env.symbols if legend_from_env_symbols else class_default_symbols(env)
-        legend = ", ".join(f"{s}: {m}" for s, m in zip(symbols, spec.symbol_meanings))
-        text += "\nThe meaning of each symbol in the state is:\n" + legend
-    if spec.lists_actions:
-        text += "\nYour available actions are:\n" + ", ".join(env.action_names)
-        text += (
-            f"\nYou can make up to {max_actions_per_traj} actions, "
-            'separated by the action separator " || "\n'
-        )
-    return text
+    return env.instruction_text(max_actions_per_traj, legend_from_env_symbols)
 
 
 def turn_header_text(turn: int) -> str:
     """Appended to the last user message before turn ``turn`` (1-based) is described."""
     return f"\nTurn {turn}:\n"
+
+
+TAIL_START = "You"  # the first word after the observation (``actions_left_text``)
 
 
 def actions_left_text(actions_left: int, max_tokens: int, enable_think: bool) -> str:
@@ -370,13 +295,12 @@ def reward_sequence_of_key(key: int, values: Sequence[float], num_slots: int) ->
 class PromptTables:
     """Token tables of one env tag's prompts; pass as a jit argument (the 8x8 row table is 4 MB).
 
-    ``observation`` in the functions below is the env's TimeStep observation: the
-    ``int32[rows, cols]`` symbol grid of a grid env, or Bandit's ``hi_first`` flag.
+    ``pieces`` in the functions below is the env's ``observation_pieces(state)``.
     """
 
     head: TokenRuns  # one run: chat start, prefix, "\nTurn 1:\nState:\n"
-    grid: GridTokenTable | None  # grid envs: rows; None: the observation is in ``tail``
-    tail: TokenRuns  # key n (grid envs) or observation * (max_actions_per_traj + 1) + n
+    observation: PieceTable  # the env's observation pieces
+    tail: TokenRuns  # key: actions left n
     turn_end: TokenRuns  # key 0: full assistant end (response cut); 1: after the model's stop token
     reward: TokenRuns  # key: reward_sequence_key; user start + "Reward:\n{acc}"
     turn_header: TokenRuns  # key k: "\n\nTurn {k}:\nState:\n"
@@ -413,35 +337,34 @@ class PromptTables:
                 f"The assistant end {glue.assistant_end!r} of this chat template does not start with "
                 "a special stop token; the rollout cannot tell a finished response from a cut one."
             )
-        grid = None
-        if isinstance(env, GridEnv):
-            grid = GridTokenTable.build(tokenizer, env.symbols, env.grid_shape, border_is_wall=_walled(env))
-        check_cuts(tokenizer, texts.sample_prompts(env))
+        observation = PieceTable.build(tokenizer, env.piece_texts, observation_budget(env), TAIL_START)
+        check_cuts(tokenizer, texts.sample_prompts(env), env.piece_texts, observation)
 
         head = TokenRuns.from_texts(tokenizer, [texts.head])
         tail = TokenRuns.from_texts(tokenizer, texts.tails)
         turn_end = TokenRuns.from_ids([end_ids, end_ids[1:]])
         reward = TokenRuns.from_texts(tokenizer, texts.rewards)
         turn_header = TokenRuns.from_texts(tokenizer, texts.turn_headers)
-        grid_len = grid.max_len if grid is not None else 0
+        obs_len = observation.max_len
         return cls(
             head=head,
-            grid=grid,
+            observation=observation,
             tail=tail,
             turn_end=turn_end,
             reward=reward,
             turn_header=turn_header,
-            reward_values=jnp.asarray(step_reward_values(env), jnp.float32),
+            reward_values=jnp.asarray(env.step_reward_values, jnp.float32),
             max_actions_per_traj=max_actions_per_traj,
             stop_token_id=int(end_ids[0]),
-            first_len=head.width + grid_len + tail.width,
-            next_len=turn_end.width + reward.width + turn_header.width + grid_len + tail.width,
+            first_len=head.width + obs_len + tail.width,
+            next_len=turn_end.width + reward.width + turn_header.width + obs_len + tail.width,
         )
 
 
-def _walled(env) -> bool:
-    """Sokoban rooms always have a wall border (``Sokoban.state_from_text`` enforces it)."""
-    return type(env).__name__ == "Sokoban"
+def observation_budget(env) -> int:
+    """How many pieces an observation of ``env`` has (the static length of ``observation_pieces``)."""
+    state = jax.eval_shape(env.reset, jax.random.PRNGKey(0))[0]
+    return int(np.prod(jax.eval_shape(env.observation_pieces, state).shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +372,7 @@ class PromptPieces:
     """The texts of the prompt pieces of one env tag, in the order of their table keys."""
 
     head: str  # chat start + prefix + "\nTurn 1:\nState:\n"
-    tails: list[str]  # by actions left n (Bandit: by observation, then n)
+    tails: list[str]  # by actions left n
     assistant_end: str
     rewards: list[str]  # by reward_sequence_key
     turn_headers: list[str]  # by turn k
@@ -461,9 +384,7 @@ class PromptPieces:
             actions_left_text(n, max_tokens, enable_think) + glue.to_assistant + forced_prefix(enable_think)
             for n in range(max_actions_per_traj + 1)
         ]
-        if not isinstance(env, GridEnv):  # Bandit: "…</answer>.\n" + "\n" must stay in one piece
-            tails = [obs + "\n" + tail for obs in bandit_observation_texts(env) for tail in tails]
-        values = step_reward_values(env)
+        values = env.step_reward_values
         slots = min(max_actions_per_turn, max_actions_per_traj)
         rewards = [  # without the message's final newline, which belongs with "\nTurn"
             glue.user_start + reward_text(reward_sequence_of_key(k, values, slots))[:-1]
@@ -478,67 +399,58 @@ class PromptPieces:
             turn_headers=["\n" + turn_header_text(k) + "State:\n" for k in range(max_turn + 1)],
         )
 
-    def sample_prompts(self, env, samples: int = 24, seed: int = 0) -> list[list[str]]:
-        """Random first and later turns, as lists of pieces (grid envs: random grids, one piece a row)."""
+    def sample_prompts(self, env, samples: int = 24, seed: int = 0) -> list[list]:
+        """Random first and later turns, as lists of pieces (texts, and ints for observation
+        pieces); each observation is a random draw of the env's pieces, as many as it has."""
         rng = np.random.default_rng(seed)
         pick = lambda options: options[rng.integers(len(options))]  # noqa: E731
+        num_pieces = observation_budget(env)
         prompts = []
         for i in range(samples):
-            rows = []
-            if isinstance(env, GridEnv):
-                grid = rng.integers(0, len(env.symbols), env.grid_shape)
-                if _walled(env):
-                    grid[[0, -1], :] = 0
-                    grid[:, [0, -1]] = 0
-                rows = [row + "\n" for row in symbols_to_text(grid, env.symbols).split("\n")]
+            observation = [int(rng.integers(len(env.piece_texts))) for _ in range(num_pieces)]
             if i % 2 == 0:
-                prompts.append([self.head, *rows, pick(self.tails)])
+                prompts.append([self.head, *observation, pick(self.tails)])
             else:
                 later = [self.assistant_end, pick(self.rewards), pick(self.turn_headers[2:] or [""])]
-                prompts.append(later + rows + [pick(self.tails)])
+                prompts.append(later + observation + [pick(self.tails)])
         return prompts
 
 
-def bandit_observation_texts(env) -> list[str]:
-    """Bandit's two observations, indexed by its ``hi_first`` observation flag."""
-    state, _ = env.reset(jax.random.PRNGKey(0))
-    return [env.render_text(state.replace(hi_first=jnp.asarray(flag))) for flag in (False, True)]
-
-
-def check_cuts(tokenizer, prompts: Sequence[Sequence[str]]) -> None:
+def check_cuts(tokenizer, prompts: Sequence[Sequence], piece_texts: Sequence[str] = (), pieces=None) -> None:
     """Refuse a tokenizer that merges tokens across a piece boundary of any of ``prompts``.
 
-    Its pre-tokenizer would differ from Qwen2.5's and SmolLM2's; tables would give non-canonical
-    tokens.
+    A prompt is a list of pieces: texts, or ints standing for observation pieces (``piece_texts``
+    and their token ids in the ``PieceTable`` ``pieces``). Its pre-tokenizer would differ from
+    Qwen2.5's and SmolLM2's; tables would give non-canonical tokens.
     """
-    whole = tokenize_texts(tokenizer, ["".join(pieces) for pieces in prompts])
-    for pieces, ids in zip(prompts, whole):
-        joined = [t for piece_ids in tokenize_texts(tokenizer, pieces) for t in piece_ids]
+    text = lambda p: p if isinstance(p, str) else piece_texts[p]  # noqa: E731
+    whole = tokenize_texts(tokenizer, ["".join(map(text, prompt)) for prompt in prompts])
+    for prompt, ids in zip(prompts, whole):
+        joined = []
+        for p in prompt:
+            joined += tokenize_texts(tokenizer, [p])[0] if isinstance(p, str) else pieces.piece_ids(p)
         if joined != ids:
             raise ValueError(
                 "This tokenizer merges tokens across a prompt piece boundary, so prompt tokens cannot "
-                f"be assembled from tables; offending prompt: {''.join(pieces)!r}."
+                f"be assembled from tables; offending prompt: {''.join(map(text, prompt))!r}."
             )
 
 
-def _observation_runs(tables: PromptTables, observation, actions_left):
-    if tables.grid is not None:
-        return [grid_runs(tables.grid, observation), tables.tail.run(actions_left)]
-    key = jnp.asarray(observation, jnp.int32) * (tables.max_actions_per_traj + 1) + actions_left
-    return [tables.tail.run(key)]
+def _observation_runs(tables: PromptTables, pieces, actions_left):
+    return [piece_runs(tables.observation, pieces), tables.tail.run(actions_left)]
 
 
-def first_prompt_tokens(tables: PromptTables, observation, actions_left):
+def first_prompt_tokens(tables: PromptTables, pieces, actions_left):
     """Jittable, vmappable: the turn-1 generation prompt, ``(int32[tables.first_len], length)``.
 
     Equals the tokenizer's encoding of ``chat_text(build_messages([{state, actions_left}]),
     add_generation_prompt=True)``.
     """
-    runs = [tables.head.run(0)] + _observation_runs(tables, observation, actions_left)
+    runs = [tables.head.run(0)] + _observation_runs(tables, pieces, actions_left)
     return pack_runs(runs, tables.first_len)
 
 
-def next_turn_tokens(tables: PromptTables, reward_key, turn, observation, actions_left, response_ended_with_stop):
+def next_turn_tokens(tables: PromptTables, reward_key, turn, pieces, actions_left, response_ended_with_stop):
     """Jittable, vmappable: what follows turn ``turn - 1``'s response, ``(int32[tables.next_len], length)``.
 
     The assistant end (only what follows the stop token if the response ended with it), the reward
@@ -550,5 +462,5 @@ def next_turn_tokens(tables: PromptTables, reward_key, turn, observation, action
         tables.turn_end.run(jnp.asarray(response_ended_with_stop, jnp.int32)),
         tables.reward.run(reward_key),
         tables.turn_header.run(turn),
-    ] + _observation_runs(tables, observation, actions_left)
+    ] + _observation_runs(tables, pieces, actions_left)
     return pack_runs(runs, tables.next_len)

@@ -92,7 +92,7 @@ class RolloutPlan:
 @flax.struct.dataclass
 class TagTables:
     prompts: prompts.PromptTables
-    names: parsing.ActionNames  # [orders, A, L]: names of each possible action-name order
+    names: parsing.ActionNames  # [N + 1, L]: the env's action names, then an empty name (padding)
 
 
 @flax.struct.dataclass
@@ -129,7 +129,7 @@ class Trajectories:
     context_exhausted: jax.Array  # bool[B] ended because max_len could not hold another turn
     group_id: jax.Array  # int32[B]
     tag_id: jax.Array  # int32[B]
-    name_order: jax.Array  # int32[B] index into the tag env's action_name_orders (Bandit arm order)
+    action_name_ids: jax.Array  # int32[B, A] index into the tag env's action_names of each action id (-1: none)
 
 
 def build_tables(
@@ -138,8 +138,7 @@ def build_tables(
 ) -> RolloutTables:
     """Tokenise every prompt piece and action name of the plan's tags (host, once)."""
     tags = []
-    max_actions = max(len(t.env.action_name_orders[0]) for t in plan.tags)
-    max_name = max(len(n) for t in plan.tags for order in t.env.action_name_orders for n in order)
+    max_name = max(len(n) for t in plan.tags for n in t.env.action_names)
     for tag in plan.tags:
         tables = prompts.PromptTables.build(
             tokenizer,
@@ -152,21 +151,24 @@ def build_tables(
             legend_from_env_symbols=legend_from_env_symbols,
             chat_template=chat_template,
         )
-        tags.append(TagTables(tables, _padded_names(tag.env.action_name_orders, max_actions, max_name)))
+        tags.append(TagTables(tables, _names_with_empty(tag.env.action_names, max_name)))
     # vocab_size: the model's logit count, which may exceed the tokenizer's (Qwen2.5: 151,936 vs
     # 151,665); ids past the tokenizer add no text, as they decode to nothing on the host.
     token_bytes, token_lengths = parsing.build_token_bytes_table(tokenizer, vocab_size)
     return RolloutTables(tuple(tags), jnp.asarray(token_bytes), jnp.asarray(token_lengths))
 
 
-def _padded_names(orders: Sequence[Sequence[str]], num_actions: int, width: int) -> parsing.ActionNames:
-    """Every name ordering of a tag as [orders, num_actions, width]; missing actions get empty
-    names, which never match (an empty answer piece is dropped)."""
-    names = parsing.encode_action_names([list(o) for o in orders], width)
-    pad = num_actions - names.bytes.shape[1]
+def _names_with_empty(names: Sequence[str], width: int) -> parsing.ActionNames:
+    """A tag's action names as [N + 1, width]; the last, empty name pads shorter action lists (an
+    empty name never matches: an empty answer piece is dropped)."""
+    encoded = parsing.encode_action_names(list(names), width)
     return parsing.ActionNames(
-        jnp.pad(names.bytes, ((0, 0), (0, pad), (0, 0))), jnp.pad(names.lengths, ((0, 0), (0, pad)))
+        jnp.pad(encoded.bytes, ((0, 1), (0, 0))), jnp.pad(encoded.lengths, ((0, 1),))
     )
+
+
+def max_num_actions(plan: "RolloutPlan") -> int:
+    return max(t.env.num_actions for t in plan.tags)
 
 
 def stop_tokens_for(tokenizer, tables: RolloutTables) -> tuple[int, ...]:
@@ -298,18 +300,26 @@ def make_rollout(plan: RolloutPlan, responder=None):
     budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
     tag_id = _per_row(plan, range(len(plan.tags)))
 
-    def name_tables(tables: RolloutTables, env_states):
-        def per_tag(i, tag, states):
-            order = jax.vmap(tag.env.action_name_order)(states)
-            return jax.tree.map(lambda x: x[order], tables.tags[i].names)
+    num_actions = max_num_actions(plan)
 
-        outs = [per_tag(i, tag, s) for i, (tag, s) in enumerate(zip(plan.tags, env_states))]
+    def tag_name_ids(tag, states, pad):
+        """int32[rows, num_actions]: the tag's action-name index of each action id, ``pad`` past
+        the tag's own actions."""
+        ids = jax.vmap(tag.env.action_name_ids)(states).astype(jnp.int32)
+        return jnp.pad(ids, ((0, 0), (0, num_actions - ids.shape[1])), constant_values=pad)
+
+    def name_tables(tables: RolloutTables, env_states):
+        """Each row's action names in action-id order, [B, num_actions, L] (padded with the empty name)."""
+        outs = []
+        for i, (tag, states) in enumerate(zip(plan.tags, env_states)):
+            ids = tag_name_ids(tag, states, pad=len(tag.env.action_names))
+            outs.append(jax.tree.map(lambda x: x[ids], tables.tags[i].names))
         return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
 
     def first_prompts(tables, env_states):
         outs = []
         for i, (tag, states) in enumerate(zip(plan.tags, env_states)):
-            obs = jax.vmap(tag.env.observe)(states)
+            obs = jax.vmap(tag.env.observation_pieces)(states)
             left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
             outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tables.tags[i].prompts, obs, left))
         return _concat_ids(outs, plan.pad_id)
@@ -348,7 +358,7 @@ def make_rollout(plan: RolloutPlan, responder=None):
                 actions_left_before[sl], active[sl], tables.tags[i].prompts.reward_values,
             )
             left = actions_left_before[sl] - res.num_executed
-            obs = jax.vmap(tag.env.observe)(state)
+            obs = jax.vmap(tag.env.observation_pieces)(state)
             nxt = jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
                 tables.tags[i].prompts, res.reward_key, turn + 2, obs, left, ended_with_stop[sl]
             )
@@ -447,9 +457,9 @@ def make_rollout(plan: RolloutPlan, responder=None):
             context_exhausted=carry.context_exhausted,
             group_id=group_id,
             tag_id=tag_id,
-            name_order=jnp.concatenate(
-                [jax.vmap(t.env.action_name_order)(s) for t, s in zip(plan.tags, init_states)]
-            ).astype(jnp.int32),
+            action_name_ids=jnp.concatenate(
+                [tag_name_ids(t, s, pad=-1) for t, s in zip(plan.tags, init_states)]
+            ),
         )
 
     return jax.jit(rollout)

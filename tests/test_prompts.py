@@ -76,7 +76,7 @@ def test_sokoban_turn_texts():
     env = envs_jax.make("SimpleSokoban")
     state = env.reset_from_seed(10000)
     first = env.render_text(state)
-    rewards, values = [], P.step_reward_values(env)
+    rewards, values = [], env.step_reward_values
     for action in (0, 1, 2):  # Up, Down, Left
         state, ts = env.step(state, action)
         rewards.append(values[int(reward_categories(ts.reward, jnp.asarray(values, jnp.float32)))])
@@ -164,7 +164,7 @@ def test_chat_glue(qwen_tokenizer, smollm2_tokenizer):
 
 def test_reward_keys_match_the_env_turn():
     env = envs_jax.make("SimpleSokoban")
-    values = P.step_reward_values(env)
+    values = env.step_reward_values
     assert [repr(v) for v in values] == ["-0.1", "0.9", "-1.1", "10.9"]
     actions = jnp.array([3, 0, 2, -1, -1])  # Right, Up, Left solve seed 10001: -0.1, -0.1, 10.9
     _, turn = execute_turn(
@@ -197,15 +197,16 @@ class Episode:
 
 
 def observations(env, rng, tokens_env_states):
-    """A batch of observations and their texts: random grids (walled for Sokoban) / Bandit states."""
+    """A batch of observation pieces and their texts: random grids (with a wall border where the
+    env's border is fixed) for grid envs, else the states' own observations (Bandit)."""
     if isinstance(env, envs_jax.base.GridEnv):
         grids = rng.integers(0, len(env.symbols), (BATCH,) + env.grid_shape).astype(np.int32)
-        if type(env).__name__ == "Sokoban":
-            grids[:, [0, -1], :] = 0
-            grids[:, :, [0, -1]] = 0
-        return grids, [symbols_to_text(g, env.symbols) for g in grids]
+        if env.border_symbol is not None:
+            grids[:, [0, -1], :] = env.border_symbol
+            grids[:, :, [0, -1]] = env.border_symbol
+        return jax.vmap(env.grid_pieces)(grids), [symbols_to_text(g, env.symbols) for g in grids]
     states = tokens_env_states
-    return np.asarray(states.hi_first), [
+    return jax.vmap(env.observation_pieces)(states), [
         env.render_text(jax.tree.map(lambda x: x[i], states)) for i in range(BATCH)
     ]
 
@@ -233,7 +234,7 @@ def test_assembled_turns_equal_tokenized_chat(name, which, think, request):
     bandit_states = None
     if name == "Bandit":
         bandit_states, _ = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(0), BATCH))
-    values = P.step_reward_values(env)
+    values = env.step_reward_values
     slots = min(ACTIONS_PER_TURN, max_actions)
     first = jax.jit(jax.vmap(P.first_prompt_tokens, in_axes=(None, 0, 0)))
     nxt = jax.jit(jax.vmap(P.next_turn_tokens, in_axes=(None, 0, 0, 0, 0, 0)))

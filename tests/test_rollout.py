@@ -103,7 +103,7 @@ def reference_episode(tok, env, seed, responses, plan):
     """RAGEN's loop for one env on the host: text parser, env.step per action, message building."""
     step = jax.jit(env.step)
     state = env.reset_from_seed(seed)
-    values = prompts.step_reward_values(env)
+    values = env.step_reward_values
     budget = plan.tags[0].max_actions_per_traj
     history = [{"state": env.render_text(state), "actions_left": budget}]
     out = dict(turn_rewards=[], penalties=0, num_actions=0, success=False, turns=0)

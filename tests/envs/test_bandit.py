@@ -119,13 +119,13 @@ def test_same_key_same_payout(env):
 
 
 def test_action_names_follow_the_episodes_arm_order(env):
-    with pytest.raises(AttributeError, match="action_name_orders"):
-        env.action_names
+    assert env.action_names == ("Phoenix", "Dragon")  # every name; the episode picks the order
     for hi_first in (False, True):
         s = state(hi_first)
-        order = jax.jit(env.action_name_order)(s)
-        assert env.action_name_orders[int(order)] == env.arm_names(s)
+        ids = jax.jit(env.action_name_ids)(s)
+        assert tuple(env.action_names[int(i)] for i in ids) == env.arm_names(s)
         assert env.render_text(s).count(f"named {env.arm_names(s)[0]} and") == 1
+        assert env.piece_texts[int(env.observation_pieces(s)[0])] == env.render_text(s) + "\n"
         assert bool(env.action_is_hi(s, 0)) == hi_first
     assert env.lo_hi_names == ("Phoenix", "Dragon")
     test_env = envs_jax.make("BanditTest")

@@ -1,4 +1,5 @@
-"""Grid token tables: a grid rendered from table rows equals the tokenizer's encoding of its text."""
+"""Observation piece tables: an observation rendered from table pieces (grid rows) equals the
+tokenizer's encoding of its text."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +8,10 @@ import pytest
 
 import envs_jax
 from envs_jax.base import symbols_to_text
-from envs_jax.tokens import PAD_ID, GridTokenTable, pack_runs, render_grid_tokens
+from starpo_jax.prompts import TAIL_START, observation_budget
+from starpo_jax.tokens import PAD_ID, PieceTable, pack_runs, render_pieces
 
-render_batch = jax.jit(jax.vmap(render_grid_tokens, in_axes=(None, 0)))
+render_batch = jax.jit(jax.vmap(render_pieces, in_axes=(None, 0)))
 
 
 def random_walk_grids(env, states, steps: int, seed: int):
@@ -71,9 +73,10 @@ def frozen_lake_grids():
     return np.concatenate([reset_grids(env, 16), random_grids(env, 64, walled=False)])
 
 
-def assert_rendered_tokens_match(tokenizer, env, grids, border_is_wall):
-    table = GridTokenTable.build(tokenizer, env.symbols, env.grid_shape, border_is_wall=border_is_wall)
-    ids, lengths = map(np.asarray, render_batch(table, jnp.asarray(grids)))
+def assert_rendered_tokens_match(tokenizer, env, grids):
+    table = PieceTable.build(tokenizer, env.piece_texts, observation_budget(env), TAIL_START)
+    pieces = jax.vmap(env.grid_pieces)(jnp.asarray(grids))
+    ids, lengths = map(np.asarray, render_batch(table, pieces))
     assert ids.shape == (len(grids), table.max_len)
     texts = [symbols_to_text(g, env.symbols) + "\n" for g in grids]
     expected = tokenizer(texts)["input_ids"]
@@ -87,24 +90,33 @@ def assert_rendered_tokens_match(tokenizer, env, grids, border_is_wall):
 def test_sokoban_grid_tokens_equal_tokenizer(name, which, sokoban_grids, request):
     tokenizer = request.getfixturevalue(f"{which}_tokenizer")
     env = envs_jax.make(name)
-    assert_rendered_tokens_match(tokenizer, env, sokoban_grids[env.grid_shape], border_is_wall=True)
+    assert_rendered_tokens_match(tokenizer, env, sokoban_grids[env.grid_shape])
 
 
 @pytest.mark.parametrize("which", ["qwen", "smollm2"])
 def test_frozen_lake_grid_tokens_equal_tokenizer(which, frozen_lake_grids, request):
     tokenizer = request.getfixturevalue(f"{which}_tokenizer")
-    assert_rendered_tokens_match(tokenizer, envs_jax.make("FrozenLake"), frozen_lake_grids, border_is_wall=False)
+    assert_rendered_tokens_match(tokenizer, envs_jax.make("FrozenLake"), frozen_lake_grids)
 
 
-def test_table_keys_every_row_and_walls_are_implicit(qwen_tokenizer):
-    symbols = ("#", "_", "O", "√", "X", "P", "S")
-    table = GridTokenTable.build(qwen_tokenizer, symbols, (6, 6), border_is_wall=True)
-    assert table.ids.shape[0] == 7**4 and table.lengths.shape == (7**4,)
-    # Row "#_XP#\n" has interior ids (1, 4, 5, 0) -> key 1*343 + 4*49 + 5*7 + 0.
+def test_grid_pieces_key_every_row_and_walls_are_implicit(qwen_tokenizer):
+    env = envs_jax.make("SimpleSokoban")  # symbols # _ O √ X P S, wall border
+    table = PieceTable.build(qwen_tokenizer, env.piece_texts, observation_budget(env), TAIL_START)
+    assert table.ids.shape[0] == 7**4 and table.lengths.shape == (7**4,) and table.num_pieces == 6
+    # Row "#_XP##\n" has interior ids (1, 4, 5, 0) -> key 1*343 + 4*49 + 5*7 + 0.
     key = 1 * 343 + 4 * 49 + 5 * 7
+    assert env.piece_texts[key] == "#_XP##\n"
     assert table.ids[key, : table.lengths[key]].tolist() == qwen_tokenizer("#_XP##\n")["input_ids"]
-    free = GridTokenTable.build(qwen_tokenizer, ("P", "_", "O", "G", "X", "√"), (4, 4))
-    assert free.ids.shape[0] == 6**4
+    grid = np.zeros((6, 6), np.int32)
+    grid[2, 1:5] = [1, 4, 5, 0]
+    assert env.grid_pieces(grid).tolist() == [0, 0, key, 0, 0, 0]
+    assert len(envs_jax.make("FrozenLake").piece_texts) == 6**4  # no fixed border: every cell varies
+
+
+def test_absent_pieces_render_nothing(qwen_tokenizer):
+    table = PieceTable.build(qwen_tokenizer, ("Target: 3\n", "a", "b"), num_pieces=3, followed_by=TAIL_START)
+    ids, length = render_pieces(table, jnp.asarray([0, -1, -1]))
+    assert np.asarray(ids)[: int(length)].tolist() == qwen_tokenizer("Target: 3\n")["input_ids"]
 
 
 def test_pack_runs_concatenates_valid_prefixes():

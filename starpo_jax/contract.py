@@ -1,0 +1,72 @@
+"""Checking an env against the environment contract (``envs_jax.base.TextEnv``) when a run starts.
+
+A broken env would otherwise fail deep inside tracing, or worse, train on prompts that are not
+what its ``render_text`` says. ``check_env`` finds the first problem and names it in one sentence.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from envs_jax.base import TextEnv
+from starpo_jax.parsing import ACTION_SEP
+
+
+class EnvContractError(ValueError):
+    """An env does not follow the environment contract."""
+
+
+def check_env(env, tag: str = "") -> None:
+    """Raise ``EnvContractError`` naming the first way ``env`` breaks the contract.
+
+    Checks the declarations (action names distinct and parseable, step rewards, a piece table),
+    their shapes (``action_name_ids``, ``observation_pieces``), and on a few states (the level of
+    ``reset_from_seed(0)`` and one step of each of its first 8 actions from it) that the pieces
+    spell ``render_text(state) + "\\n"``.
+    """
+    what = f"Env {tag or getattr(env, 'name', '') or type(env).__name__!r}"
+
+    def fail(problem: str):
+        raise EnvContractError(f"{what} breaks the environment contract (docs/environments.md): {problem}")
+
+    if not isinstance(env, TextEnv):
+        fail(f"it is a {type(env).__name__}, not an envs_jax.base.TextEnv subclass.")
+    names = tuple(env.action_names)
+    if not names or any(not isinstance(n, str) or not n.strip() or not n.isascii() for n in names):
+        fail(f"action_names must be non-empty ASCII strings, got {names!r}.")
+    if any(ACTION_SEP in n or n != n.strip() for n in names):
+        fail(f"an action name contains the separator {ACTION_SEP!r} or surrounding spaces: {names!r}.")
+    lowered = [n.lower() for n in names]
+    clashes = sorted({n for n in names if lowered.count(n.lower()) > 1})
+    if clashes:
+        fail(f"action names clash (the parser ignores case): {', '.join(clashes)}.")
+    rewards = tuple(env.step_reward_values)
+    if not rewards or len(set(np.float32(rewards).tolist())) != len(rewards):
+        fail(f"step_reward_values must list each reward a step can pay once, got {rewards!r}.")
+    texts = env.piece_texts
+    if not texts or any(not isinstance(t, str) for t in texts):
+        fail("piece_texts, the table of observation pieces, is empty or holds non-strings.")
+
+    state = env.reset_from_seed(0)
+    ids = jax.eval_shape(env.action_name_ids, state)
+    if ids.shape != (env.num_actions,) or not np.issubdtype(ids.dtype, np.integer):
+        fail(f"action_name_ids(state) must be int[{env.num_actions}], got {ids.dtype}{list(ids.shape)}.")
+    pieces_shape = jax.eval_shape(env.observation_pieces, state)
+    if len(pieces_shape.shape) != 1 or not np.issubdtype(pieces_shape.dtype, np.integer):
+        fail(f"observation_pieces(state) must be a 1-D int array, got {pieces_shape.dtype}{list(pieces_shape.shape)}.")
+    observation_pieces, step = jax.jit(env.observation_pieces), jax.jit(env.step)
+    # The first level and one step of each action from it (a few states, seen as the rollout sees them).
+    for action in [None, *range(min(env.num_actions, 8))]:
+        seen = state if action is None else step(state, action)[0]
+        pieces = np.asarray(observation_pieces(seen))
+        if np.any((pieces < -1) | (pieces >= len(texts))):
+            fail(f"observation_pieces(state) holds ids outside the piece table (size {len(texts)}): {pieces.tolist()}.")
+        spelled = "".join(texts[int(p)] for p in pieces if p >= 0)
+        expected = env.render_text(seen) + "\n"
+        if spelled != expected:
+            after = "of seed 0" if action is None else f"after action {action} from seed 0"
+            fail(
+                f"the observation pieces {after} spell {spelled!r}, not render_text + newline {expected!r} "
+                f"(an observation wider than its {len(pieces)} pieces, or a piece table out of step)."
+            )
