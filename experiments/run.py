@@ -31,6 +31,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     import jax
 
     from starpo_jax import dumps
+    from starpo_jax.diversity import think_diversity_metrics
     from starpo_jax.train import rollout_metrics
 
     cfg = exp.config
@@ -41,6 +42,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds
     records = dumps.trajectory_records(traj, exp.val_plan, exp.tokenizer, cfg.envs.val.seed)
+    metrics |= think_diversity_metrics(records, "val-env")  # the Echo Trap: one think template for all levels
     dumps.write_jsonl(records, out / "val" / f"step_{step}.jsonl")
     successes = ", ".join(
         f"{t.name} {metrics[f'val-env/{t.name}/success']:.3f}" for t in exp.val_plan.tags
