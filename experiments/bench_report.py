@@ -1,4 +1,5 @@
-"""What every benchmark's JSON shares: the machine it ran on, and writing the report."""
+"""What every benchmark's JSON shares: the machine it ran on, and writing the report (the JSON and
+its table drawn as a PNG chart beside it, ``experiments/bench_charts.py``)."""
 
 from __future__ import annotations
 
@@ -26,4 +27,9 @@ def write_report(report: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"[bench] wrote {path}")
+    from experiments.bench_charts import write_chart
+
+    png = write_chart(report, path.with_suffix(".png"))
+    if png:
+        print(f"[bench] wrote {png}")
     return path

@@ -22,6 +22,7 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -141,6 +142,12 @@ def diversity_of(records: list[dict]) -> dict:
     return table
 
 
+def validation_dumps(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the run's ``val/step_N.jsonl`` files, by step (temporary files left out)."""
+    found = ((STEP_FILE.match(p.name), p) for p in (run_dir / "val").glob("step_*.jsonl"))
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
 def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
     """Everything the page shows of one run, with notes on what is missing or was skipped."""
     from tqdm import tqdm
@@ -152,6 +159,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
             config = json.loads((run_dir / "config.json").read_text())
         except json.JSONDecodeError:
             notes.append(f"{run_dir / 'config.json'} is not valid JSON; boards use the envs' default symbols.")
+    config = config if isinstance(config, dict) else {}
     overrides = (config.get("envs") or {}).get("overrides") or {}
 
     metrics_path = run_dir / "metrics.jsonl"
@@ -164,9 +172,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
     else:
         notes.append(f"No metrics.jsonl in {run_dir}: no curves.")
 
-    step_files = sorted(
-        ((int(m.group(1)), p) for p in (run_dir / "val").glob("step_*.jsonl") if (m := STEP_FILE.match(p.name))),
-    ) if (run_dir / "val").is_dir() else []
+    step_files = validation_dumps(run_dir)
     if not step_files:
         notes.append(f"No validation dumps (val/step_N.jsonl) in {run_dir}: no trajectories "
                      "(validation off, trainer.test_freq=0, or not reached yet).")
@@ -224,6 +230,7 @@ def render_html(data: dict, live: dict | None = None) -> str:
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        "<link rel=\"icon\" href=\"data:,\">"  # no favicon request, served or not
         f"<title>{_escape(title)}</title><style>{(ASSETS / 'report.css').read_text()}</style></head>"
         "<body><div id=\"app\"><p class=\"loading\">Drawing the report…</p></div>"
         f"<script type=\"application/json\" id=\"report-data\">{payload}</script>"
@@ -258,17 +265,19 @@ def inputs_signature(run_dirs: list[Path]) -> str:
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None) -> None:
-    """Serves the page on 127.0.0.1; the page asks for /version every ``interval`` seconds and
-    reloads when the run has written something (the page is rebuilt on that request)."""
+def make_server(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None):
+    """An HTTP server on 127.0.0.1 for the page; the page asks for /version every ``interval``
+    seconds and reloads when the run has written something (the page is rebuilt on that request)."""
     state = {"signature": None}
+    lock = threading.Lock()
 
     def refresh() -> str:
-        signature = inputs_signature(run_dirs)
-        if signature != state["signature"]:
-            write_report(run_dirs, out, max_levels, live={"interval": interval, "signature": signature})
-            state["signature"] = signature
-        return signature
+        with lock:
+            signature = inputs_signature(run_dirs)
+            if signature != state["signature"]:
+                write_report(run_dirs, out, max_levels, live={"interval": interval, "signature": signature})
+                state["signature"] = signature
+            return signature
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
@@ -292,7 +301,11 @@ def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_level
             pass
 
     refresh()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+
+def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None) -> None:
+    server = make_server(run_dirs, out, port, interval, max_levels)
     print(f"serving {out} at http://127.0.0.1:{server.server_address[1]}/ (refreshes every {interval:g} s "
           "while the run writes; Ctrl-C stops)", flush=True)
     try:
@@ -338,7 +351,10 @@ def main(argv=None) -> int:
         serve(args.run_dirs, args.out, args.port, args.interval, args.max_levels)
         return 0
     out = write_report(args.run_dirs, args.out, args.max_levels)
-    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+    size = out.stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
+    if size > 20 * 2**20:
+        print("the page is large (every validation trajectory is in it); --max-levels N keeps N per env and step")
     return 0
 
 

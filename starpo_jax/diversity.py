@@ -28,7 +28,8 @@ def distinct_ngrams(texts: list[str], n: int = 2) -> float | None:
 
 def think_texts(record: dict) -> list[str]:
     """The non-empty think texts of one trajectory record (``starpo_jax.dumps`` format)."""
-    return [t.get("think") or "" for t in record.get("turns", []) if (t.get("think") or "").strip()]
+    turns = [t for t in record.get("turns") or [] if isinstance(t, dict)]
+    return [str(t["think"]) for t in turns if str(t.get("think") or "").strip()]
 
 
 def think_diversity_metrics(records: list[dict], prefix: str, n: int = 2) -> dict[str, float]:

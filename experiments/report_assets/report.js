@@ -387,13 +387,13 @@ function trajectoriesSection() {
     const reset = (f) => (v) => { f(v); UI.page = 0; draw(); };
     const search = el("input", { type: "search", placeholder: "search think / answer", value: UI.search, "aria-label": "search" });
     search.addEventListener("change", (e) => reset((v) => { UI.search = v; })(e.target.value));
-    bar.replaceChildren(
+    bar.replaceChildren(...[
       RUNS.length > 1 ? select("run", RUNS.map((r, i) => [i, r.name]), UI.run, reset((v) => { UI.run = Number(v); })) : null,
       select("step", [["all", "all steps"], ...steps.map((s) => [String(s), `step ${s}`])], UI.step, reset((v) => { UI.step = v; }), "f-step"),
       select("env", [["all", "all envs"], ...tags.map((t) => [t, t])], UI.tag, reset((v) => { UI.tag = v; }), "f-env"),
       select("outcome", [["all", "all"], ["success", "success"], ["failure", "failure"]], UI.outcome, reset((v) => { UI.outcome = v; }), "f-outcome"),
       el("label", { class: "filter" }, el("span", { text: "text" }), search),
-    );
+    ].filter(Boolean));
     const shown = filtered(run);
     const pages = Math.max(1, Math.ceil(shown.length / PAGE_SIZE));
     UI.page = Math.min(UI.page, pages - 1);
@@ -432,11 +432,11 @@ function compareSection() {
     if (!tags.includes(UI.cmpTag)) UI.cmpTag = tags[0] || "";
     const levels = [...new Set(run.trajectories.filter((t) => t.tag === UI.cmpTag).map((t) => `${t.seed}|${t.group}`))];
     if (!levels.includes(UI.cmpSeed)) UI.cmpSeed = levels[0] || "";
-    bar.replaceChildren(
+    bar.replaceChildren(...[
       RUNS.length > 1 ? select("run", RUNS.map((r, i) => [i, r.name]), UI.cmpRun, (v) => { UI.cmpRun = Number(v); draw(); }) : null,
       select("env", tags.map((t) => [t, t]), UI.cmpTag, (v) => { UI.cmpTag = v; draw(); }, "c-env"),
       select("level", levels.map((l) => [l, `seed ${l.split("|")[0]} (group ${l.split("|")[1]})`]), UI.cmpSeed, (v) => { UI.cmpSeed = v; draw(); }, "c-level"),
-    );
+    ].filter(Boolean));
     const same = run.trajectories.filter((t) => t.tag === UI.cmpTag && `${t.seed}|${t.group}` === UI.cmpSeed).sort((a, b) => a.step - b.step);
     row.replaceChildren(...same.map((t) => el("div", { class: "compare-col" }, el("h3", { text: `step ${t.step}` }), trajectoryCard(run, t, true))));
   };
