@@ -239,3 +239,17 @@ def test_distinct_ngrams():
         "val-env/SimpleSokoban/think_distinct_2gram": pytest.approx(3 / 6),
         "val-env/Bandit/think_distinct_2gram": 1.0,
     }
+
+
+def test_max_levels_keeps_the_first_levels_of_each_env(tmp_path):
+    turn = {"observation": "State:\nP_G\nYou have 3 actions left.", "think": "go right", "answer": "Right",
+            "actions": ["Right"], "reward": 1.0, "format_penalty": False, "response": "go right</think>"}
+    records = [{"tag": tag, "group": g, "seed": 123 + g, "success": True, "env_reward": 1.0, "format_penalty": 0.0,
+                "num_actions": 1, "turns": [turn]} for g, tag in enumerate(["FrozenLake"] * 3 + ["Bandit"])]
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "step_5.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run,) = report.build_data([tmp_path], max_levels=2)["runs"]
+    assert [(t["tag"], t["group"]) for t in run["trajectories"]] == [("FrozenLake", 0), ("FrozenLake", 1), ("Bandit", 3)]
+    assert run["trajectories"][0]["turns"][0]["state"] == "P_G"
+    assert "step 5: showing 3 of 4 trajectories" in " ".join(run["notes"])
+    assert run["diversity"]["5"]["FrozenLake"]["texts"] == 3  # measured over every level, not only those shown
