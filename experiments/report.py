@@ -92,6 +92,12 @@ def observed_state(observation: str) -> str:
     return observation.split("State:\n")[-1].split("\nYou have")[0].strip("\n")
 
 
+def prompt_text(observation: str) -> str:
+    """A first observation's instructions: everything before the first state (the same for every
+    level of a tag, so the page keeps it once per tag)."""
+    return observation.split("State:\n")[0].strip("\n")
+
+
 def compact_turn(turn: dict) -> dict:
     return {
         "state": observed_state(str(turn.get("observation", ""))),
@@ -176,7 +182,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
     if not step_files:
         notes.append(f"No validation dumps (val/step_N.jsonl) in {run_dir}: no trajectories "
                      "(validation off, trainer.test_freq=0, or not reached yet).")
-    trajectories, diversity, tags = [], {}, {}
+    trajectories, diversity, tags = [], {}, {}  # tags: tag -> its prompt text
     for step, path in tqdm(step_files, desc=f"report {run_dir.name}", unit="file", disable=len(step_files) < 20):
         records = read_jsonl(path, notes)
         diversity[step] = diversity_of(records)
@@ -188,7 +194,11 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
             kept[tag] += 1
             shown += 1
             trajectories.append(compact_record(record, step))
-            tags.setdefault(tag, None)
+            first = (record.get("turns") or [{}])[0]
+            if tags.get(tag) is None and isinstance(first, dict) and first.get("observation"):
+                tags[tag] = prompt_text(str(first["observation"]))
+            else:
+                tags.setdefault(tag, None)
         if shown < len(records):
             notes.append(f"step {step}: showing {shown} of {len(records)} trajectories (--max-levels {max_levels}).")
 
@@ -204,6 +214,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
         "trajectories": trajectories,
         "diversity": {str(k): v for k, v in diversity.items()},
         "boards": {tag: board_spec(tag, overrides.get(tag, {})) for tag in tags},
+        "prompts": {tag: prompt for tag, prompt in tags.items() if prompt},
         "notes": notes,
     }
 

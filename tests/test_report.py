@@ -133,6 +133,10 @@ def test_report_of_a_tiny_real_run_in_a_browser(tiny_run, browser, tmp_path):
             assert t.locator(".bubble.think").count() == 1 and t.locator(".bubble.answer").count() == 1
             assert turn["response"] in t.locator("details.raw pre").text_content()
 
+    # Each env's prompt once, not repeated in every trajectory.
+    prompts = p.locator("#trajectories details.prompt")
+    assert prompts.count() == 3 and "Sokoban puzzle" in prompts.first.locator("pre").text_content()
+
     # Filters change what is shown.
     assert not {"null", "undefined"} & set(p.locator("#trajectories .filters").inner_text().split())
     page.choose("f-env", "FrozenLake")

@@ -166,6 +166,7 @@ function chart(panel) {
   plot.append(svg("text", { x: (L + W - R) / 2, y: H - 4, class: "axis-label", "text-anchor": "middle", text: "step" }));
   RUNS.forEach((run, r) => run.collapse_steps.forEach((step) => {
     const mark = svg("line", { x1: x(step), x2: x(step), y1: T, y2: H - B, class: "collapse" });
+    if (RUNS.length > 1) mark.setAttribute("style", `stroke:${PALETTE[r % PALETTE.length]}`);
     mark.append(svg("title", { text: `collapse warning at step ${step}` + (RUNS.length > 1 ? ` (${run.name})` : "") }));
     plot.append(mark);
   }));
@@ -354,7 +355,8 @@ function trajectoryCard(run, t, compact = false) {
     if (turn.response) {
       said.append(el("details", { class: "raw" }, el("summary", { text: "raw response" }), el("pre", { text: turn.response })));
     }
-    card.append(el("div", { class: "turn" }, el("div", { class: "turn-no", text: `turn ${i + 1}` }), drawBoard(spec, turn), said));
+    const label = el("div", { class: "turn-no", title: "the board as the agent saw it, before this turn's actions" }, el("span", { text: `turn ${i + 1}` }));
+    card.append(el("div", { class: "turn" }, label, drawBoard(spec, turn), said));
   });
   if (!t.turns.length) card.append(el("p", { class: "muted", text: "no turn recorded" }));
   return card;
@@ -410,7 +412,15 @@ function trajectoriesSection() {
     );
   };
   draw();
-  section.append(bar, count, list, pager);
+  const prompts = RUNS.flatMap((run) => Object.entries(run.prompts || {}).map(([tag, text]) => [run, tag, text]));
+  const seen = new Set();
+  const promptBox = el("div", { class: "prompts" });
+  for (const [run, tag, text] of prompts) {
+    if (seen.has(tag + "\n" + text)) continue; // runs sharing a prompt show it once
+    seen.add(tag + "\n" + text);
+    promptBox.append(el("details", { class: "prompt" }, el("summary", { text: `prompt of ${tag}` + (RUNS.length > 1 ? ` (${run.name})` : "") }), el("pre", { text })));
+  }
+  section.append(el("p", { class: "muted", text: "Each turn: the board as the agent saw it, then what it thought, answered and did, and the turn's reward." }), promptBox, bar, count, list, pager);
   return section;
 }
 
