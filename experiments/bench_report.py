@@ -1,5 +1,6 @@
 """What every benchmark shares: the machine it ran on, its memory bandwidth, and writing the report
-(JSON, and a markdown table where the benchmark has one)."""
+(the JSON, its table drawn as a PNG chart beside it (``experiments/bench_charts.py``), and a markdown
+table where the benchmark has one)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def write_report(report: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"[bench] wrote {path}")
+    from experiments.bench_charts import write_chart
+
+    png = write_chart(report, path.with_suffix(".png"))
+    if png:
+        print(f"[bench] wrote {png}")
     return path
 
 

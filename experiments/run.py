@@ -37,6 +37,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     import jax
 
     from starpo_jax import distributed, dumps
+    from starpo_jax.diversity import think_diversity_metrics
     from starpo_jax.train import rollout_metrics
 
     cfg = exp.config
@@ -50,6 +51,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     if not distributed.is_writer():
         return metrics
     records = dumps.trajectory_records(traj, exp.val_plan, exp.tokenizer, cfg.envs.val.seed)
+    metrics |= think_diversity_metrics(records, "val-env")  # the Echo Trap: one think template for all levels
     dumps.write_jsonl(records, out / "val" / f"step_{step}.jsonl")
     successes = ", ".join(
         f"{t.name} {metrics[f'val-env/{t.name}/success']:.3f}" for t in exp.val_plan.tags

@@ -23,6 +23,7 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys):
     )
     report = json.loads(out.read_text())
     assert set(report) == {"meta", "numpy", "results"}
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the table as a chart, beside the JSON
     assert report["meta"]["jax_platform"] == jax.default_backend()
     for name in ("Bandit", "FrozenLake"):
         assert set(report["numpy"][name]) == {"step", "reset"}

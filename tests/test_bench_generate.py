@@ -11,6 +11,7 @@ def test_quick_benchmark_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     report = bench_generate.main(["--quick", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the table as a chart, beside the JSON
     assert report["workload"]["new_tokens"] == 8 and report["machine"]["jax_platform"] == "cpu"
     (row,) = report["results"]
     assert (row["model"], row["batch"], row["weights"]) == ("tiny-llama", 2, "random")

@@ -19,6 +19,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_rollout.json"
     report = bench_rollout.main(["--quick", "--models", "tiny-random", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the table as a chart, beside the JSON
     return report
 
 

@@ -11,6 +11,7 @@ def test_quick_benchmark_compares_full_and_lora(tmp_path):
     out = tmp_path / "bench.json"
     report = bench_train.main(["--quick", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the table as a chart, beside the JSON
     full, lora = report["results"]["full"], report["results"]["lora"]
     assert (full["lora_rank"], lora["lora_rank"]) == (0, 4)
     # Full fine-tuning trains actor + critic backbones and keeps a frozen reference; LoRA trains

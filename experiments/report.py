@@ -1,0 +1,373 @@
+"""One self-contained HTML page per run: curves and every validation trajectory, drawn.
+
+    python -m experiments.report runs/quickstart                       # writes runs/quickstart/report.html
+    python -m experiments.report runs/starpo runs/starpo_s -o cmp.html  # several runs overlaid
+    python -m experiments.report runs/sokoban --serve                   # http://127.0.0.1:8000, refreshes
+
+Reads what ``experiments/run.py`` writes: ``metrics.jsonl`` (curves: success per env tag for train
+and validation, reward mean and in-group std, entropy, gradient norm, response and think length,
+reasoning diversity, throughput; collapse warnings marked), ``val/step_N.jsonl`` (each trajectory as
+a dialogue, turn by turn, with the board drawn) and ``config.json`` (env overrides, for the board's
+symbols). The page holds its data, script and style inline: no network, it opens offline and as an
+e-mail attachment. Missing or partial inputs (a run still writing, a truncated line, no
+validation) give a page of what exists with a note saying what was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.server
+import json
+import math
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from starpo_jax.diversity import distinct_ngrams, think_texts
+
+ASSETS = Path(__file__).with_name("report_assets")
+STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+
+# Cell roles in the order of each env class's ``grid_symbols`` (envs_jax/sokoban.py, frozen_lake.py).
+GRID_ROLES = {
+    "Sokoban": ("wall", "empty", "target", "box_on_target", "box", "player", "player_on_target"),
+    "FrozenLake": ("player", "empty", "hole", "goal", "player_in_hole", "player_on_goal"),
+}
+
+
+# ---- reading a run (tolerant: a run may be still writing) ----------------------------------------
+
+
+def read_jsonl(path: Path, notes: list[str]) -> list[dict]:
+    """The JSON objects of a JSONL file; a line that does not parse is skipped with a note."""
+    rows, bad = [], []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(i)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(i)
+    if bad:
+        notes.append(f"{path}: skipped {len(bad)} line(s) that are not complete JSON objects "
+                     f"(line {', '.join(map(str, bad[:5]))}{', …' if len(bad) > 5 else ''}); "
+                     "the run may still be writing.")
+    return rows
+
+
+def finite(value):
+    """JSON-safe: NaN and infinities become null (JavaScript's JSON.parse rejects them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def board_spec(tag: str, overrides: dict) -> dict:
+    """How to draw a tag's observation: a grid with a role per symbol, the Bandit's arms, or text."""
+    try:
+        import envs_jax
+
+        env = envs_jax.make(tag, **overrides)
+    except Exception:  # an env this version does not know: its boards are shown as text
+        return {"kind": "text"}
+    kind = type(env).__name__
+    if kind in GRID_ROLES:
+        return {"kind": "grid", "roles": dict(zip(env.grid_symbols, GRID_ROLES[kind]))}
+    if kind == "Bandit":
+        return {"kind": "bandit"}
+    return {"kind": "text"}
+
+
+def observed_state(observation: str) -> str:
+    """The state text of a turn's observation (the grid, or the Bandit's description)."""
+    return observation.split("State:\n")[-1].split("\nYou have")[0].strip("\n")
+
+
+def prompt_text(observation: str) -> str:
+    """A first observation's instructions: everything before the first state (the same for every
+    level of a tag, so the page keeps it once per tag)."""
+    return observation.split("State:\n")[0].strip("\n")
+
+
+def compact_turn(turn: dict) -> dict:
+    return {
+        "state": observed_state(str(turn.get("observation", ""))),
+        "think": turn.get("think") or "",
+        "answer": turn.get("answer") or "",
+        "actions": list(turn.get("actions") or []),
+        "reward": finite(turn.get("reward")),
+        "penalty": bool(turn.get("format_penalty")),
+        "response": turn.get("response") or "",
+    }
+
+
+def compact_record(record: dict, step: int) -> dict:
+    """A dumped trajectory without its repeated prompt text."""
+    return {
+        "step": step,
+        "tag": str(record.get("tag", "?")),
+        "group": record.get("group"),
+        "seed": record.get("seed"),
+        "success": bool(record.get("success")),
+        "reward": finite(record.get("env_reward")),
+        "penalty": finite(record.get("format_penalty")),
+        "actions": record.get("num_actions"),
+        "turns": [compact_turn(t) for t in record.get("turns") or [] if isinstance(t, dict)],
+    }
+
+
+def think_opening(text: str, words: int = 8) -> str:
+    return " ".join(text.lower().split()[:words])
+
+
+def diversity_of(records: list[dict]) -> dict:
+    """Per tag: distinct 1- and 2-grams of the think texts, and the most repeated think opening."""
+    by_tag: dict[str, list[str]] = {}
+    for r in records:
+        by_tag.setdefault(str(r.get("tag", "?")), []).extend(think_texts(r))
+    table = {}
+    for tag, texts in sorted(by_tag.items()):
+        openings = Counter(think_opening(t) for t in texts)
+        top, count = openings.most_common(1)[0] if openings else ("", 0)
+        table[tag] = {
+            "texts": len(texts),
+            "distinct_1gram": distinct_ngrams(texts, 1),
+            "distinct_2gram": distinct_ngrams(texts, 2),
+            "top_opening": top,
+            "top_share": count / len(texts) if texts else None,
+        }
+    return table
+
+
+def validation_dumps(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the run's ``val/step_N.jsonl`` files, by step (temporary files left out)."""
+    found = ((STEP_FILE.match(p.name), p) for p in (run_dir / "val").glob("step_*.jsonl"))
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
+    """Everything the page shows of one run, with notes on what is missing or was skipped."""
+    from tqdm import tqdm
+
+    notes: list[str] = []
+    config = {}
+    if (run_dir / "config.json").exists():
+        try:
+            config = json.loads((run_dir / "config.json").read_text())
+        except json.JSONDecodeError:
+            notes.append(f"{run_dir / 'config.json'} is not valid JSON; boards use the envs' default symbols.")
+    config = config if isinstance(config, dict) else {}
+    overrides = (config.get("envs") or {}).get("overrides") or {}
+
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics = []
+    if metrics_path.exists():
+        rows = read_jsonl(metrics_path, notes)
+        metrics = [{k: finite(v) for k, v in r.items()} for r in rows if isinstance(r.get("step"), (int, float))]
+        if not metrics:
+            notes.append(f"{metrics_path} has no metric lines yet: no curves.")
+    else:
+        notes.append(f"No metrics.jsonl in {run_dir}: no curves.")
+
+    step_files = validation_dumps(run_dir)
+    if not step_files:
+        notes.append(f"No validation dumps (val/step_N.jsonl) in {run_dir}: no trajectories "
+                     "(validation off, trainer.test_freq=0, or not reached yet).")
+    trajectories, diversity, tags = [], {}, {}  # tags: tag -> its prompt text
+    for step, path in tqdm(step_files, desc=f"report {run_dir.name}", unit="file", disable=len(step_files) < 20):
+        records = read_jsonl(path, notes)
+        diversity[step] = diversity_of(records)
+        kept, shown = Counter(), 0
+        for record in records:
+            tag = str(record.get("tag", "?"))
+            if max_levels is not None and kept[tag] >= max_levels:
+                continue
+            kept[tag] += 1
+            shown += 1
+            trajectories.append(compact_record(record, step))
+            first = (record.get("turns") or [{}])[0]
+            if tags.get(tag) is None and isinstance(first, dict) and first.get("observation"):
+                tags[tag] = prompt_text(str(first["observation"]))
+            else:
+                tags.setdefault(tag, None)
+        if shown < len(records):
+            notes.append(f"step {step}: showing {shown} of {len(records)} trajectories (--max-levels {max_levels}).")
+
+    collapse = [r["step"] for r in metrics if r.get("collapse/warning")]
+    if collapse:
+        notes.append(f"Collapse warning (reward std and entropy falling, or a gradient spike) at step(s) "
+                     f"{', '.join(str(int(s)) for s in collapse)}.")
+    return {
+        "name": run_dir.resolve().name,
+        "path": str(run_dir),
+        "metrics": metrics,
+        "collapse_steps": collapse,
+        "trajectories": trajectories,
+        "diversity": {str(k): v for k, v in diversity.items()},
+        "boards": {tag: board_spec(tag, overrides.get(tag, {})) for tag in tags},
+        "prompts": {tag: prompt for tag, prompt in tags.items() if prompt},
+        "notes": notes,
+    }
+
+
+def build_data(run_dirs: list[Path], max_levels: int | None = None) -> dict:
+    runs = [load_run(d, max_levels) for d in run_dirs]
+    names = [r["name"] for r in runs]
+    for r in runs:  # two folders with one name (a/run, b/run) are told apart by their paths
+        if names.count(r["name"]) > 1:
+            r["name"] = r["path"]
+    return {"generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": runs}
+
+
+# ---- the page ------------------------------------------------------------------------------------
+
+
+def render_html(data: dict, live: dict | None = None) -> str:
+    """The whole page: data as inline JSON, script and style inline. ``live`` ({interval,
+    signature}): the page is served by ``--serve`` and reloads when the inputs change."""
+    data = {**data, "live": live}
+    payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    payload = payload.replace("</", "<\\/")  # a think text with "</script>" must not end the block
+    title = "starpo-jax report: " + ", ".join(r["name"] for r in data["runs"])
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        "<link rel=\"icon\" href=\"data:,\">"  # no favicon request, served or not
+        f"<title>{_escape(title)}</title><style>{(ASSETS / 'report.css').read_text()}</style></head>"
+        "<body><div id=\"app\"><p class=\"loading\">Drawing the report…</p></div>"
+        f"<script type=\"application/json\" id=\"report-data\">{payload}</script>"
+        f"<script>{(ASSETS / 'report.js').read_text()}</script></body></html>\n"
+    )
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def write_report(run_dirs: list[Path], out: Path, max_levels: int | None = None, live: dict | None = None) -> Path:
+    html = render_html(build_data(run_dirs, max_levels), live)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(html)
+    tmp.replace(out)  # a browser reloading the file never sees half a page
+    return out
+
+
+# ---- --serve: regenerate while a run goes on ------------------------------------------------------
+
+
+def inputs_signature(run_dirs: list[Path]) -> str:
+    """Changes whenever a run writes a metric line or a validation dump."""
+    parts = []
+    for d in run_dirs:
+        for p in sorted([d / "metrics.jsonl", d / "config.json", *(d / "val").glob("step_*.jsonl")]):
+            if p.exists():
+                st = p.stat()
+                parts.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def make_server(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None):
+    """An HTTP server on 127.0.0.1 for the page; the page asks for /version every ``interval``
+    seconds and reloads when the run has written something (the page is rebuilt on that request)."""
+    state = {"signature": None}
+    lock = threading.Lock()
+
+    def refresh() -> str:
+        with lock:
+            signature = inputs_signature(run_dirs)
+            if signature != state["signature"]:
+                write_report(run_dirs, out, max_levels, live={"interval": interval, "signature": signature})
+                state["signature"] = signature
+            return signature
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            path = self.path.split("?")[0]
+            if path == "/version":
+                body, kind = refresh().encode(), "text/plain"
+            elif path in ("/", "/index.html", "/" + out.name):
+                refresh()
+                body, kind = out.read_bytes(), "text/html; charset=utf-8"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # one line per poll would drown the terminal
+            pass
+
+    refresh()
+    return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+
+def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None) -> None:
+    server = make_server(run_dirs, out, port, interval, max_levels)
+    print(f"serving {out} at http://127.0.0.1:{server.server_address[1]}/ (refreshes every {interval:g} s "
+          "while the run writes; Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.report",
+        description="Write one self-contained HTML report (curves, trajectories drawn turn by turn, "
+                    "reasoning diversity) for one or several run folders.",
+    )
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="trainer.output_dir of a run (several: overlaid curves)")
+    parser.add_argument("-o", "--out", type=Path, default=None,
+                        help="HTML file (default: RUN_DIR/report.html for one run, ./report.html for several)")
+    parser.add_argument("--max-levels", type=int, default=None,
+                        help="show at most this many trajectories per env tag and step (default: all)")
+    parser.add_argument("--serve", action="store_true", help="serve the report on 127.0.0.1 and refresh it")
+    parser.add_argument("--port", type=int, default=8000, help="port for --serve (0: any free port)")
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between refresh checks for --serve")
+    args = parser.parse_args(argv)
+    missing = [str(d) for d in args.run_dirs if not d.is_dir()]
+    if missing:
+        parser.error(f"not a run folder: {', '.join(missing)}")
+    if args.max_levels is not None and args.max_levels < 1:
+        parser.error("--max-levels must be at least 1")
+    if args.out is None:
+        args.out = args.run_dirs[0] / "report.html" if len(args.run_dirs) == 1 else Path("report.html")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        serve(args.run_dirs, args.out, args.port, args.interval, args.max_levels)
+        return 0
+    out = write_report(args.run_dirs, args.out, args.max_levels)
+    size = out.stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
+    if size > 20 * 2**20:
+        print("the page is large (every validation trajectory is in it); --max-levels N keeps N per env and step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
