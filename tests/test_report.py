@@ -18,7 +18,8 @@ from starpo_jax.diversity import distinct_ngrams, think_diversity_metrics
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]  # containers often have a small /dev/shm
 
 TINY_RUN = [
     "--config=configs/base.py",
