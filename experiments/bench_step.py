@@ -238,6 +238,7 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[(
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
          "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64}  # fmt: skip
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*?)\)(.*)$")
+TOP = 12  # items listed by hlo_bytes
 _IN_PLACE = {"dynamic-update-slice", "scatter"}  # XLA updates the operand's buffer in place
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "iota"}  # fmt: skip
@@ -249,7 +250,8 @@ def _shape_bytes(text: str) -> int:
 
 
 def _sliced_parameters(parsed) -> dict[int, int]:
-    """Fused parameters read only through (dynamic-)slices: parameter index -> bytes read."""
+    """Fused parameters read only through (dynamic-)slices or as a gather's table: parameter index ->
+    bytes read (the slices, or the rows gathered)."""
     params = {inst: int(re.search(r"parameter\((\d+)\)", f"{op}({operands})").group(1))
               for inst, _, op, operands, _ in parsed if op == "parameter"}  # fmt: skip
     uses: dict[str, list[tuple[str, str, bool]]] = {p: [] for p in params}
@@ -260,7 +262,7 @@ def _sliced_parameters(parsed) -> dict[int, int]:
     return {
         params[p]: sum(_shape_bytes(shape) for _, shape, _ in u)
         for p, u in uses.items()
-        if u and all(op in ("dynamic-slice", "slice") and first for op, _, first in u)
+        if u and all(op in ("dynamic-slice", "slice", "gather") and first for op, _, first in u)
     }
 
 
@@ -270,7 +272,8 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
     XLA's own ``cost_analysis`` counts a while loop's body once, and a decode step is a loop over
     the layers. Here every executed instruction outside fused computations (fusions, copies, dots,
     custom calls, slices, updates, ...) counts its operands' and result's bytes, times the known
-    trip counts of the loops around it; an operand that a fusion only slices counts the slice. An
+    trip counts of the loops around it; an operand that is only sliced or gathered from counts the
+    part read. An
     in-place update (``dynamic-update-slice``, or a fusion
     whose result aliases its first operand and whose root is one) counts the bytes it writes twice
     (read and write) instead of the whole buffer. Returns the total and the biggest items
@@ -321,8 +324,8 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
             read = {i: _shape_bytes(shapes.get(n, "")) for i, n in enumerate(names)}
             if called:  # a fused operand that is only sliced is read only in part
                 read |= sliced.get(called.group(1), {})
-            if op in ("dynamic-slice", "slice"):
-                read = {0: _shape_bytes(shape)}
+            if op in ("dynamic-slice", "slice", "gather"):
+                read[0] = _shape_bytes(shape)
             if root in _IN_PLACE and names:  # the first operand is the buffer updated in place
                 nbytes = 2 * sum(v for i, v in read.items() if i > 0)
             else:
@@ -333,7 +336,7 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
         return total
 
     total = walk(entry, 1)
-    return total, sorted(items, reverse=True)[:12]
+    return total, sorted(items, reverse=True)[:TOP]
 
 
 def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:

@@ -34,6 +34,7 @@ window of the cache (``KVCache.head``) just large enough for the live rows.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -214,12 +215,16 @@ def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
         allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
         return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
 
-    probs = jax.nn.softmax(jnp.concatenate([scores(k, allowed) for k, _, allowed in blocks], axis=-1), axis=-1)
-    out, start = 0.0, 0
-    for k, v, _ in blocks:
-        p = probs[..., start : start + k.shape[2]].astype(v.dtype)
+    # One softmax over all blocks' keys, computed per block (as jax.nn.softmax does over their
+    # concatenation): concatenating the scores and slicing the probabilities back would copy them.
+    block_scores = [scores(k, allowed) for k, _, allowed in blocks]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in block_scores])
+    unnormalised = [jnp.exp(s - jax.lax.stop_gradient(top)) for s in block_scores]
+    total = sum(jnp.sum(u, axis=-1, keepdims=True) for u in unnormalised)
+    out = 0.0
+    for (_, v, _), u in zip(blocks, unnormalised):
+        p = (u / total).astype(v.dtype)
         out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
-        start += k.shape[2]
     return out.astype(q.dtype).reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 
