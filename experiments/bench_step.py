@@ -312,7 +312,7 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
                 total += walk(body.group(1), times * (int(trips.group(1)) if trips else 1))
                 continue
             if op in ("call", "conditional"):  # conditional: every branch counted (an upper bound)
-                for called in re.findall(r"(?:to_apply|branch_computations=\{|, )%([\w.-]+)", attrs):
+                for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.-]+)", attrs):
                     if called in computations:
                         total += walk(called, times)
                 continue
@@ -482,7 +482,8 @@ def main(argv=None) -> dict:
         exp = build_experiment(experiment_config(args))
         report["workload"] = workload(exp, args)
         state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))
-        runs = len(args.response_tokens) * args.steps * (5 + (0 if args.no_baseline else 2))
+        # per N: the iterations, three learn variants, and the host loop's first run and repeats
+        runs = len(args.response_tokens) * (4 * args.steps + (0 if args.no_baseline else 1 + args.steps))
         with tqdm(total=runs, desc="bench_step", unit="run") as bar:
             from starpo_jax.train import make_train_step
 

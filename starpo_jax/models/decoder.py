@@ -25,9 +25,11 @@ Layout choices:
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway.
 
-Known cost: the layer scan hands each block its cache slice through a dynamic slice, which XLA
-materialises (a copy of one layer's cache per block, about 20% of a decode step at batch 32 on
-CPU). Removing it needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
+Known cost: the layer scan hands each block its cache slice (and its weights) through a dynamic
+slice, which XLA:CPU materialises: a copy of one layer's cache per block, 27 % of the bytes of a
+Qwen2.5-0.5B decode step at batch 128 (``python -m experiments.bench_step --cost-only``; carrying
+the cache through the scan or unrolling it made XLA copy more, docs/benchmarks.md). Removing it
+needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
 Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
 window of the cache (``KVCache.head``) just large enough for the live rows.
 """
