@@ -411,7 +411,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.steps < 3 and not args.tiny:
         p.error("--steps must be at least 3 (the median of warm steps)")
-    args.response_tokens = [int(n) for n in (args.response_tokens or ("8" if args.tiny else "100,400")).split(",")]
+    try:
+        args.response_tokens = [int(n) for n in (args.response_tokens or ("8" if args.tiny else "100,400")).split(",")]
+    except ValueError:
+        p.error(f"--response-tokens takes whole numbers separated by commas, not {args.response_tokens!r}")
     limit = TINY["rollout.response_length"] if args.tiny else 400
     if any(not 0 < n <= limit for n in args.response_tokens):
         p.error(f"--response-tokens must lie in 1..{limit} (the response length)")
