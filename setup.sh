@@ -14,14 +14,18 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 cuda="" wheelhouse="" download="" python_version="" glibc="2.28" arch="x86_64"
+value() {  # the value after an option, or one clear sentence
+  if [[ $# -lt 3 || "$3" == --* ]]; then echo "setup.sh: $1 needs $2" >&2; exit 2; fi
+  echo "$3"
+}
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cuda) cuda=1 ;;
-    --wheelhouse) wheelhouse="${2:?--wheelhouse needs a folder}"; shift ;;
-    --download-wheels) download="${2:?--download-wheels needs a folder}"; shift ;;
-    --python) python_version="${2:?--python needs a version such as 3.12}"; shift ;;
-    --glibc) glibc="${2:?--glibc needs a version such as 2.28}"; shift ;;
-    --arch) arch="${2:?--arch needs x86_64 or aarch64}"; shift ;;
+    --wheelhouse) wheelhouse="$(value "$1" "a folder" "${@:2}")"; shift ;;
+    --download-wheels) download="$(value "$1" "a folder" "${@:2}")"; shift ;;
+    --python) python_version="$(value "$1" "a version such as 3.12" "${@:2}")"; shift ;;
+    --glibc) glibc="$(value "$1" "a version such as 2.28" "${@:2}")"; shift ;;
+    --arch) arch="$(value "$1" "x86_64 or aarch64" "${@:2}")"; shift ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $1 (see bash setup.sh --help)" >&2; exit 2 ;;
   esac

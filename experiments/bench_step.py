@@ -3,7 +3,8 @@
     python -m experiments.bench_step                       # Qwen2.5-0.5B shape, random weights, N = 100 and 400
     python -m experiments.bench_step --model PATH          # a checkpoint (HF folder or GGUF) instead
     python -m experiments.bench_step --cost-analysis       # + XLA's bytes per decode step (compiled for CPU)
-    python -m experiments.bench_step --tiny                # CPU, under a minute: tiny model, smoke test
+    python -m experiments.bench_step --cost-only           # only those bytes (a minute or two on a CPU)
+    python -m experiments.bench_step --tiny                # CPU smoke run: tiny model, 8 rows, 2 turns of 8 tokens
 
 Workload: ``configs/sokoban.py`` unchanged unless a flag says otherwise — SimpleSokoban, 8 groups
 × 16, 5 turns, ``response_length`` 400, ``max_model_len`` 3,600, PPO with a critic (GAE), filter
@@ -50,9 +51,10 @@ Memory: the device's peak bytes in use (``memory_stats``; GPUs) and XLA's compil
 of ``collect`` and ``learn`` (arguments, outputs, temporaries).
 
 ``--cost-analysis``: ``decode_cost`` compiles one decode step (``sampling.decode_step``) of the
-paper's model for the CPU from abstract shapes (no weights allocated) and reports the bytes it
-accesses per generated token, from the optimised HLO, next to the ideal: weights / batch + the
-live KV cache of a row (see ``hlo_bytes``).
+paper's model (batch 128) for the CPU from abstract shapes (no weights allocated), in float32 and
+bfloat16 and in each cache window a 3,600-slot cache decodes in, and reports the bytes it accesses
+per generated token, read off the optimised HLO (``hlo_bytes``), next to the ideal: weights / batch
++ the KV cache of one row filling the window.
 
 Writes JSON (``--out``) and a markdown table next to it (``.md``); every record carries the device
 and the date.
@@ -138,7 +140,9 @@ def memory_analysis(compiled_fn) -> dict:
     m = compiled_fn.memory_analysis()
     if m is None:
         return {}
-    return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+    return {
+        "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+    }  # fmt: skip
 
 
 def compile_learn(exp, state, traj) -> Programs:
@@ -411,7 +415,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.steps < 3 and not args.tiny:
         p.error("--steps must be at least 3 (the median of warm steps)")
-    args.response_tokens = [int(n) for n in (args.response_tokens or ("8" if args.tiny else "100,400")).split(",")]
+    try:
+        args.response_tokens = [int(n) for n in (args.response_tokens or ("8" if args.tiny else "100,400")).split(",")]
+    except ValueError:
+        p.error(f"--response-tokens takes whole numbers separated by commas, not {args.response_tokens!r}")
     limit = TINY["rollout.response_length"] if args.tiny else 400
     if any(not 0 < n <= limit for n in args.response_tokens):
         p.error(f"--response-tokens must lie in 1..{limit} (the response length)")
@@ -435,13 +442,16 @@ def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, d
         "phases_s": phases(times, variants), "runs_s": {**times, **variants},
         "generated_tokens": tokens, "turns_played": int(np.asarray(traj.num_turns).sum()),
         "rollout_tokens_per_s": tokens / median(times["rollout"]),
-        "train_metrics": {k: float(metrics[k]) for k in ("train/generated_tokens", "actor/grad_norm", "critic/grad_norm")},
+        "train_metrics": {
+            k: float(metrics[k]) for k in ("train/generated_tokens", "actor/grad_norm", "critic/grad_norm")
+        },
         "memory": {"collect": memory_analysis(collect), "learn": programs.memory},
     }  # fmt: skip
     policy = sampling_policy(exp.model.graphdef, policy_weights(exp.settings, state))
     if bandwidth:
         subject = bench_rollout.Subject("policy", policy, exp.tokenizer, "")
-        result["roofline"] = bench_rollout.decode_roofline(traj, subject, exp.train_plan, median(times["rollout"]), bandwidth)
+        rollout_s = median(times["rollout"])
+        result["roofline"] = bench_rollout.decode_roofline(traj, subject, exp.train_plan, rollout_s, bandwidth)
     if not args.no_baseline:
         result["host_loop"] = host_loop(exp, policy, n, args.steps, bar)
         result["speedup_vs_host_loop"] = result["rollout_tokens_per_s"] / result["host_loop"]["tokens_per_s"]

@@ -199,6 +199,18 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
 KeyBlock = tuple[Array, Array, Array]  # k, v [B, kv_heads, S, d] and allowed [B|1, T|1, S] (bool)
 
 
+def _joint_softmax(block_scores: list[Array]) -> list[Array]:
+    """The softmax over the last axis of the blocks' concatenation, returned per block, computed as
+    ``jax.nn.softmax`` does but without concatenating the scores and slicing the probabilities back
+    (two copies per layer of a decode step). One block: ``jax.nn.softmax`` itself."""
+    if len(block_scores) == 1:
+        return [jax.nn.softmax(block_scores[0], axis=-1)]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in block_scores])
+    unnormalised = [jnp.exp(s - jax.lax.stop_gradient(top)) for s in block_scores]
+    total = sum(jnp.sum(u, axis=-1, keepdims=True) for u in unnormalised)
+    return [u / total for u in unnormalised]
+
+
 def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
     """Grouped-query softmax attention of q [B, T, heads, d] over key blocks, normalised jointly.
 
@@ -217,16 +229,9 @@ def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
         allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
         return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
 
-    # One softmax over all blocks' keys, computed per block (as jax.nn.softmax does over their
-    # concatenation): concatenating the scores and slicing the probabilities back would copy them.
-    block_scores = [scores(k, allowed) for k, _, allowed in blocks]
-    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in block_scores])
-    unnormalised = [jnp.exp(s - jax.lax.stop_gradient(top)) for s in block_scores]
-    total = sum(jnp.sum(u, axis=-1, keepdims=True) for u in unnormalised)
     out = 0.0
-    for (_, v, _), u in zip(blocks, unnormalised):
-        p = (u / total).astype(v.dtype)
-        out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
+    for (_, v, _), p in zip(blocks, _joint_softmax([scores(k, allowed) for k, _, allowed in blocks])):
+        out = out + jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 

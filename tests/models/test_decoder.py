@@ -193,3 +193,18 @@ def test_fused_attention_call_matches_dense_attention():
     allowed = sequence_mask(jnp.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2]]))
     dense = attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
     np.testing.assert_allclose(fused_attention(q, k, v, allowed, "xla"), dense, atol=1e-5)
+
+
+def test_joint_softmax_over_blocks_equals_softmax_of_their_concatenation():
+    from starpo_jax.models.decoder import _MASKED, _joint_softmax
+
+    rng = np.random.default_rng(0)
+    blocks = [rng.normal(size=(2, 3, 5, n)).astype(np.float32) * 10 for n in (7, 1)]
+    blocks[0][0, 0, 0] = _MASKED  # a row with every cached key masked
+    blocks[1][0, 0, 0] = _MASKED
+    whole = jax.nn.softmax(jnp.concatenate(blocks, axis=-1), axis=-1)
+    per_block = jnp.concatenate(_joint_softmax([jnp.asarray(b) for b in blocks]), axis=-1)
+    # the same exponentials; only the order of the normaliser's sum differs
+    np.testing.assert_allclose(per_block, whole, rtol=1e-6, atol=1e-7)
+    (single,) = _joint_softmax([jnp.asarray(blocks[0])])  # one block (training): jax.nn.softmax itself
+    np.testing.assert_array_equal(single, jax.nn.softmax(blocks[0], axis=-1))
