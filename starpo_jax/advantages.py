@@ -23,7 +23,7 @@ Decisions and departures (spec §8):
 import jax.numpy as jnp
 from jax import lax
 
-from starpo_jax.masked import masked_mean, masked_whiten, same_group_stats
+from starpo_jax.masked import masked_whiten, same_group_stats
 
 
 def _masked_gae(rewards, values, mask, boundary, gamma, lam):
@@ -104,13 +104,3 @@ def grpo_outcome(score, group_id, mask, norm_by_std=True, eps=1e-6, valid=None):
         advantage = advantage / (jnp.where(singleton, 1.0, std) + eps)
     advantages = jnp.where(jnp.asarray(mask).astype(bool), advantage[:, None], 0.0)
     return advantages, advantages
-
-
-def length_weighted(advantages, mask):
-    """RAGEN's `grpo_advantage_length_weight`: A_b /= (len_b + 1e-6) / mean(len), len = #policy tokens.
-
-    The mean runs over trajectories with at least one policy token, so rows zeroed by the filter
-    count as removed.
-    """
-    length = jnp.asarray(mask).astype(advantages.dtype).sum(axis=-1)
-    return advantages / ((length + 1e-6) / masked_mean(length, length > 0))[:, None]

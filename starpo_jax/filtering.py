@@ -16,9 +16,10 @@ Decisions and departures (spec §8):
 - k is at least 1 (RAGEN v1 would build an empty batch). `ratio` may be traced, so k is computed
   in float32: floor(ratio·G) can differ from Python's int(ratio * G) only when ratio·G lies within
   float32 rounding of an integer.
-- Static shapes: `select_groups` returns a keep mask [G]; dropped trajectories get weight 0
-  (`trajectory_weights`) instead of being removed. When the kept count is static (the top-k
-  modes), `gather_kept_groups` compacts the batch so the update does no wasted work.
+- Static shapes: `select_groups` returns a keep mask [G], and `gather_kept_groups` compacts the
+  batch to a static number of groups (the most a setting can keep). Slots left over when fewer
+  are kept (a traced ratio in a sweep, or "top_p_var") hold padding rows marked invalid; the
+  trainer keeps them out of every statistic, gradient and optimiser step.
 - RAGEN-2's `rollout_filter_metric: reward_variance` in fact ranks by the std; "top_p_var" does
   the same (its "linear" probability mode, selection_eps 0.01). Groups with std 0 are never
   selected by it unless ratio ≥ 1, which keeps everything.
@@ -86,11 +87,6 @@ def select_groups(rewards, ratio, mode="std", selection_eps=0.01):
     metrics |= {f"rollout/chosen_in_group_{name}": masked_mean(value, keep) for name, value in stats.items()}
     metrics["rollout/filter_kept_groups"] = keep.sum()
     return keep, metrics
-
-
-def trajectory_weights(keep, group_size):
-    """Per-trajectory 0/1 weight [G·N] (env order) from the group keep mask [G]."""
-    return jnp.repeat(keep, group_size).astype(jnp.float32)
 
 
 def gather_kept_groups(batch, keep, num_kept, group_size):

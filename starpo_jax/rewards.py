@@ -98,9 +98,3 @@ def kl_in_reward(token_rewards, kl, mask, beta):
         "actor/reward_kl_penalty_coeff": jnp.asarray(beta),
     }
     return token_rewards - beta * kl, metrics
-
-
-def adaptive_kl_coef(coef, current_kl, n_steps, target_kl, horizon):
-    """veRL's adaptive KL controller (Ziegler et al. 2019), one update as a pure function."""
-    proportional_error = jnp.clip(current_kl / target_kl - 1.0, -0.2, 0.2)
-    return coef * (1.0 + proportional_error * n_steps / horizon)

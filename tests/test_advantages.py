@@ -95,12 +95,6 @@ def test_grpo_normalises_within_groups():
     np.testing.assert_allclose(singletons[:, 0], score / (1 + 1e-6), rtol=1e-6)
 
 
-def test_length_weighting_ignores_empty_rows():
-    adv = jnp.ones((3, 4))
-    mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    np.testing.assert_allclose(advantages.length_weighted(adv, mask)[:2, 0], [3 / 2, 3 / 4], rtol=1e-5)
-
-
 @pytest.mark.parametrize("estimator", ["gae", "bilevel"])
 def test_traced_hyperparameters_jit_and_vmap(estimator):
     rewards = jnp.zeros((1, 8)).at[0, 3].set(0.2).at[0, 6].set(1.0)

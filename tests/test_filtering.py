@@ -77,9 +77,8 @@ def test_unknown_mode_is_named():
         filtering.select_groups(REWARDS, 0.5, "max_mean")
 
 
-def test_trajectory_weights_and_compact_gather_follow_env_order():
+def test_compact_gather_follows_env_order_and_marks_padding():
     keep = jnp.array([False, True, False, True])
-    np.testing.assert_array_equal(filtering.trajectory_weights(keep, 3), np.repeat([0, 1, 0, 1], 3))
     batch = {"ids": jnp.arange(12), "mask": jnp.arange(24).reshape(12, 2)}
     compact, valid = filtering.gather_kept_groups(batch, keep, num_kept=2, group_size=3)
     np.testing.assert_array_equal(compact["ids"], [3, 4, 5, 9, 10, 11])

@@ -3,10 +3,8 @@
 Each module's maths is checked against the original elsewhere (test_advantages, test_rewards,
 test_losses, test_filtering); these tests check the composition: what reaches each statistic, in
 which order, and which steps are taken. The batch is 4 groups × 8 trajectories of random tokens
-(no playing), the model a tiny random decoder, so each test compiles in seconds.
+(no playing) and the model a tiny random decoder; compiling ``learn`` is most of each test's time.
 """
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
