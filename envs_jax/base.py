@@ -347,9 +347,6 @@ class GridEnv(TextEnv, abc.ABC):
     def state_from_text(self, text: str):
         """A state from a rendered grid; a malformed grid is a ``ValueError`` naming the problem."""
 
-    def observe(self, state) -> jnp.ndarray:
-        return self.render_symbols(state)
-
     def render_text(self, state) -> str:
         return symbols_to_text(self.render_symbols(state), self.symbols)
 

@@ -123,3 +123,9 @@ def test_prompt_tokens_equal_tokenized_chat(which, request, env, states):
 def test_the_rollout_refuses_language_actions_clearly(env):
     with pytest.raises(EnvContractError, match="language action"):
         check_env(env, "Countdown")
+    from configs import base
+    from starpo_jax.experiment import ConfigError, rollout_plan
+
+    config = base.with_overrides(base.get_config(), {"envs.train.tags": ("Countdown",)})
+    with pytest.raises(ConfigError, match="envs.train.tags: Env 'Countdown' takes its answer as text"):
+        rollout_plan(config, "train")
