@@ -1,4 +1,4 @@
-"""Pure-JAX text environments with RAGEN semantics: Bandit, FrozenLake, Sokoban.
+"""Pure-JAX text environments with RAGEN semantics: Bandit, FrozenLake, Sokoban, Countdown.
 
 A new environment is one file: a ``envs_jax.base.TextEnv`` subclass (the contract), then
 ``envs_jax.register("Name", MyEnv)`` or a class path ``"mypkg.myenv:MyEnv"`` wherever an env name

@@ -141,10 +141,6 @@ class Bandit(TextEnv):
         """Jittable: whether action 0 (the arm named first) is the risky arm."""
         return state.hi_first
 
-    def observe(self, state: BanditState):
-        """What the prompt shows: which arm is named first."""
-        return state.hi_first
-
     def action_name_ids(self, state: BanditState):
         """``[0, 1]`` (safe arm first) or ``[1, 0]`` (risky arm first)."""
         hi_first = jnp.asarray(state.hi_first, jnp.int32)

@@ -226,7 +226,9 @@ class TextEnv(Environment, abc.ABC):
     - optionally ``reset_from_seed(seed)``: RAGEN's level for a seed (validation sets); by default
       ``reset(PRNGKey(seed))``.
     - optionally ``default_max_actions_per_traj``: the action budget of an episode when the config
-      names none (RAGEN's envs.yaml ``max_actions_per_traj``).
+      names none (RAGEN's envs.yaml ``max_actions_per_traj``), and
+      ``sample_observation_pieces(rng, P)``: random observations for the tokenizer cut checks
+      (default: uniform draws from the table, right when any piece may follow any other).
 
     ``starpo_jax.contract.check_env`` checks an env against this contract when a run starts.
     """
@@ -239,6 +241,9 @@ class TextEnv(Environment, abc.ABC):
     lists_actions: bool = True
     #: an episode's action budget where the config gives none.
     default_max_actions_per_traj: int = 10
+    #: language-action envs (Countdown): the answer bytes ``step(state, (bytes, length))`` reads;
+    #: 0 for envs whose actions are named (``action_names``). The rollout runs named actions only.
+    answer_width: int = 0
 
     @property
     @abc.abstractmethod
@@ -291,6 +296,12 @@ class TextEnv(Environment, abc.ABC):
         """A level for ``seed`` (host side); envs with RAGEN's seeded levels reproduce them."""
         return self.reset(jax.random.PRNGKey(seed))[0]
 
+    def sample_observation_pieces(self, rng, num_pieces: int) -> list[int]:
+        """Host: the pieces of a random observation, for checking the cuts between pieces against
+        a tokenizer. Default: ``num_pieces`` pieces drawn uniformly from the table (right for grid
+        rows); envs whose pieces follow an order (a list: first item, later items, end) override it."""
+        return [int(rng.integers(len(self.piece_texts))) for _ in range(num_pieces)]
+
 
 class GridEnv(TextEnv, abc.ABC):
     """A text env whose observation is a grid of symbols, one glyph per cell, one piece per row."""
@@ -335,9 +346,6 @@ class GridEnv(TextEnv, abc.ABC):
     @abc.abstractmethod
     def state_from_text(self, text: str):
         """A state from a rendered grid; a malformed grid is a ``ValueError`` naming the problem."""
-
-    def observe(self, state) -> jnp.ndarray:
-        return self.render_symbols(state)
 
     def render_text(self, state) -> str:
         return symbols_to_text(self.render_symbols(state), self.symbols)

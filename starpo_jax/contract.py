@@ -32,6 +32,11 @@ def check_env(env, tag: str = "") -> None:
 
     if not isinstance(env, TextEnv):
         fail(f"it is a {type(env).__name__}, not an envs_jax.base.TextEnv subclass.")
+    if env.answer_width:
+        raise EnvContractError(
+            f"{what} takes its answer as text (answer_width={env.answer_width}, a language action); the "
+            "rollout does not pass answer text to envs yet, only named actions."
+        )
     names = tuple(env.action_names)
     if not names or any(not isinstance(n, str) or not n.strip() or not n.isascii() for n in names):
         fail(f"action_names must be non-empty ASCII strings, got {names!r}.")

@@ -401,13 +401,13 @@ class PromptPieces:
 
     def sample_prompts(self, env, samples: int = 24, seed: int = 0) -> list[list]:
         """Random first and later turns, as lists of pieces (texts, and ints for observation
-        pieces); each observation is a random draw of the env's pieces, as many as it has."""
+        pieces); the observations are the env's ``sample_observation_pieces``."""
         rng = np.random.default_rng(seed)
         pick = lambda options: options[rng.integers(len(options))]  # noqa: E731
         num_pieces = observation_budget(env)
         prompts = []
         for i in range(samples):
-            observation = [int(rng.integers(len(env.piece_texts))) for _ in range(num_pieces)]
+            observation = env.sample_observation_pieces(rng, num_pieces)
             if i % 2 == 0:
                 prompts.append([self.head, *observation, pick(self.tails)])
             else:

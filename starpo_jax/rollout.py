@@ -167,10 +167,6 @@ def _names_with_empty(names: Sequence[str], width: int) -> parsing.ActionNames:
     )
 
 
-def max_num_actions(plan: "RolloutPlan") -> int:
-    return max(t.env.num_actions for t in plan.tags)
-
-
 def stop_tokens_for(tokenizer, tables: RolloutTables) -> tuple[int, ...]:
     """The chat template's end-of-turn token and the tokenizer's EOS (RAGEN: 151645, 151643)."""
     ids = {tables.tags[0].prompts.stop_token_id}
@@ -300,7 +296,7 @@ def make_rollout(plan: RolloutPlan, responder=None):
     budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
     tag_id = _per_row(plan, range(len(plan.tags)))
 
-    num_actions = max_num_actions(plan)
+    num_actions = max(t.env.num_actions for t in plan.tags)  # action ids of the widest tag
 
     def tag_name_ids(tag, states, pad):
         """int32[rows, num_actions]: the tag's action-name index of each action id, ``pad`` past

@@ -153,3 +153,13 @@ def test_documented_run_trains_the_example_env_for_a_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = (tmp_path / "metrics.jsonl").read_text()
     assert '"train/guess_digit:GuessDigit/success"' in metrics
+
+
+def test_the_documented_code_is_the_tested_file():
+    """Every line of docs/environments.md's worked example is a line of docs/examples/guess_digit.py."""
+    import re
+
+    doc = (REPO / "docs" / "environments.md").read_text()
+    source = set((EXAMPLES / "guess_digit.py").read_text().splitlines())
+    example = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "class GuessDigit" in b)
+    assert [line for line in example.splitlines() if line.strip() and line not in source] == []

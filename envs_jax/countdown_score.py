@@ -1,0 +1,335 @@
+"""Countdown's answer scoring (RAGEN ``countdown``, spec §1.4), in plain Python and inside jit.
+
+RAGEN scores an answer ``expr`` against ``nums`` and ``target``:
+
+- 0 if the integers ``re.findall(r"\\d+", expr)`` are not ``nums`` as a multiset;
+- else 1.0 if ``eval(expr)`` (no builtins) is within 1e-5 of the target;
+- else 0.1 (also when ``eval`` fails: a syntax error, a division by zero).
+
+``ragen_score`` is that code, the oracle. ``score_answer`` computes the same inside the graph from
+the answer's bytes: ``answer_numbers`` (the digit runs) and ``evaluate`` (a byte-level expression
+evaluator). It evaluates Python's arithmetic grammar exactly: integer and decimal literals (Python's
+rules, e.g. ``03`` is a syntax error, ``03.5`` is not), ``+ - * / // % **`` with Python's
+precedence and associativity, unary signs, parentheses, spaces and tabs, and newlines inside
+parentheses. Values are exact fractions of int32 integers, reduced after each operation, so
+``8 / (3 - 8 / 3)`` is exactly 24 where Python's doubles are 24 - 1.4e-14; both are within the
+tolerance.
+
+Where ``eval`` would do more, the answer counts as not equal to the target (score 0.1 when its
+numbers are right), a documented departure: Python syntax beyond arithmetic (names, keywords,
+comparisons, bit operators, comments, ``1_000``, ``0x1f``, ``1e3``, ``2j``, a backslash line
+continuation), a fractional power (``4 ** 0.5``), and values whose numerator or denominator leaves
+int32 (``99 ** 9``). None of these can use each of 3-4 numbers below 100 once to hit a target
+below 1000 except through such syntax, and the property tests compare both scorers on random and
+adversarial arithmetic.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+
+FORMAT_SCORE, SCORE = 0.1, 1.0  # RAGEN's CountdownEnvConfig; a wrong-number answer pays int 0
+
+# ---- the oracle: RAGEN's code ----------------------------------------------------------------
+
+
+def ragen_check_format(equation: str, nums) -> bool:
+    try:
+        return sorted(int(n) for n in re.findall(r"\d+", equation)) == sorted(nums)
+    except Exception:
+        return False
+
+
+def ragen_check_correctness(equation: str, target) -> bool:
+    try:
+        result = eval(equation, {"__builtins__": None}, {})
+        return abs(result - target) < 1e-5
+    except Exception:
+        return False
+
+
+def ragen_score(equation: str, nums, target):
+    """RAGEN's ``compute_reward``: 0 (an int), 0.1 or 1.0."""
+    if not ragen_check_format(equation, nums):
+        return 0
+    return SCORE if ragen_check_correctness(equation, target) else FORMAT_SCORE
+
+
+# ---- in the graph ------------------------------------------------------------------------------
+
+# Operator codes on the operator stack; precedence by code.
+LPAREN, ADD, SUB, MUL, DIV, FLOORDIV, MOD, NEG, POS, POW = range(10)
+PRECEDENCE = jnp.array([0, 1, 1, 2, 2, 2, 2, 3, 3, 4], jnp.int32)
+LIMIT = 2**30  # magnitudes past this count as overflow (products are checked in float32 first)
+MAX_DIGIT_RUNS = 8  # digit runs kept for the number check; more can never match 3-4 numbers
+BIG = jnp.int32(2**30)  # a digit run too long to matter (it matches no task number)
+
+
+def _byte(data, i, length):
+    return jnp.where(i < length, data[jnp.minimum(i, data.shape[0] - 1)], 0).astype(jnp.int32)
+
+
+def _is_digit(c):
+    return (c >= 48) & (c <= 57)
+
+
+def answer_numbers(data, length):
+    """``(int32[MAX_DIGIT_RUNS] padded with -1, count)``: the answer's maximal runs of ASCII digits
+    as integers (``re.findall(r"\\d+")``), in order; runs past ``MAX_DIGIT_RUNS`` are counted only."""
+
+    def body(i, carry):
+        runs, count, value, in_run = carry
+        c = _byte(data, i, length)
+        digit = _is_digit(c)
+        value = jnp.where(digit, jnp.where(value > BIG // 10, BIG, value * 10 + (c - 48)), value)
+        ends = in_run & ~digit
+        runs = jnp.where(ends & (jnp.arange(MAX_DIGIT_RUNS) == count), value, runs)
+        count = count + ends
+        value = jnp.where(digit, value, 0)
+        return runs, count, value, digit
+
+    init = (jnp.full((MAX_DIGIT_RUNS,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
+    # One step past the end: the byte there reads 0 (not a digit) and closes a last run.
+    runs, count, _, _ = jax.lax.fori_loop(0, data.shape[0] + 1, body, init)
+    return runs, count
+
+
+def numbers_match(data, length, nums, num_count):
+    """RAGEN's format check: the digit runs are ``nums[:num_count]`` as a multiset."""
+    runs, count = answer_numbers(data, length)
+    slots = jnp.arange(MAX_DIGIT_RUNS)
+    want = jnp.where(slots < num_count, jnp.pad(nums, (0, MAX_DIGIT_RUNS - nums.shape[0]), constant_values=-1), -1)
+    return (count == num_count) & jnp.all(jnp.sort(runs) == jnp.sort(want))
+
+
+def _gcd(a, b):
+    def body(_, ab):
+        a, b = ab
+        return jnp.where(b == 0, a, b), jnp.where(b == 0, 0, a % jnp.maximum(b, 1))
+
+    a, _ = jax.lax.fori_loop(0, 46, body, (jnp.abs(a), jnp.abs(b)))  # Euclid: 46 steps cover int32
+    return jnp.maximum(a, 1)
+
+
+def _fraction(p, q, ok):
+    """A reduced fraction with a positive denominator, and whether it is representable."""
+    sign = jnp.where(q < 0, -1, 1)
+    p, q = p * sign, q * sign
+    g = _gcd(p, q)
+    p, q = p // g, q // g
+    ok = ok & (q != 0) & (jnp.abs(p) < LIMIT) & (q < LIMIT)
+    return jnp.where(ok, p, 0), jnp.where(ok, q, 1), ok
+
+
+def _product_fits(*factors):
+    """Whether a product of int32 values stays below ``LIMIT``, so that a sum of two such products
+    cannot overflow int32 (a float32 estimate: within a few units of LIMIT it may refuse a product
+    that fits, never accept one that does not fit in int32)."""
+    size = jnp.float32(1.0)
+    for f in factors:
+        size = size * jnp.abs(f).astype(jnp.float32)
+    return size < LIMIT
+
+
+def _power(p, q, ep, eq):
+    """``(p/q) ** (ep/eq)`` for an integer exponent; a fractional one is not evaluated."""
+    integral = eq == 1
+    n = jnp.abs(ep)
+    trivial = (jnp.abs(p) <= 1) & (q == 1)
+    fits = (n <= 30) | trivial
+    n = jnp.where(n > 30, 30 + n % 2, n)  # past 30 only 0 and +-1 are left: keep the parity
+
+    def body(i, acc):
+        rp, rq, ok = acc
+        use = i < n
+        ok = ok & (~use | _product_fits(rp, p) & _product_fits(rq, q))
+        return jnp.where(use & ok, rp * p, rp), jnp.where(use & ok, rq * q, rq), ok
+
+    rp, rq, ok = jax.lax.fori_loop(0, 31, body, (jnp.int32(1), jnp.int32(1), integral & fits))
+    negative = ep < 0  # x ** -n = 1 / x ** n; 0 ** -n divides by zero
+    ok = ok & ~(negative & (rp == 0))
+    rp, rq = jnp.where(negative, rq, rp), jnp.where(negative, rp, rq)
+    return rp, rq, ok
+
+
+def _apply(op, a, b):
+    """``a op b`` on fractions ``(p, q)``; returns ``(p, q, ok)``."""
+    (ap, aq), (bp, bq) = a, b
+    cross = _product_fits(ap, bq) & _product_fits(bp, aq) & _product_fits(aq, bq)
+    add = (ap * bq + bp * aq, aq * bq, cross)
+    sub = (ap * bq - bp * aq, aq * bq, cross)
+    mul = (ap * bp, aq * bq, _product_fits(ap, bp) & _product_fits(aq, bq))
+    div = (ap * bq, aq * bp, _product_fits(ap, bq) & _product_fits(aq, bp) & (bp != 0))
+    # Python's floor division and modulo: a // b = floor(a / b), a % b = a - b * (a // b).
+    num, den = ap * bq, jnp.where(aq * bp == 0, 1, aq * bp)
+    floor = jnp.floor_divide(num, den)
+    floordiv = (floor, jnp.int32(1), cross & (bp != 0))
+    mod = (ap * bq - bp * aq * floor, aq * bq, cross & (bp != 0) & _product_fits(bp, aq, floor))
+    power = _power(ap, aq, bp, bq)
+    options = [add, sub, mul, div, floordiv, mod, power]
+    codes = [ADD, SUB, MUL, DIV, FLOORDIV, MOD, POW]
+    index = jnp.select([op == c for c in codes], list(range(len(codes))), 0)
+    p = jnp.stack([o[0] for o in options])[index]
+    q = jnp.stack([o[1] for o in options])[index]
+    ok = jnp.stack([jnp.asarray(o[2]) for o in options])[index]
+    return _fraction(p, q, ok)
+
+
+def evaluate(data, length):
+    """Jittable: the value of the arithmetic expression in ``data[:length]`` (bytes) as a reduced
+    fraction ``(p, q, ok)``; ``ok`` is False where Python's ``eval`` fails or is not followed (see
+    the module docstring)."""
+    width = data.shape[0]
+    depth = width + 2
+
+    def push(stack, top, value):
+        return stack.at[jnp.minimum(top, depth - 1)].set(value), top + 1
+
+    def reduce_top(c):
+        """Apply the operator on top of the operator stack to the value stack."""
+        ops, otop, vp, vq, vtop, ok = c
+        op = ops[jnp.maximum(otop - 1, 0)]
+        unary = (op == NEG) | (op == POS)
+        b = (vp[jnp.maximum(vtop - 1, 0)], vq[jnp.maximum(vtop - 1, 0)])
+        a = (vp[jnp.maximum(vtop - 2, 0)], vq[jnp.maximum(vtop - 2, 0)])
+        bp, bq, bin_ok = _apply(op, a, b)
+        up = jnp.where(op == NEG, -b[0], b[0])
+        p, q = jnp.where(unary, up, bp), jnp.where(unary, b[1], bq)
+        enough = vtop >= jnp.where(unary, 1, 2)
+        ok = ok & enough & (unary | bin_ok) & (otop > 0)
+        vtop = vtop - jnp.where(unary, 1, 2)
+        vp = vp.at[jnp.clip(vtop, 0, depth - 1)].set(p)
+        vq = vq.at[jnp.clip(vtop, 0, depth - 1)].set(q)
+        return ops, otop - 1, vp, vq, vtop + 1, ok
+
+    def reduce_while(c, should):
+        """Pop operators while ``should(top_op)``; at most ``depth`` pops."""
+        def cond(state):
+            c, n = state
+            ops, otop = c[0], c[1]
+            return (n < depth) & (otop > 0) & should(ops[jnp.maximum(otop - 1, 0)]) & c[5]
+
+        def body(state):
+            c, n = state
+            return reduce_top(c), n + 1
+
+        c, _ = jax.lax.while_loop(cond, body, (c, 0))
+        return c
+
+    def body(i, carry):
+        (ops, otop, vp, vq, vtop, ok, expect_operand, skip,
+         in_num, num_p, num_q, seen_dot, int_digits, leading_zero, nonzero, depth_paren) = carry
+        c = _byte(data, i, length)
+        nxt = _byte(data, i + 1, length)
+        at_end = i == length
+        live = i <= length
+
+        # 1. A number ends at any byte that is neither a digit nor '.': push it as an operand.
+        digit, dot = _is_digit(c), c == 46
+        continues = in_num & (digit | (dot & ~seen_dot))
+        finishing = in_num & ~continues & live
+        # Python: an integer literal with a leading zero must be all zeros ("00" ok, "03" not).
+        bad_literal = finishing & ~seen_dot & leading_zero & nonzero & (int_digits > 1)
+        bad_literal = bad_literal | (finishing & seen_dot & (int_digits == 0) & (num_q == 1))  # a lone "."
+        ok = ok & ~bad_literal & ~(finishing & ~expect_operand)
+        p, q, frac_ok = _fraction(num_p, num_q, jnp.bool_(True))
+        ok = ok & (~finishing | frac_ok)
+        vp, _ = push(vp, vtop, jnp.where(finishing, p, vp[jnp.minimum(vtop, depth - 1)]))
+        vq, vtop_after = push(vq, vtop, jnp.where(finishing, q, vq[jnp.minimum(vtop, depth - 1)]))
+        vtop = jnp.where(finishing, vtop_after, vtop)
+        expect_operand = jnp.where(finishing, False, expect_operand)
+        in_num = in_num & continues
+
+        # 2. The byte itself (skipped: the second byte of "**" or "//").
+        act = live & ~skip & ~in_num
+        starts_num = act & (digit | dot) & ~at_end
+        ok = ok & ~(starts_num & ~expect_operand)
+        space = (c == 32) | (c == 9) | (c == 12)
+        newline = (c == 10) | (c == 13)
+        ok = ok & ~(act & newline & (depth_paren == 0))
+        star2 = (c == 42) & (nxt == 42)
+        slash2 = (c == 47) & (nxt == 47)
+        op = jnp.select(
+            [star2, slash2, c == 42, c == 47, c == 37, c == 43, c == 45],
+            [POW, FLOORDIV, MUL, DIV, MOD, ADD, SUB], -1,
+        )
+        is_op = act & (op >= 0)
+        unary = is_op & expect_operand & ((op == ADD) | (op == SUB))
+        binary = is_op & ~unary
+        ok = ok & ~(binary & expect_operand)
+        lparen, rparen = act & (c == 40), act & (c == 41)
+        ok = ok & ~(lparen & ~expect_operand) & ~(rparen & expect_operand)
+        known = space | newline | digit | dot | (op >= 0) | (c == 40) | (c == 41) | at_end
+        ok = ok & ~(act & ~known)
+
+        # Binary operator: pop higher precedence (equal too, unless right-associative **).
+        prec = PRECEDENCE[jnp.maximum(op, 0)]
+        state = (ops, otop, vp, vq, vtop, ok)
+        popped = reduce_while(
+            state, lambda top: (top != LPAREN) & ((PRECEDENCE[top] > prec) | ((PRECEDENCE[top] == prec) & (op != POW)))
+        )
+        state = jax.tree.map(lambda a, b: jnp.where(binary & ok, a, b), popped, state)
+        # ")" pops to the matching "(", then drops it; the end pops everything.
+        closing = reduce_while(state, lambda top: top != LPAREN)
+        state = jax.tree.map(lambda a, b: jnp.where(rparen & ok, a, b), closing, state)
+        ops, otop, vp, vq, vtop, ok = state
+        matched = otop > 0
+        ok = ok & ~(rparen & ~matched)
+        otop = jnp.where(rparen & matched, otop - 1, otop)
+        finals = reduce_while(state[:1] + (otop,) + state[2:5] + (ok,), lambda top: top != LPAREN)
+        end_state = jax.tree.map(lambda a, b: jnp.where(at_end & act, a, b), finals, (ops, otop, vp, vq, vtop, ok))
+        ops, otop, vp, vq, vtop, ok = end_state
+        ok = ok & ~(at_end & act & ((otop != 0) | (vtop != 1) | expect_operand))
+
+        pushed_op = jnp.where(unary, jnp.where(op == SUB, NEG, POS), jnp.where(lparen, LPAREN, op))
+        pushing = (binary | unary | lparen) & ok
+        new_ops, new_otop = push(ops, otop, pushed_op)
+        ops = jnp.where(pushing, new_ops, ops)
+        otop = jnp.where(pushing, new_otop, otop)
+        depth_paren = depth_paren + lparen - (rparen & matched)
+        expect_operand = jnp.where(binary | unary | lparen, True, jnp.where(rparen, False, expect_operand))
+
+        # Number accumulation: p / q with q = 10 ** (digits after the point).
+        first = starts_num
+        growing = first | continues
+        d = jnp.where(digit, c - 48, 0)
+        fits = (num_p < LIMIT // 10) & (num_q < LIMIT // 10)
+        ok = ok & ~(growing & digit & ~fits & (in_num | first))
+        num_p = jnp.where(first, d, jnp.where(continues & digit, num_p * 10 + d, num_p))
+        num_q = jnp.where(first, 1, jnp.where(continues & digit & seen_dot, num_q * 10, num_q))
+        seen_dot = jnp.where(first, dot, seen_dot | (continues & dot))
+        int_digits = jnp.where(first, digit.astype(jnp.int32), int_digits + (continues & digit & ~seen_dot))
+        leading_zero = jnp.where(first, digit & (c == 48), leading_zero)
+        nonzero = jnp.where(first, digit & (c != 48), nonzero | (continues & digit & ~seen_dot & (c != 48)))
+        in_num = in_num | first
+        skip = act & (star2 | slash2)
+        return (ops, otop, vp, vq, vtop, ok, expect_operand, skip,
+                in_num, num_p, num_q, seen_dot, int_digits, leading_zero, nonzero, depth_paren)
+
+    zeros = jnp.zeros((depth,), jnp.int32)
+    false, zero = jnp.bool_(False), jnp.int32(0)
+    init = (zeros, zero, zeros, jnp.ones((depth,), jnp.int32), zero, jnp.bool_(True), jnp.bool_(True), false,
+            false, zero, jnp.int32(1), false, zero, false, false, zero)
+    out = jax.lax.fori_loop(0, width + 1, body, init)
+    vp, vq, ok = out[2], out[3], out[5]
+    return vp[0], vq[0], ok & (length > 0)
+
+
+def equals_target(p, q, ok, target):
+    """``abs(p / q - target) < 1e-5``: exact for equal values; otherwise the fractions differ by at
+    least ``1 / q``, and the float32 quotient decides only where ``q`` exceeds 1e5."""
+    diff_fits = _product_fits(target, q)
+    d = p - target * q
+    close = jnp.abs(d.astype(jnp.float32)) < jnp.float32(1e-5) * q.astype(jnp.float32)
+    return ok & diff_fits & ((d == 0) | close)
+
+
+def score_answer(data, length, nums, num_count, target):
+    """Jittable: RAGEN's Countdown score of the answer ``data[:length]`` (float32 0, 0.1 or 1)."""
+    right_numbers = numbers_match(data, length, nums, num_count)
+    p, q, ok = evaluate(data, length)
+    correct = equals_target(p, q, ok, target)
+    return jnp.where(right_numbers, jnp.where(correct, SCORE, FORMAT_SCORE), 0.0).astype(jnp.float32)
