@@ -70,7 +70,7 @@ def rollout_batch(env_reward=REWARD, seed=0) -> Trajectories:
         context_exhausted=zeros(bool),
         group_id=jnp.arange(B, dtype=jnp.int32) // N,
         tag_id=zeros(jnp.int32),
-        name_order=zeros(jnp.int32),
+        action_name_ids=jnp.zeros((B, 2), jnp.int32),
     )
 
 
