@@ -3,6 +3,7 @@
     python -m experiments.evaluate --model smollm2-135m-instruct --suite bandit
     python -m experiments.evaluate --model runs/sokoban --suite sokoban_generalisation --levels 256
     python -m experiments.evaluate --model Qwen/Qwen2.5-0.5B-Instruct --suite sokoban
+    python -m experiments.evaluate --model smollm2-135m-instruct --suite bandit --no-think
 
 ``--model`` is anything ``load_model`` takes (the bundled name, a GGUF file, a Hugging Face folder
 or hub id) or a training run folder (its config and latest checkpoint). Prints a success table per

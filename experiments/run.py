@@ -92,8 +92,8 @@ def main(argv) -> int:
 
 
 # What a run writes into its output folder (``clear_run`` deletes exactly these).
-RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy", "lora_adapter",
-             "base_model")
+RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy",
+             "lora_adapter", "base_model")
 
 
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:

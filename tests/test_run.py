@@ -141,9 +141,10 @@ def one_line_error(proc) -> str:
 def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     """Errors that need no model are reported before it loads: a model source that does not exist
     is named in none of them. A failed start writes nothing."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     for module in ("experiments.run", "experiments.sweep"):
         proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                              timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+                              timeout=300, env=env)
         assert proc.returncode == 0 and "--config" in proc.stdout, module
     out = tmp_path / "out"
     no_model = ["--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={out}"]
