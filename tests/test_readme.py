@@ -12,6 +12,7 @@ minutes); the five training commands and the benchmarks' smoke runs are ``slow``
 (``pytest -m slow``, as the README says).
 """
 
+import json
 import os
 import re
 import shlex
@@ -31,8 +32,8 @@ TINY_MODEL = ("--config.model.source=smollm2-135m-instruct", "--config.model.ran
 TINY_SOKOBAN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.train.group_size=2",
                 "--config.envs.val.n_groups=(2,)", "--config.rollout.response_length=6",
                 "--config.rollout.max_model_len=1024", "--config.actor.ppo_mini_batch_size=2",
-                "--config.actor.micro_batch_size=2", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1",
-                "--config.trainer.save_freq=1", "--config.trainer.log_trajectories=1")
+                "--config.actor.micro_batch_size=2", "--config.trainer.test_freq=1", "--config.trainer.save_freq=1",
+                "--config.trainer.log_trajectories=1", "--config.trainer.total_steps=1")
 # configs/quickstart.py already runs on a CPU; only the model shrinks, one step, no validation.
 TINY_QUICKSTART = (*TINY_MODEL, "--config.trainer.total_steps=1", "--config.trainer.test_freq=0")
 QUICK_BENCH = ("--quick",)
@@ -49,7 +50,7 @@ COMMANDS = {
     "python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
         (TINY_SOKOBAN, "0.5B on a GPU", True),
     "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
-        ((*TINY_SOKOBAN, "--config.trainer.total_steps=2"), "resumes the tiny configs/sokoban.py run for a second step", True),
+        ((*TINY_SOKOBAN[:-1], "--config.trainer.total_steps=2"), "continues the tiny configs/sokoban.py run", True),
     "python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
     "python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
         ((*TINY_MODEL, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
@@ -141,7 +142,9 @@ def test_readme_command(command, tmp_path):
 def test_readme_command_slow(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
     if command == "python -m experiments.run --config configs/sokoban.py":
-        run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run
+        run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run for a second step
+        steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1] == 2 and steps.count(1) == steps.count(2), steps  # step 2 added, step 1 kept
 
 
 @pytest.mark.parametrize("block", readme_blocks("python"))
