@@ -9,9 +9,10 @@ module, config, preset and its own flags run as written. Python blocks run as wr
 
 The quick start, the sweep and the evaluation of the quick start's run folder run by default (a few
 minutes); the five training commands and the benchmarks' smoke runs are ``slow``
-(``pytest -m slow tests/test_readme.py``, as the README says).
+(``pytest -m slow``, as the README says).
 """
 
+import json
 import os
 import re
 import shlex
@@ -31,10 +32,10 @@ TINY_MODEL = ("--config.model.source=smollm2-135m-instruct", "--config.model.ran
 TINY_SOKOBAN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.train.group_size=2",
                 "--config.envs.val.n_groups=(2,)", "--config.rollout.response_length=6",
                 "--config.rollout.max_model_len=1024", "--config.actor.ppo_mini_batch_size=2",
-                "--config.actor.micro_batch_size=2", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1",
-                "--config.trainer.save_freq=1", "--config.trainer.log_trajectories=1")
-# configs/quickstart.py already runs on a CPU; only the model shrinks, and one step.
-TINY_QUICKSTART = (*TINY_MODEL, "--config.trainer.total_steps=1", "--config.trainer.test_freq=1")
+                "--config.actor.micro_batch_size=2", "--config.trainer.test_freq=1", "--config.trainer.save_freq=1",
+                "--config.trainer.log_trajectories=1", "--config.trainer.total_steps=1")
+# configs/quickstart.py already runs on a CPU; only the model shrinks, one step, no validation.
+TINY_QUICKSTART = (*TINY_MODEL, "--config.trainer.total_steps=1", "--config.trainer.test_freq=0")
 QUICK_BENCH = ("--quick",)
 
 SKIP = "skip"
@@ -42,13 +43,14 @@ SKIP = "skip"
 COMMANDS = {
     "bash setup.sh": (SKIP, "builds the .venv these tests run in; CI runs it", False),
     ".venv/bin/python -m pytest -q": (SKIP, "this test suite itself", False),
+    ".venv/bin/python -m pytest -q -m slow": (SKIP, "this test suite's slow part", False),
     ".venv/bin/python -m experiments.run --config configs/quickstart.py": (TINY_QUICKSTART, "tiny model, 1 step", False),
     "python -m experiments.run --config configs/sokoban.py": (TINY_SOKOBAN, "0.5B on a GPU", True),
     "python -m experiments.run --config configs/presets.py:starpo_grpo": (TINY_SOKOBAN, "0.5B on a GPU", True),
     "python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
         (TINY_SOKOBAN, "0.5B on a GPU", True),
     "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
-        ((*TINY_SOKOBAN, "--config.trainer.total_steps=2"), "resumes the tiny configs/sokoban.py run for a second step", True),
+        ((*TINY_SOKOBAN[:-1], "--config.trainer.total_steps=2"), "continues the tiny configs/sokoban.py run", True),
     "python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
     "python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
         ((*TINY_MODEL, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
@@ -104,8 +106,13 @@ def shrunk(command: str) -> tuple:
 
 
 def cases(slow: bool):
-    return [pytest.param(c, marks=pytest.mark.slow) if s else c
+    return [pytest.param(c, marks=[pytest.mark.slow] if s else [], id=short(c))
             for c, (how, _, s) in COMMANDS.items() if how is not SKIP and s == slow]
+
+
+def short(command: str) -> str:
+    """A test id: the module and its flags, without the interpreter."""
+    return command.split(" -m ", 1)[-1].replace(" ", "_")
 
 
 QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py"
@@ -126,16 +133,18 @@ def test_quickstart_and_evaluating_its_run_folder(quickstart_run, tmp_path):
     assert (tmp_path / "out.json").is_file()
 
 
-@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c not in (QUICKSTART, EVAL_QUICKSTART)])
+@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART)])
 def test_readme_command(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
 
 
-@pytest.mark.parametrize("command", [c for c in cases(slow=True) if c != RESUME])
+@pytest.mark.parametrize("command", [c for c in cases(slow=True) if c.values[0] != RESUME])
 def test_readme_command_slow(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
     if command == "python -m experiments.run --config configs/sokoban.py":
-        run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run
+        run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run for a second step
+        steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1] == 2 and steps.count(1) == steps.count(2), steps  # step 2 added, step 1 kept
 
 
 @pytest.mark.parametrize("block", readme_blocks("python"))

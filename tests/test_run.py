@@ -101,6 +101,8 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
     run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True")
     full, resumed = train_lines(read_metrics(full_run)), train_lines(read_metrics(tmp_path))
     assert len(resumed) == 2
+    # Exact: the resumed process compiles the same programs for the same shapes on the same machine
+    # and feeds them the checkpointed state bit for bit, so nothing may differ (not even rounding).
     for a, b in zip(full, resumed):
         for key in ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "train/response_length"):
             assert a[key] == b[key], key
@@ -243,6 +245,9 @@ def test_lora_run_exports_adapters_and_evaluates(tmp_path):
     assert train[0]["critic/vf_loss"] > 0 and train[0]["critic/advantages/mean"] == train[0]["critic/advantages/mean"]
     adapter = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 2 and (out / "lora_adapter" / "adapter_model.safetensors").exists()
+    # random base weights resolve nowhere else: exported beside the adapters, which name its path
+    assert adapter["base_model_name_or_path"] == str(out / "base_model")
+    assert (out / "base_model" / "config.json").is_file() and (out / "base_model" / "model.safetensors").is_file()
     assert (out / "hf_policy" / "model.safetensors").exists()  # the merged policy
     proc = evaluate("--model", str(out), "--suite", "FrozenLake", "--levels", "1", "--batch", "1",
                     "--out", str(tmp_path / "eval.json"))
