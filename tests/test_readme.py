@@ -62,6 +62,11 @@ COMMANDS = {
     "python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
     "python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
     "python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
+    "python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
+    ".venv/bin/python -m experiments.report runs/quickstart": ((), "on the tiny quick start's run folder", False),
+    "bash setup.sh --download-wheels wheelhouse --python 3.12":
+        (SKIP, "downloads ~5 GB of wheels for another machine; its pip resolution was checked with --dry-run", False),
+    "bash setup.sh --wheelhouse wheelhouse": (SKIP, "needs the wheelhouse the command above builds", False),
 }
 
 
@@ -117,6 +122,7 @@ def short(command: str) -> str:
 
 QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py"
 EVAL_QUICKSTART = "python -m experiments.evaluate --model runs/quickstart --suite bandit"
+REPORT_QUICKSTART = ".venv/bin/python -m experiments.report runs/quickstart"
 RESUME = "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
 
 
@@ -131,9 +137,11 @@ def test_quickstart_and_evaluating_its_run_folder(quickstart_run, tmp_path):
     assert (quickstart_run / "hf_policy" / "config.json").is_file()
     run_command(EVAL_QUICKSTART, tmp_path, shrunk(EVAL_QUICKSTART), replace={"runs/quickstart": str(quickstart_run)})
     assert (tmp_path / "out.json").is_file()
+    run_command(REPORT_QUICKSTART, tmp_path, replace={"runs/quickstart": str(quickstart_run)})
+    assert "train/Bandit/success" in (quickstart_run / "report.html").read_text()  # the run's curves embedded
 
 
-@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART)])
+@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART, REPORT_QUICKSTART)])
 def test_readme_command(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
 
