@@ -18,8 +18,10 @@ from pathlib import Path
 
 
 def kind_of(report: dict) -> str | None:
-    """Which benchmark wrote ``report``: envs, generate, rollout, train, or None."""
+    """Which benchmark wrote ``report``: envs, generate, rollout, train, step, or None."""
     results = report.get("results")
+    if "decode_cost" in report or (isinstance(results, list) and results and "phases_s" in results[0]):
+        return "step"
     if "numpy" in report and isinstance(results, list):
         return "envs"
     if isinstance(results, dict) and {"full", "lora"} <= set(results):
@@ -126,7 +128,33 @@ def draw_train(report: dict):
     return fig
 
 
-DRAW = {"envs": draw_envs, "generate": draw_generate, "rollout": draw_rollout, "train": draw_train}
+def draw_step(report: dict):
+    """Seconds per StarPO-S iteration split by phase, one stacked bar per forced response length N;
+    with a cost analysis, XLA's bytes per decode token against the ideal per cache window."""
+    results, cost = report.get("results") or [], (report.get("decode_cost") or {}).get("steps") or []
+    fig, axes = _figure(bool(results) + bool(cost))
+    if results:
+        ax, bottom = axes[0], [0.0] * len(results)
+        labels = [f"N = {r['response_tokens']}" for r in results]
+        for phase in ("rollout", "logprobs_values", "critic_update", "actor_update"):
+            heights = [max(r["phases_s"][phase], 0.0) for r in results]
+            ax.bar(labels, heights, bottom=bottom, label=phase.replace("_", " "))
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set(ylabel="seconds", title="one StarPO-S iteration by phase")
+        ax.legend(fontsize=7)
+    if cost:
+        ax = axes[-1]
+        for dtype in dict.fromkeys(c["dtype"] for c in cost):
+            rows = [c for c in cost if c["dtype"] == dtype]
+            windows = [c["window"] for c in rows]
+            ax.plot(windows, [c["bytes_per_token"] / 2**20 for c in rows], "o-", label=f"{dtype} XLA")
+            ax.plot(windows, [c["ideal_bytes_per_token"] / 2**20 for c in rows], "--", label=f"{dtype} ideal")
+        ax.set(xlabel="cache window (tokens)", ylabel="MiB per generated token", title="decode step, batch 128")
+        ax.legend(fontsize=7)
+    return fig
+
+
+DRAW = {"envs": draw_envs, "generate": draw_generate, "rollout": draw_rollout, "train": draw_train, "step": draw_step}
 
 
 def write_chart(report: dict, png: str | Path) -> Path | None:

@@ -24,3 +24,17 @@ def test_unknown_json_is_reported_not_drawn(tmp_path, capsys):
     other.write_text(json.dumps({"results": 3}))
     assert bench_charts.main([str(other)]) == 1
     assert "not a benchmark report" in capsys.readouterr().err and not other.with_suffix(".png").exists()
+
+
+def test_bench_step_chart_stacks_the_phases_per_n(tmp_path):
+    phases = {"rollout": 1.0, "logprobs_values": 0.2, "critic_update": 0.3, "actor_update": 0.5}
+    report = {"results": [{"response_tokens": n, "phases_s": phases} for n in (100, 400)],
+              "decode_cost": {"steps": [{"dtype": "float32", "window": w, "bytes_per_token": 2**21 * w,
+                                         "ideal_bytes_per_token": 2**20 * w} for w in (450, 900)]}}
+    assert bench_charts.kind_of(report) == "step"
+    fig = bench_charts.draw_step(report)
+    bars, lines = fig.axes[0].patches, fig.axes[1].lines
+    assert len(bars) == 4 * 2  # one segment per phase per N
+    assert max(b.get_y() + b.get_height() for b in bars) == 2.0  # stacked up to the step's seconds
+    assert [list(line.get_ydata()) for line in lines] == [[900, 1800], [450, 900]]  # MiB per token
+    assert bench_charts.write_chart(report, tmp_path / "step.png").is_file()

@@ -18,6 +18,7 @@ def report(tmp_path_factory):
     report = bench_step.main(["--tiny", "--bandwidth", "1e10", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert f"| {N} |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").is_file()  # the phases drawn beside the JSON
     return report
 
 
