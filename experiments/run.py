@@ -59,16 +59,22 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax.planning import PlanError, check_fits
-    from starpo_jax import distributed, sharding
+    from starpo_jax import distributed
+
+    try:  # before anything else touches JAX (importing the env modules builds arrays)
+        distributed.initialize(_CONFIG.value.distributed)
+    except distributed.DistributedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from starpo_jax import sharding
     from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
+    from starpo_jax.planning import PlanError, check_fits
 
     try:
-        distributed.initialize(_CONFIG.value.distributed)
         check_fits(_CONFIG.value)  # on accelerators: refuse a run that cannot fit before loading it
         exp = build_experiment(_CONFIG.value)
-    except (ConfigError, ModelLoadError, FileNotFoundError, PlanError, distributed.DistributedError) as err:
+    except (ConfigError, ModelLoadError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
     with sharding.use_mesh(exp.mesh):

@@ -216,7 +216,7 @@ def check_fits(config) -> MemoryPlan | None:
 
     from starpo_jax.experiment import build_experiment
 
-    budget = device_budget(jax.devices())
+    budget = device_budget(jax.local_devices())  # every process checks its own
     if budget is None:
         return None
     plan = plan_memory(build_experiment(config, load=abstract_policy))
