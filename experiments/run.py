@@ -67,7 +67,14 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax import distributed, sharding
+    from starpo_jax import distributed
+
+    try:  # before anything else touches JAX (importing the env modules builds arrays)
+        distributed.initialize(_CONFIG.value.distributed)
+    except distributed.DistributedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from starpo_jax import sharding
     from starpo_jax.checkpoint import CheckpointError
     from starpo_jax.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.models.loading import ModelLoadError
@@ -76,13 +83,11 @@ def main(argv) -> int:
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
-        distributed.initialize(cfg.distributed)
         check_config(cfg)
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
         check_fits(cfg)  # on accelerators: refuse a run that cannot fit before loading it
         exp = build_experiment(cfg)
-    except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError,
-            distributed.DistributedError) as err:
+    except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
     if cfg.trainer.overwrite and not cfg.trainer.resume and distributed.is_writer():

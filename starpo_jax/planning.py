@@ -89,6 +89,7 @@ class MemoryPlan:
     rollout_peak: int  # the resident train state + the rollout's tables, outputs and working memory
     update_temp: int  # the update program's working memory: gathered weights, activations, gradients
     update_peak: int  # inputs + outputs + working memory of the update program (donated state reused)
+    micro_rows: int = 1  # rows per device in one gradient pass (actor.micro_batch_size / (data × fsdp))
 
     @property
     def peak(self) -> int:
@@ -116,14 +117,17 @@ class MemoryPlan:
         """Which knob to turn when the peak is over ``budget`` (None when it fits)."""
         if self.peak <= budget:
             return None
-        weights = self.train_state
         parts = {
-            "the train state": (weights, "raise mesh.fsdp (the state is stored 1/fsdp per device; take it from "
+            "the train state": (self.train_state, "raise mesh.fsdp (the state is stored 1/fsdp per device; take it from "
                                 "mesh.data), or train LoRA adapters (lora.rank=64) instead of every weight"),
-            "the rollout's KV cache": (self.kv_cache, "lower the rows per device (envs.train.n_groups × group_size "
-                                       "over mesh.data × mesh.fsdp; more devices split them) or rollout.max_model_len"),
-            "the update's working memory": (self.update_temp, "lower actor.micro_batch_size (rows per gradient "
-                                            "pass) or rollout.max_model_len"),
+            "the rollout's working memory": (self.rollout_temp, "lower the rows per device (envs.train.n_groups × "
+                                             "group_size over mesh.data × mesh.fsdp; more devices split them) or "
+                                             "rollout.max_model_len"),
+            "the update's working memory": (self.update_temp, (
+                f"lower actor.micro_batch_size ({self.micro_rows} rows per device per gradient pass)"
+                if self.micro_rows > 1 else
+                "lower rollout.max_model_len (the saved attention scores grow with its square; gradient "
+                "passes already take one row per device)")),
         }
         name, (_, knob) = max(parts.items(), key=lambda item: item[1][0])
         return f"  over budget by {gib(self.peak - budget)}; the largest part is {name}: {knob}."
@@ -185,6 +189,8 @@ def kv_cache_bytes(exp) -> int:
 
 def plan_memory(exp) -> MemoryPlan:
     """The memory plan of a built experiment (its model may be abstract)."""
+    from starpo_jax import sharding
+
     collect_c, learn_c, state = compile_programs(exp)
     rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
     train_state = _bytes_per_device(state)
@@ -199,6 +205,7 @@ def plan_memory(exp) -> MemoryPlan:
         + rollout.temp_size_in_bytes,
         update_temp=update.temp_size_in_bytes,
         update_peak=_peak(update),
+        micro_rows=exp.settings.micro_batch_size // sharding.rows_per_mesh(exp.mesh),
     )
 
 
@@ -216,7 +223,7 @@ def check_fits(config) -> MemoryPlan | None:
 
     from starpo_jax.experiment import build_experiment
 
-    budget = device_budget(jax.devices())
+    budget = device_budget(jax.local_devices())  # every process checks its own
     if budget is None:
         return None
     plan = plan_memory(build_experiment(config, load=abstract_policy))

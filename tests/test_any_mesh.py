@@ -46,3 +46,45 @@ def test_distributed_config_errors(tmp_path):
                check=False)
     assert proc.returncode == 2
     assert "distributed.num_processes" in proc.stderr.strip().splitlines()[-1]
+
+
+def _two_processes(out, port: int):
+    """The tiny run as two processes of one CPU device each (localhost coordinator, gloo collectives)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_run import REPO, TINY
+
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "experiments.run", *TINY, f"--config.trainer.output_dir={out}",
+             f"--config.distributed.coordinator_address=localhost:{port}",
+             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=1500) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-4000:]
+    return [out + err for out, err in outputs]
+
+
+@pytest.mark.slow  # two processes and a reference run, several minutes on 2 cores
+def test_two_processes_train_like_one_process_over_two_devices(tmp_path):
+    logs = _two_processes(tmp_path / "two", port=23461)
+    run(f"--config.trainer.output_dir={tmp_path / 'one'}", devices=2)  # data parallel over 2 devices, 1 process
+    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in two] == [r["step"] for r in one]  # one set of logs, not two
+    for a, b in zip(train_lines(two), train_lines(one)):
+        for key in ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "train/response_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert "[process 1/2] train" in logs[1] and "validation @" not in logs[1]  # progress named; process 0 logs
+    assert (tmp_path / "two" / "hf_policy" / "model.safetensors").exists()
+    # The checkpoint the two processes wrote (step 2) restores in a single process on one device.
+    proc = run(f"--config.trainer.output_dir={tmp_path / 'two'}", "--config.trainer.resume=True",
+               "--config.trainer.total_steps=3", "--config.trainer.test_freq=0", devices=1)
+    assert "resumed from step 2" in proc.stdout + proc.stderr

@@ -77,7 +77,8 @@ def _plan(**parts):
 def test_advice_names_the_knob_for_the_largest_part():
     assert _plan().advice(budget=20) is None and "fits" in _plan().report(20)
     assert "mesh.fsdp" in _plan().advice(budget=12)
-    assert "micro_batch_size" in _plan(update_temp=50, update_peak=62).advice(budget=20)
+    assert "micro_batch_size (4 rows" in _plan(update_temp=50, update_peak=62, micro_rows=4).advice(budget=20)
+    assert "max_model_len" in _plan(update_temp=50, update_peak=62, micro_rows=1).advice(budget=20)
     assert "max_model_len" in _plan(kv_cache=40, rollout_temp=41, rollout_peak=52).advice(budget=20)
     assert "does NOT fit" in _plan().report(12)
 
