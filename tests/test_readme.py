@@ -63,6 +63,8 @@ COMMANDS = {
     "python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
     "python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
     "python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
+    "python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
+        ((), "compiles the quick start's programs for abstract shapes (tests/test_plan.py checks the figures)", True),
     ".venv/bin/python -m experiments.report runs/quickstart": ((), "on the tiny quick start's run folder", False),
     "bash setup.sh --download-wheels wheelhouse --python 3.12":
         (SKIP, "downloads ~5 GB of wheels for another machine; its pip resolution was checked with --dry-run", False),
