@@ -11,7 +11,8 @@ as many as fit, group after group (the same results, in more time); if one setti
 the sweep stops with one sentence naming what to reduce. Sweepable keys
 are those that enter the compiled step as arrays (``SWEEPABLE``); anything else changes the
 program and needs separate runs. Metrics go to ``<output_dir>/sweep.jsonl``, one line per setting
-and step, and a summary table is printed at the end. Sweeps keep no checkpoints.
+and step, and a summary table is printed at the end; an earlier sweep's log in that folder is kept
+(the sweep refuses to start) unless ``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ def grid(sweeps: dict[str, list[float]]) -> list[dict[str, float]]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(sweeps[k] for k in keys))]
 
 
+def check_sweep_log(out: Path, overwrite: bool) -> None:
+    """A sweep never replaces an earlier sweep's log unless asked to (``trainer.overwrite``)."""
+    from starpo_jax.experiment import ConfigError
+
+    if (out / "sweep.jsonl").exists() and not overwrite:
+        raise ConfigError(
+            f"{out} holds an earlier sweep (sweep.jsonl); choose a new --config.trainer.output_dir, or replace "
+            "it with --config.trainer.overwrite=True."
+        )
+
+
 def main(argv) -> int:
     del argv
     from absl import logging
@@ -98,6 +110,7 @@ def main(argv) -> int:
         settings_grid = grid(sweeps)
         if "filter.ratio" in settings_grid[0]:  # room for the largest kept batch
             cfg.filter.ratio = max(s["filter.ratio"] for s in settings_grid)
+        check_sweep_log(Path(cfg.trainer.output_dir), cfg.trainer.overwrite)
         exp = build_experiment(cfg)
     except (ValueError, ConfigError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -50,3 +50,14 @@ def test_program_bytes_counts_donated_outputs_once():
     kept = jax.jit(lambda a: a * 2).lower(x).compile()
     assert sweep.program_bytes(kept) >= 2 * 2**20
     assert 2**20 <= sweep.program_bytes(donated) < sweep.program_bytes(kept)
+
+
+def test_an_earlier_sweep_log_is_kept_unless_overwrite(tmp_path):
+    from starpo_jax.experiment import ConfigError
+
+    sweep.check_sweep_log(tmp_path, overwrite=False)  # an empty folder is fine
+    (tmp_path / "sweep.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="earlier sweep.*trainer.overwrite=True"):
+        sweep.check_sweep_log(tmp_path, overwrite=False)
+    sweep.check_sweep_log(tmp_path, overwrite=True)
+    assert (tmp_path / "sweep.jsonl").read_text() == '{"step": 1}\n'  # the check itself deletes nothing
