@@ -211,7 +211,7 @@ def test_evaluate_errors():
     proc = evaluate("--model", "/nonexistent/model.gguf", "--suite", "bandit")
     assert proc.returncode == 2 and "/nonexistent/model.gguf" in proc.stderr
     proc = evaluate("--model", "tests/nonexistent", "--suite", "bandit")  # a folder's path, not a hub id
-    assert proc.returncode == 2 and "No folder or GGUF file exists at tests/nonexistent" in proc.stderr
+    assert proc.returncode == 2 and "No checkpoint folder or GGUF file exists at tests/nonexistent" in proc.stderr
 
 
 def test_sweep_trains_a_grid_in_one_program(tmp_path):

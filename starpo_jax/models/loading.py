@@ -98,7 +98,7 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
             raise ModelLoadError(f"{path} is a file but not a .gguf file; {_SOURCES_HINT}.")
         return "gguf", path
     if path.suffix.lower() == ".gguf" or not _HUB_ID.match(str(source)) or _looks_local(str(source)):
-        raise ModelLoadError(f"No folder or GGUF file exists at {path}; {_SOURCES_HINT}.")
+        raise ModelLoadError(f"No checkpoint folder or GGUF file exists at {path}; {_SOURCES_HINT}.")
     return "folder", download_from_hub(str(source))
 
 
