@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_run import TINY
 
 from experiments import report
 from starpo_jax.diversity import distinct_ngrams, think_diversity_metrics
@@ -21,27 +22,11 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]  # containers often have a small /dev/shm
 
-TINY_RUN = [
-    "--config=configs/base.py",
-    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
-    "--config.model.random_init_preset=tiny-llama",
-    "--config.model.dtype=float32",
-    "--config.envs.train.tags=('SimpleSokoban','FrozenLake','Bandit')",
-    "--config.envs.train.n_groups=(1,1,1)",
-    "--config.envs.train.group_size=2",
-    "--config.envs.val.tags=('SimpleSokoban','FrozenLake','Bandit')",
-    "--config.envs.val.n_groups=(1,1,1)",
-    "--config.rollout.max_turn=2",
-    "--config.rollout.response_length=6",
-    "--config.rollout.max_model_len=640",
-    "--config.filter.ratio=0.5",
-    "--config.actor.ppo_mini_batch_size=2",
-    "--config.actor.micro_batch_size=2",
-    "--config.trainer.total_steps=2",
-    "--config.trainer.test_freq=1",
-    "--config.trainer.save_freq=0",
-    "--config.trainer.export_hf=False",
-]
+# test_run's tiny run, validating one level of every env at every step, without checkpoints or export
+VAL_EVERY_STEP = {"envs.val.tags": "('SimpleSokoban','FrozenLake','Bandit')", "envs.val.n_groups": "(1,1,1)",
+                  "trainer.test_freq": "1", "trainer.save_freq": "0", "trainer.export_hf": "False"}
+TINY_RUN = [arg for arg in TINY if arg.split("=", 1)[0].removeprefix("--config.") not in VAL_EVERY_STEP]
+TINY_RUN += [f"--config.{key}={value}" for key, value in VAL_EVERY_STEP.items()]
 
 
 @pytest.fixture(scope="module")
