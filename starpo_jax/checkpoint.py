@@ -55,9 +55,14 @@ def _no_checkpoint(directory) -> CheckpointError:
 
 
 def checksums(state) -> dict[str, str]:
-    """CRC-32 of every array's bytes, by its path in the pytree (4.5 GB/s: seconds for a 0.5B run)."""
+    """CRC-32 of every array's bytes, by its path in the pytree (4.5 GB/s: seconds for a 0.5B run).
+
+    Arrays split across processes (many hosts) are left out: no process holds their bytes, and
+    gathering a large model onto every host to sum it would cost more than the checkpoint."""
     sums = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not getattr(leaf, "is_fully_addressable", True):
+            continue
         data = np.ascontiguousarray(jax.device_get(leaf)).reshape(-1).view(np.uint8)
         sums[jax.tree_util.keystr(path)] = f"{zlib.crc32(data):08x}"
     return sums
@@ -108,11 +113,12 @@ def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int):
     host = dict(out.host)
     expected = host.pop("checksums", None)
     if expected is not None:  # checkpoints written before checksums existed have none
-        got = checksums(out.state)
-        bad = [name for name, crc in expected.items() if got.get(name) != crc]
-        if bad or set(got) != set(expected):
-            what = f"{len(bad)} array(s), e.g. {bad[0]}," if bad else "its array list"
-            raise CheckpointError(f"{where} is damaged: {what} do not match the checksums written with it.")
+        got = checksums(out.state)  # orbax already checked the tree's structure against like_state
+        bad = [name for name, crc in expected.items() if name in got and got[name] != crc]
+        if bad:
+            raise CheckpointError(
+                f"{where} is damaged: {len(bad)} array(s), e.g. {bad[0]}, do not match the checksums written with it."
+            )
     return out.state, host
 
 
