@@ -1,7 +1,8 @@
 """RAGEN v1 defaults (StarPO-S on SimpleSokoban with Qwen2.5-0.5B-Instruct).
 
 Every value here is the original's effective default (spec: ragen-v1-spec.md §2.1, §3.1-3.7), unless
-a comment says otherwise. Env files (``sokoban.py``, ``frozen_lake.py``, ``bandit.py``) and
+a comment says otherwise; the rollout and update sections come from ``starpo_jax/settings.py``, where
+each of their keys is declared once. Env files (``sokoban.py``, ``frozen_lake.py``, ``bandit.py``) and
 ``presets.py`` start from ``get_config()`` and override. Override any key on the command line:
 ``python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3``.
 """
@@ -11,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ml_collections import ConfigDict
+
+from starpo_jax.settings import SECTIONS, config_section
 
 
 def env_split(tags, n_groups, group_size, seed):
@@ -77,78 +80,10 @@ def get_config() -> ConfigDict:
     # quirk 1: RAGEN's prompt legend shows the default symbols even for SokobanDifferentGridVocab.
     c.envs.legend_from_env_symbols = False
 
-    c.rollout = ConfigDict(
-        dict(
-            max_turn=5,
-            max_actions_per_turn=5,
-            enable_think=True,
-            format_penalty=-0.1,
-            response_length=400,  # max new tokens per turn
-            max_model_len=3600,  # tokens per trajectory (prompt + all turns)
-            temperature=1.0,
-            top_p=1.0,
-            top_k=-1,
-            val_temperature=0.5,
-            use_sampler_logprobs=False,  # old log-probs recomputed by the training forward (RAGEN)
-        )
-    )
-    c.reward = ConfigDict(
-        dict(
-            grouping="state",  # state | batch | inductive
-            method="identity",  # identity | mean | mean_std | asym_clip
-            use_turn_scores=False,
-        )
-    )
-    c.filter = ConfigDict(
-        dict(
-            ratio=0.25,  # StarPO-S keeps the top 25 % of groups by in-group reward std
-            type="std",  # std | std_rev | top_p_var
-        )
-    )
-    c.algorithm = ConfigDict(
-        dict(
-            adv_estimator="gae",  # gae | grpo | bilevel_gae
-            gamma=1.0,
-            lam=1.0,
-            high_level_gamma=0.95,
-            grpo_norm_by_std=True,
-            kl_in_reward=False,
-            kl_in_reward_coef=0.0,
-            kl_penalty="kl",  # kl | abs | mse | low_var_kl
-        )
-    )
-    c.actor = ConfigDict(
-        dict(
-            lr=1e-6,
-            weight_decay=0.01,
-            betas=(0.9, 0.999),
-            grad_clip=1.0,
-            clip_ratio_low=0.2,
-            clip_ratio_high=0.28,
-            clip_ratio_c=3.0,
-            entropy_coeff=0.001,
-            use_kl_loss=False,
-            kl_loss_coef=0.0,
-            kl_loss_type="kl",
-            loss_agg_mode="seq-mean-token-mean",  # RAGEN's effective mode (micro-batch 1)
-            ppo_mini_batch_size=32,
-            micro_batch_size=4,
-            ppo_epochs=1,
-        )
-    )
-    c.critic = ConfigDict(
-        dict(
-            lr=1e-5,
-            weight_decay=0.01,
-            betas=(0.9, 0.999),
-            grad_clip=1.0,
-            cliprange_value=0.5,
-            warmup_steps=0,
-        )
-    )
-    # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning. With
-    # LoRA the learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr.
-    c.lora = ConfigDict(dict(rank=0, alpha=64, actor_lr=1e-5, critic_lr=1e-4))
+    # rollout, reward, filter, algorithm, actor, critic, lora: each key with its default, allowed
+    # values and where it goes is declared once in starpo_jax/settings.py (SETTINGS).
+    for section in SECTIONS:
+        c[section] = config_section(section)
     # Devices: a data × fsdp × model mesh (starpo_jax/sharding.py); one size may be -1 (the devices
     # the others leave). data splits rows; fsdp splits rows and stores weights, critic, reference
     # and Adam moments 1/fsdp per device; model splits attention heads, MLP and vocabulary.

@@ -83,10 +83,10 @@ def main(argv) -> int:
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
-        check_config(cfg)
+        checked = check_config(cfg)
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
-        check_fits(cfg)  # on accelerators: refuse a run that cannot fit before loading it
-        exp = build_experiment(cfg)
+        check_fits(checked)  # on accelerators: refuse a run that cannot fit before loading it
+        exp = build_experiment(checked)
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2

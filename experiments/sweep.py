@@ -8,11 +8,12 @@ weights and the same levels, so differences come from the hyperparameters alone.
 runs, the step is compiled from abstract shapes and XLA's memory estimate decides how many
 settings train at a time: all of them if they fit in the free memory (a fifth kept spare), else
 as many as fit, group after group (the same results, in more time); if one setting does not fit,
-the sweep stops with one sentence naming what to reduce. Sweepable keys
-are those that enter the compiled step as arrays (``SWEEPABLE``); anything else changes the
-program and needs separate runs. Metrics go to ``<output_dir>/sweep.jsonl``, one line per setting
-and step, and a summary table is printed at the end; an earlier sweep's log in that folder is kept
-(the sweep refuses to start) unless ``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
+the sweep stops with one sentence naming what to reduce. Sweepable keys are those that enter the
+compiled step as arrays (``SWEEPABLE``: the ``Hyperparams`` rows of ``starpo_jax/settings.py``);
+anything else changes the program and needs separate runs. Metrics go to
+``<output_dir>/sweep.jsonl``, one line per setting and step, and a summary table is printed at the
+end; an earlier sweep's log in that folder is kept (the sweep refuses to start) unless
+``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
 """
 
 from __future__ import annotations
@@ -26,27 +27,11 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
-
-# config key -> Hyperparams field
-SWEEPABLE = {
-    "actor.lr": "actor_lr",
-    "critic.lr": "critic_lr",
-    "lora.actor_lr": "actor_lr",  # the learning rates when lora.rank > 0
-    "lora.critic_lr": "critic_lr",
-    "actor.clip_ratio_low": "clip_ratio_low",
-    "actor.clip_ratio_high": "clip_ratio_high",
-    "actor.clip_ratio_c": "clip_ratio_c",
-    "actor.entropy_coeff": "entropy_coeff",
-    "actor.kl_loss_coef": "kl_loss_coef",
-    "algorithm.kl_in_reward_coef": "kl_in_reward_coef",
-    "filter.ratio": "filter_ratio",
-    "algorithm.gamma": "gamma",
-    "algorithm.lam": "lam",
-    "algorithm.high_level_gamma": "high_level_gamma",
-}
+from starpo_jax.settings import BY_KEY, LORA_LEARNING_RATES, SWEEPABLE  # config key -> Hyperparams field
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
-flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeatable); keys: " + ", ".join(SWEEPABLE))
+flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeatable); keys (default): " + ", ".join(
+    f"{key} ({BY_KEY[key].default:g})" for key in SWEEPABLE))
 FLAGS = flags.FLAGS
 
 
@@ -67,12 +52,9 @@ def parse_sweeps(specs: list[str]) -> dict[str, list[float]]:
     return sweeps
 
 
-_LORA_LRS = {"actor.lr": "lora.actor_lr", "critic.lr": "lora.critic_lr"}  # full fine-tuning -> LoRA
-
-
 def check_lora_keys(sweeps: dict[str, list[float]], lora_rank: int) -> None:
     """Sweeping a learning rate the run does not use would silently change nothing."""
-    for full, lora in _LORA_LRS.items():
+    for full, lora in LORA_LEARNING_RATES.items():
         unused, used = (full, lora) if lora_rank > 0 else (lora, full)
         if unused in sweeps:
             raise ValueError(f"--sweep {unused} has no effect with lora.rank={lora_rank}; sweep {used} instead.")

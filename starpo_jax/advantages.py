@@ -25,6 +25,9 @@ from jax import lax
 
 from starpo_jax.masked import masked_whiten, same_group_stats
 
+ESTIMATORS = ("gae", "grpo", "bilevel_gae")  # `algorithm.adv_estimator`; train.py switches on it
+CRITIC_ESTIMATORS = ("gae", "bilevel_gae")  # the estimators that need a value function (a critic)
+
 
 def _masked_gae(rewards, values, mask, boundary, gamma, lam):
     """Reverse GAE over masked positions; `boundary[t]` stops bootstrapping past t."""

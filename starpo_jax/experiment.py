@@ -1,8 +1,9 @@
 """From a config (``configs/*.py``) to the objects a run needs: model, tokenizer, rollout plans and
 tables for training and validation, update settings and hyperparameters.
 
-Everything a user can get wrong in a config is checked here, once, with a message that names the
-key and what to do.
+Everything a user can get wrong in a config is checked here (each setting against its declaration
+in ``starpo_jax/settings.py``), once per run (``check_config``), with a message that names the key
+and what to do.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ from starpo_jax.contract import check_env
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
 from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
-from starpo_jax.train import Hyperparams, TrainSettings
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
+from starpo_jax.settings import ConfigError, Hyperparams, TrainSettings, check_settings, read_settings
 
 
 @dataclasses.dataclass
@@ -111,23 +108,16 @@ def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
 
 
 def rollout_plan(config: ConfigDict, side: str, tokenizer=None) -> RolloutPlan:
-    r = config.rollout
-    for key in ("max_turn", "max_actions_per_turn", "response_length", "max_model_len"):
-        if r[key] <= 0:
-            raise ConfigError(f"rollout.{key} must be positive, not {r[key]}.")
+    fields = read_settings(config, "RolloutPlan")
+    fields["top_k"] = max(fields["top_k"], 0)  # RAGEN's -1 ("no top-k") is 0 here
     return RolloutPlan(
-        tags=_tag_plans(config, side),
-        group_size=int(config.envs[side].group_size),
-        max_turn=int(r.max_turn),
-        max_actions_per_turn=int(r.max_actions_per_turn),
-        response_length=int(r.response_length),
-        max_len=int(r.max_model_len),
-        enable_think=bool(r.enable_think),
-        format_penalty=float(r.format_penalty),
-        top_k=int(r.top_k) if r.top_k > 0 else 0,
-        top_p=float(r.top_p),
-        pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0) if tokenizer is not None else 0,
+        tags=_tag_plans(config, side), group_size=int(config.envs[side].group_size), pad_id=_pad_id(tokenizer),
+        **fields,
     )
+
+
+def _pad_id(tokenizer) -> int:
+    return int(getattr(tokenizer, "pad_token_id", None) or 0) if tokenizer is not None else 0
 
 
 def train_settings(config: ConfigDict, plan: RolloutPlan) -> TrainSettings:
@@ -143,88 +133,39 @@ def train_settings(config: ConfigDict, plan: RolloutPlan) -> TrainSettings:
             f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) must divide it and "
             f"actor.micro_batch_size ({a.micro_batch_size}) must divide the mini-batch."
         )
-    return TrainSettings(
-        adv_estimator=alg.adv_estimator,
-        grpo_norm_by_std=alg.grpo_norm_by_std,
-        reward_grouping=config.reward.grouping,
-        reward_method=config.reward.method,
-        use_turn_scores=config.reward.use_turn_scores,
-        filter_type=f.type,
-        kept_groups=kept,
-        loss_agg_mode=a.loss_agg_mode,
-        ppo_mini_batch_size=a.ppo_mini_batch_size,
-        micro_batch_size=a.micro_batch_size,
-        ppo_epochs=a.ppo_epochs,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_type=a.kl_loss_type,
-        kl_in_reward=alg.kl_in_reward,
-        kl_penalty=alg.kl_penalty,
-        rollout_temperature=float(config.rollout.temperature),
-        use_sampler_logprobs=config.rollout.use_sampler_logprobs,
-        critic_warmup=config.critic.warmup_steps,
-        actor_betas=tuple(a.betas),
-        critic_betas=tuple(config.critic.betas),
-        actor_weight_decay=a.weight_decay,
-        critic_weight_decay=config.critic.weight_decay,
-        actor_grad_clip=a.grad_clip,
-        critic_grad_clip=config.critic.grad_clip,
-        cliprange_value=config.critic.cliprange_value,
-        lora_rank=int(config.lora.rank),
-        lora_alpha=float(config.lora.alpha),
-    )
+    return TrainSettings(kept_groups=kept, **read_settings(config, "TrainSettings"))
 
 
 def hyperparams(config: ConfigDict) -> Hyperparams:
-    a, alg = config.actor, config.algorithm
-    lrs = config.lora if config.lora.rank > 0 else {"actor_lr": a.lr, "critic_lr": config.critic.lr}
-    return Hyperparams.create(
-        actor_lr=lrs["actor_lr"],
-        critic_lr=lrs["critic_lr"],
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        entropy_coeff=a.entropy_coeff,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_in_reward_coef=alg.kl_in_reward_coef,
-        filter_ratio=config.filter.ratio,
-        gamma=alg.gamma,
-        lam=alg.lam,
-        high_level_gamma=alg.high_level_gamma,
-    )
+    return Hyperparams.create(**read_settings(config, "Hyperparams"))
 
 
-_CHOICES = {
-    "algorithm.adv_estimator": ("gae", "grpo", "bilevel_gae"),
-    "reward.grouping": ("state", "batch", "inductive"),
-    "reward.method": ("identity", "mean", "mean_std", "asym_clip"),
-    "filter.type": ("std", "std_rev", "top_p_var"),
-    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
-    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
-}
+@dataclasses.dataclass(frozen=True)
+class CheckedConfig:
+    """A config that passed every check needing no model, and what those checks built."""
+
+    config: ConfigDict
+    train_plan: RolloutPlan  # without the tokenizer's pad and stop ids
+    val_plan: RolloutPlan
+    settings: TrainSettings
+    hyper: Hyperparams
+    mesh: Any
 
 
-def check_choices(config: ConfigDict) -> None:
-    for path, choices in _CHOICES.items():
-        section, key = path.split(".")
-        value = config[section][key]
-        if value not in choices:
-            raise ConfigError(f"{path} = {value!r} is not one of {', '.join(choices)}.")
-    if not 0 < config.filter.ratio <= 1:
-        raise ConfigError(f"filter.ratio must be in (0, 1], not {config.filter.ratio}.")
-    if not (isinstance(config.lora.rank, int) and config.lora.rank >= 0):
-        raise ConfigError(f"lora.rank must be a whole number >= 0 (0 = full fine-tuning), not {config.lora.rank!r}.")
-    if config.lora.rank and not config.lora.alpha > 0:
-        raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
-
-
-def check_config(config: ConfigDict) -> None:
-    """Every check that needs no model (choices, envs, batch sizes, mesh), so a mistake is reported
-    in a second rather than after the model has loaded."""
-    check_choices(config)
+def check_config(config: ConfigDict) -> CheckedConfig:
+    """Every check that needs no model (settings, envs, batch sizes, mesh), so a mistake is reported
+    in a second rather than after the model has loaded. ``build_experiment`` takes the result, so
+    a run checks its config once."""
+    check_settings(config)
     train_plan, val_plan = rollout_plan(config, "train"), rollout_plan(config, "val")
-    train_settings(config, train_plan)
-    device_mesh(config, **_mesh_batches(config, train_plan, val_plan))
+    return CheckedConfig(
+        config=config,
+        train_plan=train_plan,
+        val_plan=val_plan,
+        settings=train_settings(config, train_plan),
+        hyper=hyperparams(config),
+        mesh=device_mesh(config, **_mesh_batches(config, train_plan, val_plan)),
+    )
 
 
 def _mesh_batches(config: ConfigDict, train_plan: RolloutPlan, val_plan: RolloutPlan) -> dict[str, int]:
@@ -236,35 +177,38 @@ def _mesh_batches(config: ConfigDict, train_plan: RolloutPlan, val_plan: Rollout
     }
 
 
-def build_experiment(config: ConfigDict, load=load_policy) -> Experiment:
+def build_experiment(config: ConfigDict | CheckedConfig, load=load_policy) -> Experiment:
     """Load the model and tokenise every prompt piece: the host-side work before training.
 
-    ``load(config) -> (ModelState, tokenizer)``; ``experiments.plan.abstract_policy`` gives the
-    model's shapes without its weights."""
-    check_config(config)
+    ``config``: a config (checked here first) or ``check_config``'s result. ``load(config) ->
+    (ModelState, tokenizer)``; ``experiments.plan.abstract_policy`` gives the model's shapes
+    without its weights."""
+    checked = config if isinstance(config, CheckedConfig) else check_config(config)
+    config = checked.config
     model, tokenizer = load(config)
     chat_template = config.model.get("chat_template", "") or None
-    train_plan = rollout_plan(config, "train", tokenizer)
-    val_plan = rollout_plan(config, "val", tokenizer)
-    tables = {}
-    for name, plan in (("train", train_plan), ("val", val_plan)):
-        tables[name] = build_tables(
+    plans = {
+        "train": dataclasses.replace(checked.train_plan, pad_id=_pad_id(tokenizer)),
+        "val": dataclasses.replace(checked.val_plan, pad_id=_pad_id(tokenizer)),
+    }
+    tables = {
+        name: build_tables(
             tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
             legend_from_env_symbols=config.envs.legend_from_env_symbols, chat_template=chat_template,
             vocab_size=model.merge().config.vocab_size,
         )
+        for name, plan in plans.items()
+    }
     stops = stop_tokens_for(tokenizer, tables["train"])
-    train_plan = dataclasses.replace(train_plan, stop_tokens=stops)
-    val_plan = dataclasses.replace(val_plan, stop_tokens=stops)
     return Experiment(
         config=config,
         model=model,
         tokenizer=tokenizer,
-        train_plan=train_plan,
+        train_plan=dataclasses.replace(plans["train"], stop_tokens=stops),
         train_tables=tables["train"],
-        val_plan=val_plan,
+        val_plan=dataclasses.replace(plans["val"], stop_tokens=stops),
         val_tables=tables["val"],
-        settings=train_settings(config, train_plan),
-        hyper=hyperparams(config),
-        mesh=device_mesh(config, **_mesh_batches(config, train_plan, val_plan)),
+        settings=checked.settings,
+        hyper=checked.hyper,
+        mesh=checked.mesh,
     )

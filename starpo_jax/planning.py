@@ -218,7 +218,8 @@ def device_budget(devices) -> int | None:
 
 def check_fits(config) -> MemoryPlan | None:
     """``experiments.run``'s check before anything is allocated: plan on the real devices and raise
-    ``PlanError`` (with the knob to turn) when the peak exceeds a device's memory. No check on CPU."""
+    ``PlanError`` (with the knob to turn) when the peak exceeds a device's memory. No check on CPU.
+    ``config``: a config or ``experiment.check_config``'s result (then it is not checked again)."""
     import jax
 
     from starpo_jax.experiment import build_experiment

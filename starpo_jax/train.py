@@ -35,7 +35,6 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -51,74 +50,7 @@ from starpo_jax.masked import masked_mean
 from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSettings:
-    """Static switches and sizes of the update (a sweep does not vary these)."""
-
-    adv_estimator: str = "gae"  # gae | grpo | bilevel_gae
-    grpo_norm_by_std: bool = True
-    reward_grouping: str = "state"
-    reward_method: str = "identity"
-    use_turn_scores: bool = False
-    filter_type: str = "std"
-    kept_groups: int = 2  # static upper bound of kept groups (int(ratio * env_groups) for top-k)
-    loss_agg_mode: str = "seq-mean-token-mean"
-    ppo_mini_batch_size: int = 32
-    micro_batch_size: int = 4
-    ppo_epochs: int = 1
-    use_kl_loss: bool = False
-    kl_loss_type: str = "kl"
-    kl_in_reward: bool = False
-    kl_penalty: str = "kl"
-    rollout_temperature: float = 1.0
-    use_sampler_logprobs: bool = False
-    critic_warmup: int = 0
-    actor_betas: tuple[float, float] = (0.9, 0.999)
-    critic_betas: tuple[float, float] = (0.9, 0.999)
-    actor_weight_decay: float = 0.01
-    critic_weight_decay: float = 0.01
-    actor_grad_clip: float = 1.0
-    critic_grad_clip: float = 1.0
-    cliprange_value: float = 0.5
-    logprob_chunk: int = 512  # positions per chunk when computing log-probs from hidden states
-    lora_rank: int = 0  # 0: full fine-tuning
-    lora_alpha: float = 64.0
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.adv_estimator in ("gae", "bilevel_gae")
-
-    @property
-    def uses_ref(self) -> bool:
-        return self.use_kl_loss or self.kl_in_reward
-
-    @property
-    def lora_scale(self) -> float:
-        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
-
-
-@flax.struct.dataclass
-class Hyperparams:
-    """The values a sweep varies, as float32 arrays (scalars, or [S] under ``vmap``)."""
-
-    actor_lr: jax.Array
-    critic_lr: jax.Array
-    clip_ratio_low: jax.Array
-    clip_ratio_high: jax.Array
-    clip_ratio_c: jax.Array
-    entropy_coeff: jax.Array
-    kl_loss_coef: jax.Array
-    kl_in_reward_coef: jax.Array
-    filter_ratio: jax.Array
-    gamma: jax.Array
-    lam: jax.Array
-    high_level_gamma: jax.Array
-
-    @classmethod
-    def create(cls, **values: float) -> "Hyperparams":
-        return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
+from starpo_jax.settings import Hyperparams, TrainSettings  # declared beside their config keys
 
 
 @flax.struct.dataclass

@@ -27,9 +27,8 @@ def load(spec: str, *overrides: str):
 
 
 def plans(config):
-    experiment.check_choices(config)
-    train = experiment.rollout_plan(config, "train")
-    return train, experiment.rollout_plan(config, "val"), experiment.train_settings(config, train)
+    checked = experiment.check_config(config)
+    return checked.train_plan, checked.val_plan, checked.settings
 
 
 def mini_batches_per_rollout(config) -> int:

@@ -1,0 +1,262 @@
+"""Every setting of the rollout and the update, declared once: ``SETTINGS``.
+
+Each row names a config key, its default, the values it may take and where it goes:
+
+- ``TrainSettings.<field>``: a static switch or size of the update (compiled into the program);
+- ``Hyperparams.<field>``: a float that enters the compiled step as an array, so a sweep may vary
+  it (``jax.vmap`` over settings; ``sweepable``);
+- ``RolloutPlan.<field>``: a static size or switch of the rollout (``starpo_jax.rollout``);
+- ``run.<name>``: read by the training loop itself (``experiments/run.py``).
+
+Everything else is derived from the table: the defaults of ``configs/base.py``'s rollout and update
+sections, the checks of a config (``check_settings``: one sentence naming the key and what it may be), the
+fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` built from a config (``read_settings``), the
+defaults of ``TrainSettings``, and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The
+allowed values come from the module that implements them.
+
+Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
+``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+
+from starpo_jax import advantages, filtering, losses, rewards
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+# Rules beyond the type and the choices: (is valid, what the value must be).
+Rule = tuple[Callable[[Any], bool], str]
+POSITIVE: Rule = (lambda v: v > 0, "must be positive")
+FRACTION: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
+LORA_RANK: Rule = (lambda v: isinstance(v, int) and v >= 0, "must be a whole number >= 0 (0 = full fine-tuning)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    key: str  # the config key, "section.name"
+    default: Any  # the config's default; ConfigDict holds overrides to its type
+    target: str  # where the value goes: "TrainSettings.x", "Hyperparams.x", "RolloutPlan.x" or "run.x"
+    choices: tuple = ()  # the values allowed (empty: any value of the default's type)
+    rule: Rule | None = None
+    type: type | None = None  # the target's type, where it is not the default's (an int default, a float field)
+
+    @property
+    def owner(self) -> str:
+        return self.target.split(".")[0]
+
+    @property
+    def field(self) -> str:
+        return self.target.split(".")[1]
+
+    @property
+    def sweepable(self) -> bool:
+        """Only hyperparameters enter the compiled step as arrays; any other setting changes the program."""
+        return self.owner == "Hyperparams"
+
+    def cast(self, value):
+        return (self.type or type(self.default))(value)
+
+    def check(self, value) -> None:
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{self.key} = {value!r} is not one of {', '.join(self.choices)}.")
+        if self.rule and not self.rule[0](value):
+            raise ConfigError(f"{self.key} {self.rule[1]}, not {value!r}.")
+
+
+S = Setting
+# Every value is RAGEN v1's effective default (spec: ragen-v1-spec.md §2.1, §3.1-3.7) unless a
+# comment says otherwise. The order is configs/base.py's.
+SETTINGS: tuple[Setting, ...] = (
+    # rollout
+    S("rollout.max_turn", 5, "RolloutPlan.max_turn", rule=POSITIVE),
+    S("rollout.max_actions_per_turn", 5, "RolloutPlan.max_actions_per_turn", rule=POSITIVE),
+    S("rollout.enable_think", True, "RolloutPlan.enable_think"),
+    S("rollout.format_penalty", -0.1, "RolloutPlan.format_penalty"),
+    S("rollout.response_length", 400, "RolloutPlan.response_length", rule=POSITIVE),  # max new tokens per turn
+    S("rollout.max_model_len", 3600, "RolloutPlan.max_len", rule=POSITIVE),  # tokens per trajectory, all turns
+    S("rollout.temperature", 1.0, "TrainSettings.rollout_temperature"),
+    S("rollout.top_p", 1.0, "RolloutPlan.top_p"),
+    S("rollout.top_k", -1, "RolloutPlan.top_k"),  # <= 0: no top-k filter
+    S("rollout.val_temperature", 0.5, "run.val_temperature"),
+    # old log-probs recomputed by the training forward (RAGEN), or the sampler's
+    S("rollout.use_sampler_logprobs", False, "TrainSettings.use_sampler_logprobs"),
+    # reward: how trajectory scores are normalised
+    S("reward.grouping", "state", "TrainSettings.reward_grouping", rewards.GROUPINGS),
+    S("reward.method", "identity", "TrainSettings.reward_method", rewards.METHODS),
+    S("reward.use_turn_scores", False, "TrainSettings.use_turn_scores"),
+    # filter: StarPO-S keeps the top 25 % of groups by in-group reward std
+    S("filter.ratio", 0.25, "Hyperparams.filter_ratio", rule=FRACTION),
+    S("filter.type", "std", "TrainSettings.filter_type", filtering.MODES),
+    # algorithm
+    S("algorithm.adv_estimator", "gae", "TrainSettings.adv_estimator", advantages.ESTIMATORS),
+    S("algorithm.gamma", 1.0, "Hyperparams.gamma"),
+    S("algorithm.lam", 1.0, "Hyperparams.lam"),
+    S("algorithm.high_level_gamma", 0.95, "Hyperparams.high_level_gamma"),
+    S("algorithm.grpo_norm_by_std", True, "TrainSettings.grpo_norm_by_std"),
+    S("algorithm.kl_in_reward", False, "TrainSettings.kl_in_reward"),
+    S("algorithm.kl_in_reward_coef", 0.0, "Hyperparams.kl_in_reward_coef"),
+    S("algorithm.kl_penalty", "kl", "TrainSettings.kl_penalty", losses.KL_KINDS),
+    # actor (with LoRA its learning rate is lora.actor_lr)
+    S("actor.lr", 1e-6, "Hyperparams.actor_lr"),
+    S("actor.weight_decay", 0.01, "TrainSettings.actor_weight_decay"),
+    S("actor.betas", (0.9, 0.999), "TrainSettings.actor_betas"),
+    S("actor.grad_clip", 1.0, "TrainSettings.actor_grad_clip"),
+    S("actor.clip_ratio_low", 0.2, "Hyperparams.clip_ratio_low"),
+    S("actor.clip_ratio_high", 0.28, "Hyperparams.clip_ratio_high"),
+    S("actor.clip_ratio_c", 3.0, "Hyperparams.clip_ratio_c"),
+    S("actor.entropy_coeff", 0.001, "Hyperparams.entropy_coeff"),
+    S("actor.use_kl_loss", False, "TrainSettings.use_kl_loss"),
+    S("actor.kl_loss_coef", 0.0, "Hyperparams.kl_loss_coef"),
+    S("actor.kl_loss_type", "kl", "TrainSettings.kl_loss_type", losses.KL_KINDS),
+    # RAGEN's effective mode (its token-mean over micro-batches of one sequence)
+    S("actor.loss_agg_mode", "seq-mean-token-mean", "TrainSettings.loss_agg_mode", losses.AGG_MODES),
+    S("actor.ppo_mini_batch_size", 32, "TrainSettings.ppo_mini_batch_size"),
+    S("actor.micro_batch_size", 4, "TrainSettings.micro_batch_size"),
+    S("actor.ppo_epochs", 1, "TrainSettings.ppo_epochs"),
+    # critic (with LoRA its learning rate is lora.critic_lr)
+    S("critic.lr", 1e-5, "Hyperparams.critic_lr"),
+    S("critic.weight_decay", 0.01, "TrainSettings.critic_weight_decay"),
+    S("critic.betas", (0.9, 0.999), "TrainSettings.critic_betas"),
+    S("critic.grad_clip", 1.0, "TrainSettings.critic_grad_clip"),
+    S("critic.cliprange_value", 0.5, "TrainSettings.cliprange_value"),
+    S("critic.warmup_steps", 0, "TrainSettings.critic_warmup"),
+    # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning, else the
+    # learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr
+    S("lora.rank", 0, "TrainSettings.lora_rank", rule=LORA_RANK),
+    S("lora.alpha", 64, "TrainSettings.lora_alpha", type=float),
+    S("lora.actor_lr", 1e-5, "Hyperparams.actor_lr"),
+    S("lora.critic_lr", 1e-4, "Hyperparams.critic_lr"),
+)
+del S
+
+BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
+SECTIONS = tuple(dict.fromkeys(s.key.split(".")[0] for s in SETTINGS))  # config sections, in order
+# config key -> Hyperparams field, for experiments.sweep
+SWEEPABLE: dict[str, str] = {s.key: s.field for s in SETTINGS if s.sweepable}
+# The learning rates of full fine-tuning and, with lora.rank > 0, the LoRA ones that replace them.
+LORA_LEARNING_RATES = {"actor.lr": "lora.actor_lr", "critic.lr": "lora.critic_lr"}
+
+
+def unused_keys(lora_rank: int) -> set[str]:
+    """The learning-rate keys a run with this LoRA rank does not read."""
+    return set(LORA_LEARNING_RATES) if lora_rank > 0 else set(LORA_LEARNING_RATES.values())
+
+
+def config_section(section: str) -> ConfigDict:
+    """The defaults of one config section (``configs/base.py``)."""
+    return ConfigDict({s.key.split(".")[1]: s.default for s in SETTINGS if s.key.split(".")[0] == section})
+
+
+def _value(config: ConfigDict, key: str):
+    section, name = key.split(".")
+    return config[section][name]
+
+
+def check_settings(config: ConfigDict) -> None:
+    """Raise ``ConfigError`` for the first setting of ``config`` that is not allowed."""
+    for s in SETTINGS:
+        s.check(_value(config, s.key))
+    if config.lora.rank and not config.lora.alpha > 0:  # alpha only matters with LoRA
+        raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
+
+
+def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:
+    """``{field: value}`` of every field of ``owner`` ("TrainSettings", "Hyperparams", "RolloutPlan")
+    the config sets, each checked and cast to the field's type."""
+    skip = unused_keys(config.lora.rank)
+    values = {}
+    for s in SETTINGS:
+        if s.owner == owner and s.key not in skip:
+            value = _value(config, s.key)
+            s.check(value)
+            values[s.field] = s.cast(value)
+    return values
+
+
+def _defaults_from_settings(cls):
+    """Give each annotated field of ``cls`` without a default its setting's config default."""
+    for s in SETTINGS:
+        if s.owner == cls.__name__ and not hasattr(cls, s.field):
+            setattr(cls, s.field, s.cast(s.default))
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+@_defaults_from_settings  # a field without a default takes its config default from SETTINGS
+class TrainSettings:
+    """Static switches and sizes of the update (a sweep does not vary these)."""
+
+    adv_estimator: str
+    grpo_norm_by_std: bool
+    reward_grouping: str
+    reward_method: str
+    use_turn_scores: bool
+    filter_type: str
+    kept_groups: int = 2  # static upper bound of kept groups (int(ratio * env_groups) for top-k)
+    loss_agg_mode: str
+    ppo_mini_batch_size: int
+    micro_batch_size: int
+    ppo_epochs: int
+    use_kl_loss: bool
+    kl_loss_type: str
+    kl_in_reward: bool
+    kl_penalty: str
+    rollout_temperature: float
+    use_sampler_logprobs: bool
+    critic_warmup: int
+    actor_betas: tuple[float, float]
+    critic_betas: tuple[float, float]
+    actor_weight_decay: float
+    critic_weight_decay: float
+    actor_grad_clip: float
+    critic_grad_clip: float
+    cliprange_value: float
+    logprob_chunk: int = 512  # positions per chunk when computing log-probs from hidden states
+    lora_rank: int  # 0: full fine-tuning
+    lora_alpha: float
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.adv_estimator in advantages.CRITIC_ESTIMATORS
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.use_kl_loss or self.kl_in_reward
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+
+@flax.struct.dataclass
+class Hyperparams:
+    """The values a sweep varies, as float32 arrays (scalars, or [S] under ``vmap``)."""
+
+    actor_lr: jax.Array
+    critic_lr: jax.Array
+    clip_ratio_low: jax.Array
+    clip_ratio_high: jax.Array
+    clip_ratio_c: jax.Array
+    entropy_coeff: jax.Array
+    kl_loss_coef: jax.Array
+    kl_in_reward_coef: jax.Array
+    filter_ratio: jax.Array
+    gamma: jax.Array
+    lam: jax.Array
+    high_level_gamma: jax.Array
+
+    @classmethod
+    def create(cls, **values: float) -> "Hyperparams":
+        return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
