@@ -9,10 +9,10 @@ Each row names a config key, its default, the values it may take and where it go
 - ``run.<name>``: read by the training loop itself (``experiments/run.py``).
 
 Everything else is derived from the table: the defaults of ``configs/base.py``'s rollout and update
-sections, the checks of a config (``check_settings``: one sentence naming the key and what it may be), the
-fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` built from a config (``read_settings``), the
-defaults of ``TrainSettings``, and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The
-allowed values come from the module that implements them.
+sections, the checks of a config (``check_settings``: one sentence naming the key and what it may
+be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` built from a config
+(``read_settings``), the defaults of ``TrainSettings``, and the keys ``experiments.sweep`` may vary
+(``SWEEPABLE``). The allowed values come from the module that implements them.
 
 Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
 ``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
@@ -50,7 +50,7 @@ class Setting:
     target: str  # where the value goes: "TrainSettings.x", "Hyperparams.x", "RolloutPlan.x" or "run.x"
     choices: tuple = ()  # the values allowed (empty: any value of the default's type)
     rule: Rule | None = None
-    type: type | None = None  # the target's type, where it is not the default's (an int default, a float field)
+    cast_to: type | None = None  # the field's type where it is not the default's (lora.alpha: 64 -> 64.0)
 
     @property
     def owner(self) -> str:
@@ -66,7 +66,7 @@ class Setting:
         return self.owner == "Hyperparams"
 
     def cast(self, value):
-        return (self.type or type(self.default))(value)
+        return (self.cast_to or type(self.default))(value)
 
     def check(self, value) -> None:
         if self.choices and value not in self.choices:
@@ -135,7 +135,7 @@ SETTINGS: tuple[Setting, ...] = (
     # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning, else the
     # learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr
     S("lora.rank", 0, "TrainSettings.lora_rank", rule=LORA_RANK),
-    S("lora.alpha", 64, "TrainSettings.lora_alpha", type=float),
+    S("lora.alpha", 64, "TrainSettings.lora_alpha", cast_to=float),
     S("lora.actor_lr", 1e-5, "Hyperparams.actor_lr"),
     S("lora.critic_lr", 1e-4, "Hyperparams.critic_lr"),
 )
