@@ -34,7 +34,6 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jumanji import specs
 
@@ -46,6 +45,7 @@ from envs_jax.base import (
     make_timestep,
     step_extras,
 )
+from envs_jax.seeding import gymnasium_rng
 
 INIT_PROMPT = (
     "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
@@ -64,13 +64,6 @@ INIT_PROMPT = (
 class BanditState:
     hi_first: jnp.ndarray  # bool[]: the risky (high) arm is named first in the prompt
     key: jnp.ndarray  # PRNG key for payouts (``draw_bits``)
-
-
-def gymnasium_rng(seed: int) -> np.random.Generator:
-    """The generator ``gymnasium.utils.seeding.np_random(seed)`` returns (PCG64 via SeedSequence)."""
-    if not (isinstance(seed, (int, np.integer)) and seed >= 0):
-        raise ValueError(f"Seed must be a non-negative integer, got {seed!r}.")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed))))
 
 
 class Bandit(TextEnv):

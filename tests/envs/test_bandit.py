@@ -5,7 +5,7 @@ import pytest
 from gymnasium.utils import seeding
 
 import envs_jax
-from envs_jax.bandit import Bandit, BanditState, gymnasium_rng
+from envs_jax.bandit import Bandit, BanditState
 from starpo_jax import prompts
 from starpo_jax.env_turn import execute_turn
 
@@ -27,14 +27,6 @@ def env():
 
 def state(hi_first: bool, seed: int = 0) -> BanditState:
     return BanditState(hi_first=jnp.asarray(hi_first), key=jax.random.PRNGKey(seed))
-
-
-def test_rng_is_gymnasiums_np_random():
-    for seed in (0, 123, 2**40):
-        ours, theirs = gymnasium_rng(seed), seeding.np_random(seed)[0]
-        np.testing.assert_array_equal(ours.random(5), theirs.random(5))
-    with pytest.raises(ValueError, match="non-negative"):
-        gymnasium_rng(-1)
 
 
 @pytest.mark.parametrize("seed", [123, 124])
