@@ -12,7 +12,10 @@ changes per episode, ``action_names`` is ``(safe arm, risky arm)`` and ``action_
 (the two names in action-id order), ``first_is_hi`` / ``action_is_hi`` (jittable).
 
 The prompt has no instruction prefix (RAGEN's Bandit config has no ``action_lookup`` at class
-level): the rules are the observation, one piece per arm order.
+level): the rules are the observation, one piece per arm order. RAGEN's observation after a pull
+(``"Dragon: 0.0 points"``) has no counterpart: every pull ends the episode, and a rollout never
+shows the final observation (spec §2.6); the pull's reward reaches the model as the reward message,
+written from ``step_reward_values``.
 
 Departures from RAGEN, documented:
 
@@ -31,7 +34,6 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jumanji import specs
 
@@ -43,6 +45,7 @@ from envs_jax.base import (
     make_timestep,
     step_extras,
 )
+from envs_jax.seeding import gymnasium_rng
 
 INIT_PROMPT = (
     "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
@@ -61,13 +64,6 @@ INIT_PROMPT = (
 class BanditState:
     hi_first: jnp.ndarray  # bool[]: the risky (high) arm is named first in the prompt
     key: jnp.ndarray  # PRNG key for payouts (``draw_bits``)
-
-
-def gymnasium_rng(seed: int) -> np.random.Generator:
-    """The generator ``gymnasium.utils.seeding.np_random(seed)`` returns (PCG64 via SeedSequence)."""
-    if not (isinstance(seed, (int, np.integer)) and seed >= 0):
-        raise ValueError(f"Seed must be a non-negative integer, got {seed!r}.")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed))))
 
 
 class Bandit(TextEnv):
@@ -176,19 +172,6 @@ class Bandit(TextEnv):
         """The reset prompt, exactly as RAGEN renders it."""
         name_a, name_b = self.arm_names(state)
         return INIT_PROMPT.format(name_a=name_a, name_b=name_b)
-
-    def render_step_text(self, state: BanditState, action, reward) -> str:
-        """RAGEN's observation after a pull, ``"{arm}: {reward} points"`` with Python ``str(float)``.
-
-        ``reward`` may be the float32 from the TimeStep; it is mapped back to the configured payout
-        it came from, so 0.1 prints as ``0.1``, not ``0.10000000149011612``.
-        """
-        name = self.arm_names(state)[int(action)]
-        payouts = (self.lo_arm_score, self.hi_arm_loscore, self.hi_arm_hiscore)
-        matches = [p for p in payouts if np.float32(p) == np.float32(reward)]
-        if not matches:
-            raise ValueError(f"Reward {reward!r} is none of this bandit's payouts {payouts}.")
-        return f"{name}: {float(matches[0])} points"
 
     @cached_property
     def piece_texts(self) -> tuple[str, ...]:

@@ -41,7 +41,6 @@ import numpy as np
 from flax import struct
 from jumanji import specs
 
-from envs_jax.bandit import gymnasium_rng
 from envs_jax.base import (
     GridEnv,
     bits_to_uniform,
@@ -55,6 +54,7 @@ from envs_jax.base import (
     step_extras,
     unpack_cells,
 )
+from envs_jax.seeding import gymnasium_rng
 
 # Board cell codes (gymnasium's map letters F, H, S, G).
 FROZEN, HOLE, START, GOAL = 0, 1, 2, 3

@@ -1,7 +1,9 @@
 """Environment throughput: the pure-JAX envs under ``jit`` + ``vmap`` against plain NumPy.
 
 For every env, batch size and mode, a compiled loop steps the whole batch with uniformly random
-actions (``random_actions``: a hash, as cheap as the envs' own draws), and we report environment
+actions (``random_actions``: a hash, as cheap as the envs' own draws; for Countdown, whose action is
+the answer text, random expressions of the task's numbers, a quarter with a stray byte:
+``random_expressions``), and we report environment
 steps per second (median of ``--repeats`` timed runs of about ``--seconds`` each; compile time
 reported apart). Two modes:
 
@@ -33,8 +35,10 @@ steady state where episodes are at all stages.
 The baseline is a straightforward single-environment NumPy implementation of the same rules, stepped
 one action at a time from Python (``NUMPY_BASELINES``; Sokoban's is ``sokoban_reference``, whose
 level generator is RAGEN's exhaustive reverse-play search, while the JAX generator runs a fixed
-number of random reverse walks). ``speedup`` is JAX steps/s over NumPy steps/s for the same env and
-mode.
+number of random reverse walks). Countdown's is plain Python, as RAGEN scores answers: tasks drawn
+as ``Countdown.reset`` draws them, answers like ``random_expressions``', scored by RAGEN's
+``eval``-based scorer (``countdown_score.ragen_score``). ``speedup`` is JAX steps/s over NumPy
+steps/s for the same env and mode.
 
     python -m experiments.bench_envs                       # full grid, writes bench_results/bench_envs.json
     python -m experiments.bench_envs --quick               # smoke run
@@ -58,27 +62,40 @@ from tqdm import tqdm
 import envs_jax
 from envs_jax import sokoban_reference
 from envs_jax.base import hash_words
+from envs_jax.countdown import MAX_NUMS, Countdown
+from envs_jax.countdown_score import ragen_score
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
 from experiments.bench_report import machine, write_report
 
-DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban")
+DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban", "Countdown")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
 MODES = ("step", "reset")
 
 #: Fresh levels generated per step, as a share of the batch: the rate at which episodes end
-#: under random actions, with about 3x slack (Bandit: every step; FrozenLake: mean episode ≈ 10
-#: steps; Sokoban: most episodes run to the 100-step limit).
-RESET_SHARE = {"Bandit": 1.0, "FrozenLake": 1 / 4, "SimpleSokoban": 1 / 32, "LargerSokoban": 1 / 32}
+#: under random actions, with about 3x slack (Bandit and Countdown: every step; FrozenLake: mean
+#: episode ≈ 10 steps; Sokoban: most episodes run to the 100-step limit).
+RESET_SHARE = {"Bandit": 1.0, "FrozenLake": 1 / 4, "SimpleSokoban": 1 / 32, "LargerSokoban": 1 / 32, "Countdown": 1.0}
+
+#: Countdown's random answers: the share with one byte replaced by a random printable character.
+CORRUPT_SHARE = 1 / 4
+OPERATORS = "+-*/"
 
 
 # --------------------------------------------------------------------------- NumPy baselines
 
 
-class NumpyBandit:
-    """One bandit: the arm order is a coin flip, the risky arm pays ``hiscore`` with probability."""
+class Baseline:
+    """One env stepped from Python; its random action is a uniform action id."""
 
     def __init__(self, env):
         self.env = env
+
+    def random_action(self, rng):
+        return int(rng.integers(self.env.action_spec.num_values))
+
+
+class NumpyBandit(Baseline):
+    """One bandit: the arm order is a coin flip, the risky arm pays ``hiscore`` with probability."""
 
     def reset(self, rng):
         self.hi_first = rng.random() >= 0.5
@@ -95,11 +112,8 @@ class NumpyBandit:
         return reward, True
 
 
-class NumpyFrozenLake:
+class NumpyFrozenLake(Baseline):
     """One FrozenLake: RAGEN's map generator, gymnasium's slips and moves."""
-
-    def __init__(self, env):
-        self.env = env
 
     def reset(self, rng):
         self.desc = np.array([list(row) for row in draw_random_map(rng, self.env.size, self.env.p)])
@@ -119,11 +133,8 @@ class NumpyFrozenLake:
         return float(cell == "G"), cell in "GH" or self.steps >= self.env.max_steps
 
 
-class NumpySokoban:
+class NumpySokoban(Baseline):
     """One Sokoban: RAGEN's level generator and gym_sokoban's step (``sokoban_reference``)."""
-
-    def __init__(self, env):
-        self.env = env
 
     def reset(self, rng):
         env = self.env
@@ -143,15 +154,45 @@ class NumpySokoban:
         return reward, solved or self.steps >= self.env.max_steps
 
 
+class PythonCountdown(Baseline):
+    """One Countdown task: drawn as ``Countdown.reset`` draws them, answered as ``random_expressions``
+    answers, scored by RAGEN's plain-Python scorer (``countdown_score.ragen_score``, ``eval``)."""
+
+    def reset(self, rng):
+        while True:
+            count = 4 if rng.random() < 0.5 else 3
+            nums = rng.integers(1, self.env.max_value + 1, count)
+            target = int(np.sum(rng.choice((-1, 1), count) * nums))
+            if 1 <= target <= self.env.max_value:
+                self.nums, self.target = nums.tolist(), target
+                return
+
+    def restart(self):
+        pass
+
+    def random_action(self, rng) -> str:
+        order = rng.permutation(self.nums)
+        ops = rng.choice(list(OPERATORS), len(order) - 1)
+        text = str(order[0]) + "".join(f" {op} {n}" for op, n in zip(ops, order[1:]))
+        if rng.random() < CORRUPT_SHARE:
+            at = int(rng.integers(len(text)))
+            text = text[:at] + chr(int(rng.integers(32, 127))) + text[at + 1 :]
+        return text
+
+    def step(self, answer: str, rng) -> tuple[float, bool]:
+        return ragen_score(answer, self.nums, self.target), True
+
+
 NUMPY_BASELINES = {
     "Bandit": NumpyBandit,
     "FrozenLake": NumpyFrozenLake,
     "SimpleSokoban": NumpySokoban,
     "LargerSokoban": NumpySokoban,
+    "Countdown": PythonCountdown,
 }
 
 
-def numpy_rate(baseline, num_actions: int, auto_reset: bool, seconds: float, seed: int) -> float:
+def numpy_rate(baseline, auto_reset: bool, seconds: float, seed: int) -> float:
     """Steps/s of one NumPy env stepped from Python with random actions for about ``seconds``.
 
     A finished episode starts on a fresh level (``auto_reset``) or restarts the same one.
@@ -161,7 +202,7 @@ def numpy_rate(baseline, num_actions: int, auto_reset: bool, seconds: float, see
     steps, start = 0, time.perf_counter()
     while True:
         for _ in range(64):
-            _, done = baseline.step(int(rng.integers(num_actions)), rng)
+            _, done = baseline.step(baseline.random_action(rng), rng)
             if done and auto_reset:
                 baseline.reset(rng)
             elif done:
@@ -193,6 +234,56 @@ def random_actions(key, step_index, batch: int, num_actions: int):
     bits = hash_words(jnp.arange(batch, dtype=jnp.uint32), step_word)
     # floor(num_actions * u) for u = the top 24 bits / 2**24, in integers (exact for < 256 actions)
     return (((bits >> 8) * jnp.uint32(num_actions)) >> 24).astype(jnp.int32)
+
+
+def random_expressions(key, step_index, states, width: int):
+    """A step's random Countdown answers, ``(uint8[batch, width], int32[batch])``, one per task.
+
+    Each row joins its own numbers, in a random order, with random ``+ - * /`` (``"7 * 3 - 5 + 2"``),
+    so RAGEN's number check passes and the expression is evaluated, as for a model that has learnt
+    the format; ``CORRUPT_SHARE`` of the rows then have one byte replaced by a random printable
+    character, which may break a number or the syntax. A hash of (key, step, row), as in
+    ``random_actions``.
+    """
+    step_word = hash_words(hash_words(key[0], key[1]), step_index)
+    rows = hash_words(jnp.arange(states.nums.shape[0], dtype=jnp.uint32), step_word)
+    return jax.vmap(lambda nums, count, word: _expression(nums, count, word, width))(
+        states.nums, states.num_count, rows
+    )
+
+
+def _expression(nums, count, word, width: int):
+    """One row of ``random_expressions``: seven pieces of up to 3 bytes (number, " op ", number, ...)
+    written one after the other."""
+    draws = hash_words(word, jnp.arange(2 * MAX_NUMS, dtype=jnp.uint32))  # order keys, operators, corruption
+    slot = jnp.arange(MAX_NUMS)
+    ordered = nums[jnp.argsort(jnp.where(slot < count, draws[:MAX_NUMS], jnp.uint32(2**32 - 1)))]
+    digits = jnp.stack([ordered // 100, ordered // 10 % 10, ordered % 10], axis=1)
+    num_len = jnp.where(slot < count, 1 + (ordered >= 10) + (ordered >= 100), 0)
+    # left-aligned digits: byte c of a k-digit number is digit 3 - k + c
+    digit_bytes = jnp.take_along_axis(digits, jnp.clip(3 - num_len[:, None] + jnp.arange(3), 0, 2), axis=1) + ord("0")
+    ops = jnp.asarray(np.frombuffer(OPERATORS.encode(), np.uint8))[draws[MAX_NUMS : 2 * MAX_NUMS - 1] >> 30]
+    op_bytes = jnp.stack([jnp.full_like(ops, ord(" ")), ops, jnp.full_like(ops, ord(" "))], axis=1)
+    op_len = jnp.where(slot[:-1] < count - 1, 3, 0)
+    pieces = jnp.concatenate([digit_bytes, op_bytes.astype(digit_bytes.dtype)])[jnp.array([0, 4, 1, 5, 2, 6, 3])]
+    lengths = jnp.concatenate([num_len, op_len])[jnp.array([0, 4, 1, 5, 2, 6, 3])]
+    at = (jnp.cumsum(lengths) - lengths)[:, None] + jnp.arange(3)
+    at = jnp.where(jnp.arange(3) < lengths[:, None], at, width)  # past the end: dropped
+    data = jnp.zeros((width,), jnp.uint8).at[at.ravel()].set(pieces.ravel().astype(jnp.uint8), mode="drop")
+    length = jnp.minimum(jnp.sum(lengths), width)
+    corrupt = draws[-1] < jnp.uint32(CORRUPT_SHARE * 2**32)
+    garbage = (32 + (draws[-1] >> 8) % 95).astype(jnp.uint8)
+    data = jnp.where(corrupt, data.at[(draws[-1] & 0xFF).astype(jnp.int32) % length].set(garbage), data)
+    return data, length.astype(jnp.int32)
+
+
+def action_sampler(env, rows: int):
+    """``draw(key, step_index, states)``: a step's random actions for ``rows`` rows: uniform action
+    ids, or for Countdown's language action, answers (``random_expressions``)."""
+    if isinstance(env, Countdown):
+        return lambda key, i, states: random_expressions(key, i, states, env.answer_width)
+    num_actions = env.action_spec.num_values
+    return lambda key, i, states: random_actions(key, i, rows, num_actions)
 
 
 def checksum(timestep, batch: int, observe: bool):
@@ -227,12 +318,12 @@ def make_loop(env, batch: int, reset_capacity: int | None, observe: bool = False
     """
     mesh = row_mesh(batch) if mesh is None else mesh
     rows = batch // mesh.size
-    num_actions = env.action_spec.num_values
+    draw_actions = action_sampler(env, rows)
     step = jax.vmap(env.step)
     reset = jax.vmap(env.reset)
 
     def advance(first, states, waiting, key, i):
-        actions = random_actions(key, i, rows, num_actions)
+        actions = draw_actions(key, i, states)
         states, timestep = step(states, actions)
         row_sums = checksum(timestep, rows, observe)
         if reset_capacity is None:
@@ -402,11 +493,7 @@ def run(args) -> dict:
             for mode in args.modes:
                 bar.set_postfix_str(f"numpy {name} {mode}")
                 baseline = NUMPY_BASELINES[name](env)
-                rates = [
-                    numpy_rate(baseline, env.action_spec.num_values, mode == "reset",
-                               args.numpy_seconds, args.seed + r)
-                    for r in range(3)
-                ]
+                rates = [numpy_rate(baseline, mode == "reset", args.numpy_seconds, args.seed + r) for r in range(3)]
                 numpy_rates[name][mode] = statistics.median(rates)
                 bar.update()
         for name, env in envs.items():

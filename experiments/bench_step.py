@@ -35,15 +35,15 @@ are short.
 
 Side by side, in the same run:
 
-- ``host_loop``: ``bench_rollout``'s baseline (per turn: rebuild the conversation text, tokenise,
+- ``host_loop``: ``bench_rollout``'s baseline (``rollout_timing.bench_baseline``; per turn: rebuild the conversation text, tokenise,
   re-prefill the whole history, decode, decode to text, parse and step the envs on the host) on
   the same batch, the same N and the same device.
 - ``generate``: the decode part alone — B random prompts of the first turn's prompt length, N new
   tokens, stop tokens off — with ``starpo_jax.sampling.generate`` (cache of ``max_model_len``
-  slots, as the rollout) and transformers' ``generate`` on the same device (``bench_generate``).
+  slots, as the rollout) and transformers' ``generate`` on the same device (``bench_generate``'s timers, ``generation_timing``).
 
 Roofline (``experiments.bench_report.hbm_bandwidth``; H100 SXM 3.35 TB/s, H200 4.8 TB/s; a CPU
-has none unless ``--bandwidth`` declares one): ``bench_rollout.decode_roofline`` on the rollout's
+has none unless ``--bandwidth`` declares one): ``rollout_timing.decode_roofline`` on the rollout's
 trajectories — the bytes a decode must read (every weight once per step, each generated token's
 context once) over the bandwidth, as a fraction of the measured rollout time.
 
@@ -74,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import bench_generate, bench_rollout
+from experiments import generation_timing, rollout_timing
 from experiments.bench_report import hbm_bandwidth, machine, markdown_table, write_markdown, write_report
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -213,9 +213,11 @@ def phases(times: dict, variants: dict) -> dict[str, float]:
 def host_loop(exp, policy, n: int, steps: int, bar) -> dict:
     """``bench_rollout``'s baseline on the same batch and device, every turn N tokens."""
     plan = dataclasses.replace(exp.train_plan, response_length=n, stop_tokens=())
-    subject = bench_rollout.Subject("policy", policy, exp.tokenizer, "")
-    init = bench_rollout.initial_states_from_seeds(plan, exp.config.envs.train.seed)
-    result, _ = bench_rollout.bench_baseline(subject, plan, init, jax.random.key(0), steps, bucket=256, bar=bar)
+    from starpo_jax.rollout import initial_states_from_seeds
+
+    subject = rollout_timing.Subject("policy", policy, exp.tokenizer, "")
+    init = initial_states_from_seeds(plan, exp.config.envs.train.seed)
+    result, _ = rollout_timing.bench_baseline(subject, plan, init, jax.random.key(0), steps, bucket=256, bar=bar)
     return result
 
 
@@ -226,11 +228,11 @@ def decode_side_by_side(exp, policy, n: int, args) -> dict:
     prompt_len = exp.train_tables.tags[0].prompts.first_len
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (plan.batch_size, prompt_len), np.int32)
     out = {"batch": plan.batch_size, "prompt_len": prompt_len, "new_tokens": n, "cache_size": plan.max_len}
-    out["starpo_jax"] = bench_generate.bench_jax(policy, config, prompts, n, args.steps, plan.max_len)
-    device = None if args.no_hf else bench_generate.transformers_device(jax.devices()[0].platform)
+    out["starpo_jax"] = generation_timing.bench_jax(policy, config, prompts, n, args.steps, plan.max_len)
+    device = None if args.no_hf else generation_timing.transformers_device(jax.devices()[0].platform)
     if device:
-        hf = bench_generate.hf_model(config, device)
-        out["transformers"] = bench_generate.bench_transformers(hf, prompts, n, args.hf_repeats, device)
+        hf = generation_timing.hf_model(config, device)
+        out["transformers"] = generation_timing.bench_transformers(hf, prompts, n, args.hf_repeats, device)
         out["speedup"] = out["starpo_jax"]["tokens_per_s"] / out["transformers"]["tokens_per_s"]
         del hf
     return out
@@ -449,9 +451,9 @@ def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, d
     }  # fmt: skip
     policy = sampling_policy(exp.model.graphdef, policy_weights(exp.settings, state))
     if bandwidth:
-        subject = bench_rollout.Subject("policy", policy, exp.tokenizer, "")
+        subject = rollout_timing.Subject("policy", policy, exp.tokenizer, "")
         rollout_s = median(times["rollout"])
-        result["roofline"] = bench_rollout.decode_roofline(traj, subject, exp.train_plan, rollout_s, bandwidth)
+        result["roofline"] = rollout_timing.decode_roofline(traj, subject, exp.train_plan, rollout_s, bandwidth)
     if not args.no_baseline:
         result["host_loop"] = host_loop(exp, policy, n, args.steps, bar)
         result["speedup_vs_host_loop"] = result["rollout_tokens_per_s"] / result["host_loop"]["tokens_per_s"]

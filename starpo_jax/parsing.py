@@ -235,15 +235,6 @@ class ParserTables:
     names: ActionNames  # [A, L] shared, or [B, A, L] per row
 
 
-def make_parser_tables(
-    tokenizer, action_names, max_name_bytes: int | None = None, vocab_size: int | None = None
-) -> ParserTables:
-    """Everything the byte machine needs from the tokenizer and the env's action names."""
-    table, lengths = build_token_bytes_table(tokenizer, vocab_size)
-    names = encode_action_names(action_names, max_name_bytes)
-    return ParserTables(jnp.asarray(table), jnp.asarray(lengths), names)
-
-
 class _Nfa:
     """A byte NFA for unanchored search (state 0 loops on every byte)."""
 

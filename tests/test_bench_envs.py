@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import envs_jax
+from envs_jax.countdown_score import ragen_check_format, ragen_score
 from experiments import bench_envs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,6 +105,39 @@ def test_numpy_baselines_follow_the_rules():
         bandit.reset(rng)
         rewards.append(bandit.step(0 if bandit.hi_first else 1, rng)[0])
     assert abs(np.mean(rewards) - 0.25) < 5 * np.sqrt(0.25 * 0.75 / 4000)
+
+
+def test_countdown_answers_use_the_tasks_numbers_and_score_as_ragens_python():
+    """The JAX loop's random answers and the Python baseline's are of one kind: the task's numbers
+    joined by operators, a quarter with a stray byte; the env scores them as RAGEN's code does."""
+    env = envs_jax.make("Countdown")
+    states, _ = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(0), 128))
+    data, length = bench_envs.random_expressions(jax.random.PRNGKey(1), 0, states, env.answer_width)
+    _, ts = jax.vmap(env.step)(states, (data, length))
+    texts = [bytes(np.asarray(d[:n])).decode() for d, n in zip(data, length)]
+    tasks = [(np.asarray(n)[:c].tolist(), int(t)) for n, c, t in zip(states.nums, states.num_count, states.target)]
+    np.testing.assert_allclose(ts.reward, [ragen_score(text, *task) for text, task in zip(texts, tasks)])
+    rng = np.random.default_rng(0)
+    baseline = bench_envs.PythonCountdown(env)
+    python_texts, python_tasks = [], []
+    for _ in range(128):
+        baseline.reset(rng)
+        python_texts.append(baseline.random_action(rng))
+        python_tasks.append((baseline.nums, baseline.target))
+    for texts, tasks in ((texts, tasks), (python_texts, python_tasks)):
+        # Exactly the task's numbers unless a stray byte broke one (at most 1 row in 4, ± 5 sigma).
+        right_numbers = np.mean([ragen_check_format(text, nums) for text, (nums, _) in zip(texts, tasks)])
+        assert 0.75 - 5 * np.sqrt(0.75 * 0.25 / 128) < right_numbers < 1
+        assert all(re.fullmatch(r"[ -~]+", text) for text in texts)  # printable ASCII
+
+
+def test_countdown_quick_run():
+    report = bench_envs.run(bench_envs.parse_args(
+        ["--quick", "--envs", "Countdown", "--batch-sizes", "2", "--modes", "step", "--max-steps", "4"]
+    ))
+    (row,) = report["results"]
+    assert row["env"] == "Countdown" and row["steps_per_s"] > 0 and row["active_share"] == 1
+    assert report["numpy"]["Countdown"]["step"] > 0
 
 
 def test_cli_rejects_unknown_env():

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import bench_rollout
+from experiments import bench_rollout, rollout_timing
 
 ROWS, TURNS, RESPONSE = 2 * 2, 2, 8
 METRICS = {
@@ -64,14 +64,14 @@ def test_baseline_episode_follows_ragen_turn_semantics():
 
     env = envs_jax.make("SimpleSokoban")
     plan = RolloutPlan(tags=(TagPlan("SimpleSokoban", env, 1, 10),), group_size=1, max_turn=3)
-    host = bench_rollout.HostEnv.of(env)
+    host = rollout_timing.HostEnv.of(env)
     state = env.reset_from_seed(10001)
     history = [{"state": host.render(state), "actions_left": 10}]
-    episode = bench_rollout.HostEpisode(env, state, env.action_names, 10, history)
-    bench_rollout.host_turn(episode, host, "go</think><answer>Right || Jump</answer>", plan)
+    episode = rollout_timing.HostEpisode(env, state, env.action_names, 10, history)
+    rollout_timing.host_turn(episode, host, "go</think><answer>Right || Jump</answer>", plan)
     assert (episode.num_actions, episode.num_turns, episode.done) == (1, 1, False)
     assert episode.history[0]["llm_response"] == "<think>go</think><answer>Right || Jump</answer>"
-    bench_rollout.host_turn(episode, host, "ok</think><answer>Up || Left || Down</answer>", plan)
+    rollout_timing.host_turn(episode, host, "ok</think><answer>Up || Left || Down</answer>", plan)
     assert episode.done and episode.success and episode.num_actions == 3  # Down is never executed
     np.testing.assert_allclose(episode.history[1]["reward"], -0.1 + 10.9, atol=1e-9)
     assert episode.history[2]["actions_left"] == 7
@@ -84,7 +84,7 @@ def test_roofline_counts_decode_steps_and_context_reads():
 
     from starpo_jax.models import Decoder, ModelState, preset
 
-    subject = bench_rollout.Subject("tiny", ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0))), None, "")
+    subject = rollout_timing.Subject("tiny", ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0))), None, "")
     # row 0 generates positions 3, 4, 5 (turn 1) and 8 (turn 2); row 1 generates position 3, then stops playing
     loss_mask = np.zeros((2, 10), bool)
     loss_mask[0, [3, 4, 5, 8]] = loss_mask[1, 3] = True
@@ -96,7 +96,7 @@ def test_roofline_counts_decode_steps_and_context_reads():
         response_tokens=np.array([4, 1]),
     )
     plan = SimpleNamespace(batch_size=2, max_len=10)
-    r = bench_rollout.decode_roofline(traj, subject, plan, wall_s=2.0, bandwidth=1e9)
+    r = rollout_timing.decode_roofline(traj, subject, plan, wall_s=2.0, bandwidth=1e9)
     weights = subject.num_params * 4  # float32
     kv = 2 * 3 * 1 * 16 * 4  # K and V, 3 layers, 1 kv head, 16 dims, float32
     assert (r["decode_steps"], r["kv_token_reads"], r["weight_bytes"]) == (3 + 1, 3 + 4 + 5 + 8 + 3, weights)

@@ -5,7 +5,9 @@ import pytest
 from gymnasium.utils import seeding
 
 import envs_jax
-from envs_jax.bandit import Bandit, BanditState, gymnasium_rng
+from envs_jax.bandit import Bandit, BanditState
+from starpo_jax import prompts
+from starpo_jax.env_turn import execute_turn
 
 # §1.1, written out by hand: trailing spaces after "pull." and "Rules:", a newline after every line.
 DRAGON_FIRST_PROMPT = """\
@@ -25,14 +27,6 @@ def env():
 
 def state(hi_first: bool, seed: int = 0) -> BanditState:
     return BanditState(hi_first=jnp.asarray(hi_first), key=jax.random.PRNGKey(seed))
-
-
-def test_rng_is_gymnasiums_np_random():
-    for seed in (0, 123, 2**40):
-        ours, theirs = gymnasium_rng(seed), seeding.np_random(seed)[0]
-        np.testing.assert_array_equal(ours.random(5), theirs.random(5))
-    with pytest.raises(ValueError, match="non-negative"):
-        gymnasium_rng(-1)
 
 
 @pytest.mark.parametrize("seed", [123, 124])
@@ -59,7 +53,6 @@ def test_golden_step_with_ragens_draw(env):
     rng.random()
     reward = env.payout(env.action_is_hi(s, 0), rng.random())
     assert float(reward) == 0.0
-    assert env.render_step_text(s, 0, reward) == "Dragon: 0.0 points"
     _, ts = env.step(s, 0)
     assert bool(ts.extras["success"]) and ts.last() and float(ts.discount) == 0.0
 
@@ -71,12 +64,22 @@ def test_payout_rule(env):
     assert float(env.payout(False, 0.99)) == pytest.approx(0.1)
 
 
-def test_render_step_text_prints_configured_payouts(env):
-    s = state(hi_first=True)
-    assert env.render_step_text(s, 1, np.float32(0.1)) == "Phoenix: 0.1 points"
-    assert env.render_step_text(s, 0, np.float32(1.0)) == "Dragon: 1.0 points"
-    with pytest.raises(ValueError, match="none of this bandit's payouts"):
-        env.render_step_text(s, 0, 0.5)
+def test_a_pulls_reward_message_prints_the_configured_payout():
+    """The rollout's path from a pull to its reward message: the float32 step reward becomes its
+    category among ``step_reward_values`` (``execute_turn``), and the message prints that Python
+    float, so 0.3 reads ``0.3``, not float32's ``0.30000001192092896``."""
+    env = envs_jax.make("Bandit", lo_arm_score=0.3)
+    values = env.step_reward_values
+    pull = jax.jit(jax.vmap(
+        lambda s, a: execute_turn(env, s, a[None], 1, 1, True, jnp.asarray(values, jnp.float32))[1]
+    ))
+    states = BanditState(hi_first=jnp.ones(32, bool), key=jax.random.split(jax.random.PRNGKey(0), 32))
+    for action, payouts in ((1, {0.3}), (0, {0.0, 1.0})):  # Phoenix (safe), Dragon (risky)
+        turns = pull(states, jnp.full(32, action))
+        messages = [prompts.reward_text(prompts.reward_sequence_of_key(int(k), values, 1)) for k in turns.reward_key]
+        paid = [next(p for p in payouts if np.float32(p) == r) for r in np.asarray(turns.reward)]
+        assert messages == [f"Reward:\n{p}\n" for p in paid]
+        assert set(paid) == payouts  # the risky arm's 32 pulls paid both ways
 
 
 def test_payout_frequencies_vmapped(env):
