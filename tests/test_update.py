@@ -6,6 +6,8 @@ which order, and which steps are taken. The batch is 4 groups × 8 trajectories 
 (no playing) and the model a tiny random decoder; compiling ``learn`` is most of each test's time.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ import envs_jax
 from starpo_jax import advantages, rewards
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import RolloutPlan, TagPlan, Trajectories
-from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
+from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step, prepare_update
 
 G, N, L = 4, 8, 48
 PLAN = RolloutPlan(
@@ -85,8 +87,9 @@ def program(model, **overrides):
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
         "micro_batch_size": N, "logprob_chunk": 8, **overrides,
     })
-    step = make_train_step(settings, model.graphdef, PLAN)
-    return jax.jit(step.prepare), jax.jit(step.learn), init_train_state(settings, model, jax.random.PRNGKey(0))
+    prepare = functools.partial(prepare_update, settings, model.graphdef, PLAN)
+    learn = make_train_step(settings, model.graphdef, PLAN).learn
+    return jax.jit(prepare), jax.jit(learn), init_train_state(settings, model, jax.random.PRNGKey(0))
 
 
 def adam_steps(opt_state) -> int:
