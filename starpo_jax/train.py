@@ -1,10 +1,23 @@
 """The StarPO / StarPO-S training iteration as one compiled program (spec §3.1).
 
-    rollout → filter (StarPO-S) → old / ref log-probs, values → scores → advantages → update
+The second half of this file is the iteration, one pure function per step, in the order it runs
+(each takes the static ``TrainSettings``, and the model's graphdef or the rollout plan where it
+needs them, then arrays):
 
-``make_train_step(settings, graphdef, plan)`` returns a pure ``train_step(state, tables, hyper,
-key) -> (state, metrics)``. ``Hyperparams`` are arrays, so ``jax.vmap`` over a stacked
-``Hyperparams`` (and a stacked ``TrainState``) trains several configurations in one program.
+    collect                  1. rollout: fresh levels, the policy plays them → Trajectories
+    learn = prepare_update   2. filter_groups: StarPO-S keeps the groups whose rewards vary most
+                             3. old_logprobs, ref_logprobs, old_values: forward passes, kept rows
+                             4. token_level_rewards: scores (or turn rewards) on tokens, − β·KL
+                             5. estimate_advantages: GAE, bi-level GAE or GRPO
+          + update_critic,   6. critic_loss_fn / actor_loss_fn: the loss of one micro-batch
+            update_actor     7. accumulate_gradients: the mean over a mini-batch's micro-batches
+                             8. ppo_update: epochs × mini-batches, one ``apply_update`` each
+
+``make_train_step(settings, graphdef, plan)`` binds the static part and returns
+``TrainStep(collect, learn, step)``, pure functions to jit; ``step(state, tables, hyper, key) ->
+(state, metrics)`` is ``learn ∘ collect``. ``Hyperparams`` are arrays, so ``jax.vmap`` of ``step``
+over a stacked ``Hyperparams`` (and a stacked ``TrainState``) trains several configurations in one
+program.
 
 Choices (each a departure from, or a decision about, the original; see docs/design.md):
 
@@ -527,7 +540,7 @@ def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: U
 
 
 def update_critic(settings: TrainSettings, graphdef, state: TrainState, batch: UpdateBatch, hyper: Hyperparams):
-    """8a. The critic's PPO update: (critic, critic_opt, skipped steps, metrics); unchanged without one."""
+    """Step 8 for the critic: (critic, critic_opt, skipped steps, metrics); unchanged without one."""
     if not settings.uses_critic:
         return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
     tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
@@ -540,7 +553,7 @@ def update_critic(settings: TrainSettings, graphdef, state: TrainState, batch: U
 
 
 def update_actor(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, batch: UpdateBatch, hyper: Hyperparams, horizon):
-    """8b. The actor's PPO update: (actor, actor_opt, skipped steps, metrics); unchanged for the
+    """Step 8 for the actor: (actor, actor_opt, skipped steps, metrics); unchanged for the
     first ``critic_warmup`` steps (RAGEN: the actor waits while the critic warms up)."""
     tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
     loss_fn = functools.partial(actor_loss_fn, settings, graphdef, max_tokens, state.base, horizon)
