@@ -430,7 +430,8 @@ def parse_args(argv=None):
 
 def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, dict]:
     from starpo_jax.rollout import LLMResponder
-    from starpo_jax.train import make_train_step, policy_weights, sampling_policy
+    from starpo_jax.sampling import sampling_policy
+    from starpo_jax.train import make_train_step, policy_weights
 
     responder = LLMResponder(exp.train_plan, fixed_length=n)
     collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan, responder).collect)

@@ -94,7 +94,7 @@ def evaluate(args) -> dict:
 
     from starpo_jax import sharding
     from starpo_jax.experiment import ConfigError, device_mesh
-    from starpo_jax.train import sampling_policy
+    from starpo_jax.sampling import sampling_policy
 
     tags = suite_tags(args.suite)
     config, model, tokenizer = load_config_and_model(args.model, args)
@@ -123,7 +123,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
 
     from starpo_jax.experiment import rollout_plan
     from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
-    from starpo_jax.train import rollout_metrics
+    from starpo_jax.metrics import rollout_metrics
 
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")

@@ -38,7 +38,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
 
     from starpo_jax import distributed, dumps
     from starpo_jax.diversity import think_diversity_metrics
-    from starpo_jax.train import rollout_metrics
+    from starpo_jax.metrics import rollout_metrics
 
     cfg = exp.config
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
@@ -144,7 +144,8 @@ def train(exp) -> int:
     from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout import initial_states_from_seeds, make_rollout
-    from starpo_jax.train import init_train_state, make_train_step, policy_weights, sampling_policy
+    from starpo_jax.sampling import sampling_policy
+    from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)

@@ -173,7 +173,7 @@ def compile_sweep_step(exp, state, size: int):
 
     abstract_states = jax.eval_shape(copies, state)
     axes = traced_axes[0]
-    step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
+    step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).step
     vmapped = jax.jit(jax.vmap(step, in_axes=(axes, None, 0, None), out_axes=(axes, 0)), donate_argnums=0)
     hyper = jax.eval_shape(lambda h: swept_hyper(h, [{}] * size), exp.hyper)
     compiled = vmapped.lower(abstract_states, exp.train_tables, hyper, jax.random.PRNGKey(0)).compile()

@@ -35,8 +35,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
+from starpo_jax import sharding
 from starpo_jax.models.config import ModelConfig
 from starpo_jax.models.decoder import KVCache, ModelState
 
@@ -44,7 +45,7 @@ Array = jax.Array
 
 __all__ = [
     "KVCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode", "decode_step",
-    "initial_decode_state", "generate", "sample_logits",
+    "initial_decode_state", "generate", "sample_logits", "sampling_policy",
 ]
 
 
@@ -296,3 +297,11 @@ def generate(
         pad_id=pad_id,
         windowed=windowed,
     )
+
+
+def sampling_policy(graphdef, params) -> ModelState:
+    """The policy for sampling: master weights cast once to the compute dtype (bf16 on GPU halves
+    the bytes read per decode step), then gathered over the ``fsdp`` mesh axis (cast first, so the
+    gather moves half the bytes): decoding reads every weight per token and wants them local."""
+    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
+    return ModelState(graphdef, sharding.for_decoding(jax.tree.map(lambda p: p.astype(dtype), params)))

@@ -1,10 +1,23 @@
 """The StarPO / StarPO-S training iteration as one compiled program (spec §3.1).
 
-    rollout → filter (StarPO-S) → old / ref log-probs, values → scores → advantages → update
+The second half of this file is the iteration, one pure function per step, in the order it runs
+(each takes the static ``TrainSettings``, and the model's graphdef or the rollout plan where it
+needs them, then arrays):
 
-``make_train_step(settings, graphdef, plan)`` returns a pure ``train_step(state, tables, hyper,
-key) -> (state, metrics)``. ``Hyperparams`` are arrays, so ``jax.vmap`` over a stacked
-``Hyperparams`` (and a stacked ``TrainState``) trains several configurations in one program.
+    collect                  1. rollout: fresh levels, the policy plays them → Trajectories
+    learn = prepare_update   2. filter_groups: StarPO-S keeps the groups whose rewards vary most
+                             3. old_logprobs, ref_logprobs, old_values: forward passes, kept rows
+                             4. token_level_rewards: scores (or turn rewards) on tokens, − β·KL
+                             5. estimate_advantages: GAE, bi-level GAE or GRPO
+          + update_critic,   6. critic_loss_fn / actor_loss_fn: the loss of one micro-batch
+            update_actor     7. accumulate_gradients: the mean over a mini-batch's micro-batches
+                             8. ppo_update: epochs × mini-batches, one ``apply_update`` each
+
+``make_train_step(settings, graphdef, plan)`` binds the static part and returns
+``TrainStep(collect, learn, step)``, pure functions to jit; ``step(state, tables, hyper, key) ->
+(state, metrics)`` is ``learn ∘ collect``. ``Hyperparams`` are arrays, so ``jax.vmap`` of ``step``
+over a stacked ``Hyperparams`` (and a stacked ``TrainState``) trains several configurations in one
+program.
 
 Choices (each a departure from, or a decision about, the original; see docs/design.md):
 
@@ -36,7 +49,7 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -45,11 +58,13 @@ import optax
 from flax import nnx
 
 from starpo_jax import advantages as adv
-from starpo_jax import filtering, losses, rewards, sharding
+from starpo_jax import filtering, losses, rewards
 from starpo_jax.masked import masked_mean
+from starpo_jax.metrics import rollout_metrics
 from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
+from starpo_jax.sampling import sampling_policy
 from starpo_jax.settings import Hyperparams, TrainSettings  # declared beside their config keys
 
 
@@ -175,14 +190,6 @@ def token_values(graphdef, critic: Critic, tokens, length):
     return jnp.einsum("bld,d->bl", hidden.astype(jnp.float32), critic.head_w) + critic.head_b
 
 
-def sampling_policy(graphdef, params) -> ModelState:
-    """The policy for sampling: master weights cast once to the compute dtype (bf16 on GPU halves
-    the bytes read per decode step), then gathered over the ``fsdp`` mesh axis (cast first, so the
-    gather moves half the bytes): decoding reads every weight per token and wants them local."""
-    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-    return ModelState(graphdef, sharding.for_decoding(jax.tree.map(lambda p: p.astype(dtype), params)))
-
-
 # ---- state -------------------------------------------------------------------------------------
 
 
@@ -232,7 +239,124 @@ def replicate(state: TrainState, n: int) -> tuple[TrainState, TrainState]:
     return stacked, jax.tree.map(lambda _: 0, trained)
 
 
-# ---- the batch the update sees -----------------------------------------------------------------
+# ---- the iteration, step by step ---------------------------------------------------------------
+#
+# Each step is a pure function of the static settings (and the model's graphdef, the rollout's
+# plan where it needs them) and arrays; ``make_train_step`` at the end binds the static part.
+
+
+def collect(settings: TrainSettings, graphdef, plan: RolloutPlan, rollout, state: TrainState, tables, key) -> Trajectories:
+    """1. Rollout: fresh levels, then the policy (weights in compute dtype) plays them."""
+    level_key, rollout_key = jax.random.split(jax.random.fold_in(key, state.step))
+    policy = sampling_policy(graphdef, policy_weights(settings, state))
+    return rollout(policy, tables, initial_states_from_key(plan, level_key), rollout_key, settings.rollout_temperature)
+
+
+def filter_groups(settings: TrainSettings, group_size: int, traj: Trajectories, score, filter_ratio):
+    """2. StarPO-S filter: keep the groups whose raw env rewards vary most, compacted to
+    ``kept_groups`` groups (static): (kept trajectories, their scores, valid [M] bool, metrics).
+
+    Rows past the kept count repeat group 0 and are not ``valid``: no statistic may see them."""
+    raw = traj.env_reward.reshape(-1, group_size)
+    keep, metrics = filtering.select_groups(raw, filter_ratio, settings.filter_type)
+    (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, settings.kept_groups, group_size)
+    return kept, score, valid, metrics
+
+
+def policy_tokens_per_row(plan: RolloutPlan) -> int:
+    """The most policy tokens a trajectory can hold: how many positions a loss computes."""
+    return min(plan.max_len, plan.max_turn * plan.response_length)
+
+
+def _map_micro(fn, batch, micro: int):
+    """Run ``fn`` over micro-batches of ``batch`` (leading dim M) and stitch the outputs back."""
+    M = jax.tree.leaves(batch)[0].shape[0]
+    split = jax.tree.map(lambda x: x.reshape((M // micro, micro) + x.shape[1:]), batch)
+    out = jax.lax.map(fn, split)
+    return jax.tree.map(lambda x: x.reshape((M,) + x.shape[2:]), out)
+
+
+def _sequences(kept: Trajectories, mask):
+    return {"tokens": kept.tokens, "length": kept.length, "mask": mask > 0}
+
+
+def _batch_logprobs(settings: TrainSettings, graphdef, max_tokens: int, params, seqs):
+    """(logp, entropy) [M, L] of the policy tokens, one micro-batch at a time."""
+    return _map_micro(
+        lambda b: token_logprobs(
+            graphdef, params, b["tokens"], b["length"], b["mask"], settings.rollout_temperature,
+            settings.logprob_chunk, max_tokens,
+        ),
+        seqs,
+        settings.micro_batch_size,
+    )
+
+
+def old_logprobs(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, kept: Trajectories, mask):
+    """3a. log π_old [M, L] of the policy tokens: recomputed by the policy that sampled them, or
+    the sampler's own (``use_sampler_logprobs``). A constant of the update."""
+    if settings.use_sampler_logprobs:
+        return jax.lax.stop_gradient(kept.sampler_logprobs)
+    logp, _ = _batch_logprobs(settings, graphdef, max_tokens, policy_weights(settings, state), _sequences(kept, mask))
+    return jax.lax.stop_gradient(logp)
+
+
+def ref_logprobs(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, kept: Trajectories, mask):
+    """3b. log π_ref [M, L] under the frozen reference; zeros when no KL term reads them."""
+    if not settings.uses_ref:
+        return jnp.zeros(kept.tokens.shape, jnp.float32)
+    return _batch_logprobs(settings, graphdef, max_tokens, reference_weights(state), _sequences(kept, mask))[0]
+
+
+def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
+    """The critic with full backbone weights (base + merged adapters under LoRA)."""
+    return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
+
+
+def old_values(settings: TrainSettings, graphdef, state: TrainState, kept: Trajectories, mask):
+    """3c. V_old [M, L] on the policy tokens (0 elsewhere); zeros when the estimator has no critic."""
+    if not settings.uses_critic:
+        return jnp.zeros(kept.tokens.shape, jnp.float32)
+    critic = critic_weights(settings, state.critic, state.base)
+    values = _map_micro(
+        lambda b: token_values(graphdef, critic, b["tokens"], b["length"]), _sequences(kept, mask),
+        settings.micro_batch_size,
+    )
+    return values * mask
+
+
+def token_level_rewards(settings: TrainSettings, kept: Trajectories, score, mask, old_logp, ref_logp, hyper: Hyperparams):
+    """4. Rewards per token [M, L]: each trajectory's score on its last policy token, or raw turn
+    rewards on each turn's last token (``use_turn_scores``: no normalisation, no format penalty,
+    as in RAGEN), less β·KL with ``kl_in_reward``. Returns (token rewards, the score each
+    trajectory counts as, metrics)."""
+    metrics = {}
+    if settings.use_turn_scores:
+        token_rewards = rewards.turn_scores_to_token_rewards(
+            kept.turn_reward, kept.turn_end - 1, kept.turn_played, kept.tokens.shape[1]
+        )
+        score = token_rewards.sum(axis=1)
+    else:
+        token_rewards = rewards.scores_to_token_rewards(score, mask)
+    if settings.kl_in_reward:
+        kl = losses.kl_penalty(old_logp, ref_logp, settings.kl_penalty)
+        token_rewards, metrics = rewards.kl_in_reward(token_rewards, kl, mask, hyper.kl_in_reward_coef)
+    return token_rewards, score, metrics
+
+
+def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewards, values, mask, valid, hyper: Hyperparams):
+    """5. (advantages, returns) [M, L] by ``adv_estimator``: GAE, bi-level GAE or GRPO."""
+    if settings.adv_estimator == "gae":
+        return adv.gae(token_rewards, values, mask, hyper.gamma, hyper.lam)
+    if settings.adv_estimator == "bilevel_gae":
+        return adv.bilevel_gae(
+            token_rewards, values, mask, kept.turn_end - 1, kept.turn_played,
+            hyper.gamma, hyper.lam, hyper.high_level_gamma,
+        )
+    if settings.adv_estimator == "grpo":
+        # veRL's outcome is the summed token reward (KL penalty included), grouped over real rows
+        return adv.grpo_outcome(token_rewards.sum(axis=1), kept.group_id, mask, settings.grpo_norm_by_std, valid=valid)
+    raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo or bilevel_gae.")
 
 
 @flax.struct.dataclass
@@ -247,252 +371,193 @@ class UpdateBatch:
     returns: jax.Array
 
 
-def _minibatches(batch, n_mini: int, n_micro: int):
-    """[M, ...] -> [n_mini, n_micro, M / (n_mini * n_micro), ...] without shuffling (veRL)."""
-    return jax.tree.map(lambda x: x.reshape((n_mini, n_micro, -1) + x.shape[1:]), batch)
-
-
-def _map_micro(fn, batch, micro: int):
-    """Run ``fn`` over micro-batches of ``batch`` (leading dim M) and stitch the outputs back."""
-    M = jax.tree.leaves(batch)[0].shape[0]
-    split = jax.tree.map(lambda x: x.reshape((M // micro, micro) + x.shape[1:]), batch)
-    out = jax.lax.map(fn, split)
-    return jax.tree.map(lambda x: x.reshape((M,) + x.shape[2:]), out)
-
-
-def rollout_metrics(traj: Trajectories, plan: RolloutPlan, prefix: str) -> dict[str, jax.Array]:
-    """RAGEN's per-tag env metrics (spec §2.2, §4.1), computed over every trajectory."""
-    metrics = {}
-    group_success = jax.ops.segment_max(traj.success.astype(jnp.float32), traj.group_id, plan.num_groups)
-    group_tag = traj.tag_id[jnp.arange(plan.num_groups) * plan.group_size]
-    for i, tag in enumerate(plan.tags):
-        rows = traj.tag_id == i
-        per_env = {
-            "success": traj.success.astype(jnp.float32),
-            "num_actions": traj.num_actions.astype(jnp.float32),
-            "action_is_effective": traj.action_is_effective,
-            "action_is_valid": traj.action_is_valid,
-        }
-        for name, value in per_env.items():
-            metrics[f"{prefix}/{tag.name}/{name}"] = masked_mean(value, rows)
-            metrics[f"{prefix}/{tag.name}/non-zero/{name}"] = masked_mean(value, rows & (value != 0))
-        metrics[f"{prefix}/{tag.name}/pass@{plan.group_size}"] = masked_mean(group_success, group_tag == i)
-    everything = jnp.ones_like(traj.success)
-    metrics[f"{prefix}/response_length"] = traj.response_tokens.astype(jnp.float32).mean()
-    metrics[f"{prefix}/think_length"] = traj.think_tokens.astype(jnp.float32).mean()
-    metrics[f"{prefix}/reward/mean"] = masked_mean(traj.env_reward + traj.format_penalty, everything)
-    metrics[f"{prefix}/reward/std"] = jnp.std(traj.env_reward + traj.format_penalty)
-    metrics[f"{prefix}/num_turns"] = traj.num_turns.astype(jnp.float32).mean()
-    metrics[f"{prefix}/context_exhausted"] = traj.context_exhausted.astype(jnp.float32).mean()
-    metrics[f"{prefix}/generated_tokens"] = traj.response_tokens.sum().astype(jnp.float32)
-    metrics[f"{prefix}/env_steps"] = traj.num_actions.sum().astype(jnp.float32)
+def batch_metrics(settings: TrainSettings, batch: UpdateBatch, score, token_rewards, valid) -> dict[str, jax.Array]:
+    """RAGEN's critic/* and rollout/*_log_prob statistics of the update batch, over real rows only."""
+    mask = batch.mask
+    metrics = {
+        "critic/score/mean": masked_mean(score, valid),
+        "critic/rewards/mean": masked_mean(token_rewards.sum(axis=1), valid),
+        "critic/advantages/mean": masked_mean(batch.advantages, mask),
+        "critic/returns/mean": masked_mean(batch.returns, mask),
+        "rollout/old_log_prob": masked_mean(batch.old_logp, mask),
+    }
+    if settings.uses_ref:
+        metrics["rollout/ref_log_prob"] = masked_mean(batch.ref_logp, mask)
+    if settings.uses_critic:
+        metrics["critic/values/mean"] = masked_mean(batch.values, mask)
+        metrics["critic/vf_explained_var"] = losses.explained_variance(batch.returns, batch.values, mask)
     return metrics
 
 
-# ---- the training step ---------------------------------------------------------------------------
+def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams):
+    """Steps 2–5: filter, then everything the update needs: (UpdateBatch, metrics)."""
+    # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
+    score = rewards.trajectory_score(
+        traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id,
+        settings.reward_grouping, settings.reward_method,
+    )
+    kept, score, valid, metrics = filter_groups(settings, plan.group_size, traj, score, hyper.filter_ratio)
+    mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
+    max_tokens = policy_tokens_per_row(plan)
+    old_logp = old_logprobs(settings, graphdef, max_tokens, state, kept, mask)
+    ref_logp = ref_logprobs(settings, graphdef, max_tokens, state, kept, mask)
+    values = old_values(settings, graphdef, state, kept, mask)
+    token_rewards, score, kl_metrics = token_level_rewards(settings, kept, score, mask, old_logp, ref_logp, hyper)
+    advantages, returns = estimate_advantages(settings, kept, token_rewards, values, mask, valid, hyper)
+    batch = UpdateBatch(kept.tokens, kept.length, mask, old_logp, ref_logp, values, advantages, returns)
+    return batch, metrics | kl_metrics | batch_metrics(settings, batch, score, token_rewards, valid)
 
 
-def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, responder=None):
-    """Returns ``train_step(state, tables, hyper, key) -> (state, metrics)``; jit it whole.
+def actor_loss_fn(settings: TrainSettings, graphdef, max_tokens: int, base, horizon, trained, b: UpdateBatch, hyper: Hyperparams):
+    """6a. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
+    params = with_adapters(settings, base, trained)
+    logp, entropy = token_logprobs(
+        graphdef, params, b.tokens, b.length, b.mask > 0, settings.rollout_temperature, settings.logprob_chunk, max_tokens
+    )
+    return losses.actor_loss(
+        logp, entropy, b.old_logp, b.advantages, b.mask,
+        clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
+        entropy_coeff=hyper.entropy_coeff, agg_mode=settings.loss_agg_mode,
+        ref_logp=b.ref_logp if settings.use_kl_loss else None, kl_coef=hyper.kl_loss_coef,
+        kl_kind=settings.kl_loss_type, horizon=horizon,
+    )
 
-    Its two phases are also exposed, ``train_step.collect(state, tables, key) -> Trajectories`` and
-    ``train_step.learn(state, traj, hyper)``, for a driver that times them apart, and the first part
-    of ``learn``, ``train_step.prepare(state, traj, hyper) -> (UpdateBatch, metrics)``, for tests."""
-    rollout = make_rollout(plan, responder)
-    G, N = plan.num_groups, plan.group_size
-    k = settings.kept_groups
-    M = k * N
-    mini = settings.ppo_mini_batch_size
-    micro = settings.micro_batch_size
+
+def critic_loss_fn(settings: TrainSettings, graphdef, base, critic: Critic, b: UpdateBatch, hyper: Hyperparams):
+    """6b. The clipped value loss of a micro-batch, a function of what the critic trains."""
+    values = token_values(graphdef, critic_weights(settings, critic, base), b.tokens, b.length)
+    return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
+
+
+def accumulate_gradients(loss_fn, params, micro_batches, hyper: Hyperparams):
+    """7. Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
+    and whether any counted: a micro-batch of padding rows only (no trained token) is left out."""
+
+    def one(carry, b):
+        grads, count = carry
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b, hyper)
+        live = jnp.any(b.mask > 0)
+        grads = jax.tree.map(lambda a, x: a + jnp.where(live, x, 0.0), grads, g)
+        return (grads, count + live), (metrics, live)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, count), (metrics, live) = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.int32)), micro_batches)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
+    return grads, jax.tree.map(lambda m: masked_mean(m, live), metrics), count > 0
+
+
+def _minibatches(batch, mini: int, micro: int):
+    """[M, ...] -> [M / mini, mini / micro, micro, ...] without shuffling (veRL)."""
+    return jax.tree.map(lambda x: x.reshape((-1, mini // micro, micro) + x.shape[1:]), batch)
+
+
+def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: UpdateBatch, lr, hyper: Hyperparams, prefix: str):
+    """8. ``ppo_epochs`` passes over the mini-batches, one optimiser step each: ((params, opt_state,
+    skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
+
+    def one_minibatch(carry, micro_batches):
+        params, opt_state, skipped = carry
+        grads, metrics, live = accumulate_gradients(loss_fn, params, micro_batches, hyper)
+        params, opt_state, grad_norm, skip = apply_update(tx, params, opt_state, grads, lr, live)
+        metrics[f"{prefix}/grad_norm"] = grad_norm
+        return (params, opt_state, skipped + skip), (metrics, live)
+
+    def one_epoch(carry, _):
+        return jax.lax.scan(one_minibatch, carry, _minibatches(batch, settings.ppo_mini_batch_size, settings.micro_batch_size))
+
+    carry, (metrics, live) = jax.lax.scan(
+        one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs
+    )
+    return carry, jax.tree.map(lambda m: masked_mean(m, live), metrics)
+
+
+def update_critic(settings: TrainSettings, graphdef, state: TrainState, batch: UpdateBatch, hyper: Hyperparams):
+    """Step 8 for the critic: (critic, critic_opt, skipped steps, metrics); unchanged without one."""
+    if not settings.uses_critic:
+        return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
+    tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
+    loss_fn = functools.partial(critic_loss_fn, settings, graphdef, state.base)
+    (critic, critic_opt, skipped), metrics = ppo_update(
+        settings, loss_fn, tx, state.critic, state.critic_opt, batch, hyper.critic_lr, hyper, "critic"
+    )
+    metrics["critic/skipped_steps"] = (state.critic_skipped_steps + skipped).astype(jnp.float32)
+    return critic, critic_opt, skipped, metrics
+
+
+def update_actor(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, batch: UpdateBatch, hyper: Hyperparams, horizon):
+    """Step 8 for the actor: (actor, actor_opt, skipped steps, metrics); unchanged for the
+    first ``critic_warmup`` steps (RAGEN: the actor waits while the critic warms up)."""
+    tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
+    loss_fn = functools.partial(actor_loss_fn, settings, graphdef, max_tokens, state.base, horizon)
+    (actor, actor_opt, skipped), metrics = ppo_update(
+        settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
+    )
+    train_actor = state.step >= settings.critic_warmup
+    actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
+    actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
+    skipped = jnp.where(train_actor, skipped, 0)
+    metrics["actor/lr"] = hyper.actor_lr
+    metrics["actor/skipped_steps"] = (state.skipped_steps + skipped).astype(jnp.float32)
+    return actor, actor_opt, skipped, metrics
+
+
+def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams):
+    """Steps 2–8 on a rollout batch: (new state, metrics)."""
+    metrics = rollout_metrics(traj, plan, "train")
+    batch, prepared_metrics = prepare_update(settings, graphdef, plan, state, traj, hyper)
+    # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, i.e. the rollout batch's
+    # longest sequence minus its first token
+    horizon = (traj.length.max() - 1).astype(jnp.float32)
+    critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, state, batch, hyper)
+    actor, actor_opt, skipped, actor_metrics = update_actor(
+        settings, graphdef, policy_tokens_per_row(plan), state, batch, hyper, horizon
+    )
+    new_state = state.replace(
+        step=state.step + 1,
+        actor=actor,
+        actor_opt=actor_opt,
+        critic=critic,
+        critic_opt=critic_opt,
+        skipped_steps=state.skipped_steps + skipped,
+        critic_skipped_steps=state.critic_skipped_steps + critic_skipped,
+    )
+    return new_state, metrics | prepared_metrics | critic_metrics | actor_metrics
+
+
+# ---- the whole step ------------------------------------------------------------------------------
+
+
+class TrainStep(NamedTuple):
+    """The iteration bound to its settings, model and plan: pure functions to jit.
+
+    ``step`` is the whole iteration; a driver that times the phases apart jits ``collect`` and
+    ``learn`` (donating the state) instead."""
+
+    collect: Callable  # (state, tables, key) -> Trajectories
+    learn: Callable  # (state, traj, hyper) -> (state, metrics)
+    step: Callable  # (state, tables, hyper, key) -> (state, metrics): learn ∘ collect
+
+
+def check_batch_split(settings: TrainSettings, group_size: int) -> None:
+    """The update batch must split into whole mini-batches, and those into micro-batches."""
+    k, mini, micro = settings.kept_groups, settings.ppo_mini_batch_size, settings.micro_batch_size
+    M = k * group_size
     if M % mini or mini % micro:
         raise ValueError(
-            f"The update batch ({k} kept groups × {N} = {M} trajectories) must split into mini-batches of "
+            f"The update batch ({k} kept groups × {group_size} = {M} trajectories) must split into mini-batches of "
             f"{mini}, and those into micro-batches of {micro}; change filter.ratio, ppo_mini_batch_size or "
             "micro_batch_size."
         )
-    n_mini, n_micro = M // mini, mini // micro
-    actor_tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
-    critic_tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
-    temperature = settings.rollout_temperature
-    chunk = settings.logprob_chunk
-    max_policy = min(plan.max_len, plan.max_turn * plan.response_length)  # policy tokens per row
 
-    def logprobs_of(params, batch):
-        return _map_micro(
-            lambda b: token_logprobs(graphdef, params, b["tokens"], b["length"], b["mask"], temperature, chunk, max_policy),
-            batch,
-            micro,
-        )
 
-    def critic_weights(critic: Critic, base) -> Critic:
-        return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
+def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, responder=None) -> TrainStep:
+    """The iteration for these settings, model structure and rollout plan (``responder``: what
+    answers instead of the policy, for tests and benchmarks; see ``make_rollout``)."""
+    check_batch_split(settings, plan.group_size)
+    collect_fn = functools.partial(collect, settings, graphdef, plan, make_rollout(plan, responder))
+    learn_fn = functools.partial(learn, settings, graphdef, plan)
 
-    def prepare(state: TrainState, traj: Trajectories, hyper: Hyperparams):
-        """Filter, then everything the update needs: old/ref log-probs, values, advantages.
+    def step(state: TrainState, tables, hyper: Hyperparams, key):
+        return learn_fn(state, collect_fn(state, tables, key), hyper)
 
-        Returns (UpdateBatch, metrics). Only real rows (``valid``) enter a statistic."""
-        raw = traj.env_reward.reshape(G, N)
-        keep, metrics = filtering.select_groups(raw, hyper.filter_ratio, settings.filter_type)
-        # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
-        score = rewards.trajectory_score(
-            traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id,
-            settings.reward_grouping, settings.reward_method,
-        )
-        (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, k, N)
-        mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
-        seqs = {"tokens": kept.tokens, "length": kept.length, "mask": mask > 0}
-        old_logp, _ = logprobs_of(policy_weights(settings, state), seqs)
-        if settings.use_sampler_logprobs:
-            old_logp = kept.sampler_logprobs
-        old_logp = jax.lax.stop_gradient(old_logp)
-        ref_logp = logprobs_of(reference_weights(state), seqs)[0] if settings.uses_ref else jnp.zeros_like(old_logp)
-        critic = critic_weights(state.critic, state.base) if settings.uses_critic else None
-        values = (
-            _map_micro(lambda b: token_values(graphdef, critic, b["tokens"], b["length"]), seqs, micro)
-            * mask
-            if settings.uses_critic
-            else jnp.zeros_like(old_logp)
-        )
-
-        if settings.use_turn_scores:  # raw turn rewards: no normalisation, no format penalty (RAGEN)
-            token_rewards = rewards.turn_scores_to_token_rewards(
-                kept.turn_reward, kept.turn_end - 1, kept.turn_played, kept.tokens.shape[1]
-            )
-            score = token_rewards.sum(axis=1)
-        else:
-            token_rewards = rewards.scores_to_token_rewards(score, mask)
-        if settings.kl_in_reward:
-            kl = losses.kl_penalty(old_logp, ref_logp, settings.kl_penalty)
-            token_rewards, kl_metrics = rewards.kl_in_reward(token_rewards, kl, mask, hyper.kl_in_reward_coef)
-            metrics |= kl_metrics
-
-        if settings.adv_estimator == "gae":
-            advantages, returns = adv.gae(token_rewards, values, mask, hyper.gamma, hyper.lam)
-        elif settings.adv_estimator == "bilevel_gae":
-            advantages, returns = adv.bilevel_gae(
-                token_rewards, values, mask, kept.turn_end - 1, kept.turn_played,
-                hyper.gamma, hyper.lam, hyper.high_level_gamma,
-            )
-        elif settings.adv_estimator == "grpo":
-            # veRL's outcome is the summed token reward (KL penalty included), grouped over real rows
-            advantages, returns = adv.grpo_outcome(
-                token_rewards.sum(axis=1), kept.group_id, mask, settings.grpo_norm_by_std, valid=valid
-            )
-        else:
-            raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo or bilevel_gae.")
-
-        metrics |= {
-            "critic/score/mean": masked_mean(score, valid),
-            "critic/rewards/mean": masked_mean(token_rewards.sum(axis=1), valid),
-            "critic/advantages/mean": masked_mean(advantages, mask),
-            "critic/returns/mean": masked_mean(returns, mask),
-            "rollout/old_log_prob": masked_mean(old_logp, mask),
-        }
-        if settings.uses_ref:
-            metrics["rollout/ref_log_prob"] = masked_mean(ref_logp, mask)
-        if settings.uses_critic:
-            metrics["critic/values/mean"] = masked_mean(values, mask)
-            metrics["critic/vf_explained_var"] = losses.explained_variance(returns, values, mask)
-        batch = UpdateBatch(kept.tokens, kept.length, mask, old_logp, ref_logp, values, advantages, returns)
-        return batch, metrics
-
-    def actor_loss_fn(trained, b: UpdateBatch, hyper, base, horizon):
-        params = with_adapters(settings, base, trained)
-        logp, entropy = token_logprobs(graphdef, params, b.tokens, b.length, b.mask > 0, temperature, chunk, max_policy)
-        return losses.actor_loss(
-            logp, entropy, b.old_logp, b.advantages, b.mask,
-            clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
-            entropy_coeff=hyper.entropy_coeff, agg_mode=settings.loss_agg_mode,
-            ref_logp=b.ref_logp if settings.use_kl_loss else None, kl_coef=hyper.kl_loss_coef,
-            kl_kind=settings.kl_loss_type, horizon=horizon,
-        )
-
-    def critic_loss_fn(critic, b: UpdateBatch, hyper, base):
-        values = token_values(graphdef, critic_weights(critic, base), b.tokens, b.length)
-        return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
-
-    def accumulate(loss_fn, params, micro_batches, hyper):
-        """Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
-        and whether any counted: a micro-batch of padding rows only (no trained token) is left out."""
-
-        def one(carry, b):
-            grads, count = carry
-            (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b, hyper)
-            live = jnp.any(b.mask > 0)
-            grads = jax.tree.map(lambda a, x: a + jnp.where(live, x, 0.0), grads, g)
-            return (grads, count + live), (metrics, live)
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, count), (metrics, live) = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.int32)), micro_batches)
-        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
-        return grads, jax.tree.map(lambda m: masked_mean(m, live), metrics), count > 0
-
-    def update(loss_fn, tx, params, opt_state, batch, lr, hyper, prefix):
-        """ppo_epochs passes over the mini-batches, one optimiser step each: ((params, opt_state,
-        skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
-
-        def one_minibatch(carry, micro_batches):
-            params, opt_state, skipped = carry
-            grads, metrics, live = accumulate(loss_fn, params, micro_batches, hyper)
-            params, opt_state, grad_norm, skip = apply_update(tx, params, opt_state, grads, lr, live)
-            metrics[f"{prefix}/grad_norm"] = grad_norm
-            return (params, opt_state, skipped + skip), (metrics, live)
-
-        def one_epoch(carry, _):
-            return jax.lax.scan(one_minibatch, carry, _minibatches(batch, n_mini, n_micro))
-
-        carry, (metrics, live) = jax.lax.scan(
-            one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs
-        )
-        return carry, jax.tree.map(lambda m: masked_mean(m, live), metrics)
-
-    def collect(state: TrainState, tables, key) -> Trajectories:
-        """The rollout phase: fresh levels, then the policy plays them (weights in compute dtype)."""
-        level_key, rollout_key = jax.random.split(jax.random.fold_in(key, state.step))
-        return rollout(sampling_policy(graphdef, policy_weights(settings, state)), tables, initial_states_from_key(plan, level_key), rollout_key, temperature)
-
-    def learn(state: TrainState, traj: Trajectories, hyper: Hyperparams):
-        """The update phase: filter, advantages, critic and actor updates."""
-        metrics = rollout_metrics(traj, plan, "train")
-        batch, prep_metrics = prepare(state, traj, hyper)
-        metrics |= prep_metrics
-        # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, i.e. the rollout batch's
-        # longest sequence minus its first token
-        horizon = (traj.length.max() - 1).astype(jnp.float32)
-
-        critic, critic_opt, critic_skipped = state.critic, state.critic_opt, jnp.zeros((), jnp.int32)
-        if settings.uses_critic:
-            (critic, critic_opt, critic_skipped), critic_metrics = update(
-                functools.partial(critic_loss_fn, base=state.base), critic_tx, critic, critic_opt, batch, hyper.critic_lr, hyper, "critic"
-            )
-            metrics |= critic_metrics
-            metrics["critic/skipped_steps"] = (state.critic_skipped_steps + critic_skipped).astype(jnp.float32)
-        (actor, actor_opt, skipped), actor_metrics = update(
-            functools.partial(actor_loss_fn, base=state.base, horizon=horizon), actor_tx, state.actor, state.actor_opt,
-            batch, hyper.actor_lr, hyper, "actor",
-        )
-        train_actor = state.step >= settings.critic_warmup  # RAGEN: the actor waits critic_warmup steps
-        actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
-        actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
-        skipped = jnp.where(train_actor, skipped, 0)
-        metrics |= actor_metrics
-        metrics["actor/lr"] = hyper.actor_lr
-        metrics["actor/skipped_steps"] = (state.skipped_steps + skipped).astype(jnp.float32)
-        new_state = state.replace(
-            step=state.step + 1,
-            actor=actor,
-            actor_opt=actor_opt,
-            critic=critic,
-            critic_opt=critic_opt,
-            skipped_steps=state.skipped_steps + skipped,
-            critic_skipped_steps=state.critic_skipped_steps + critic_skipped,
-        )
-        return new_state, metrics
-
-    def train_step(state: TrainState, tables, hyper: Hyperparams, key):
-        return learn(state, collect(state, tables, key), hyper)
-
-    train_step.collect = collect
-    train_step.prepare = prepare
-    train_step.learn = learn
-    return train_step
+    return TrainStep(collect_fn, learn_fn, step)

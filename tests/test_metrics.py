@@ -1,6 +1,12 @@
-"""The collapse watch needs 5 steps of history, as the README says."""
+"""RAGEN's per-tag rollout metrics; the collapse watch needs 5 steps of history, as the README says."""
 
-from starpo_jax.metrics import CollapseWatch
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import pytest
+
+from starpo_jax.metrics import CollapseWatch, rollout_metrics
+from starpo_jax.rollout import RolloutPlan, TagPlan
 
 HEALTHY = {"rollout/in_group_std": 1.0, "actor/entropy_loss": 1.0, "actor/grad_norm": 1.0}
 COLLAPSED = {"rollout/in_group_std": 0.01, "actor/entropy_loss": 0.01, "actor/grad_norm": 1.0}
@@ -15,3 +21,26 @@ def test_collapse_warning_needs_five_steps_of_history():
     for _ in range(5):
         watch.update(HEALTHY)
     assert any("Echo Trap" in w for w in watch.update(COLLAPSED))  # step 6
+
+
+def test_rollout_metrics_per_tag_and_over_the_batch():
+    """Two tags, 2 groups of 2 rows each: means per tag, non-zero means, pass@2 per group, totals."""
+    plan = RolloutPlan(tags=(TagPlan("A", None, 1, 5), TagPlan("B", None, 1, 5)), group_size=2)
+    f = lambda *v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    traj = SimpleNamespace(
+        success=jnp.asarray([False, True, False, False]), num_actions=jnp.asarray([2, 4, 0, 1]),
+        action_is_effective=f(0.5, 1.0, 0.0, 0.0), action_is_valid=f(1.0, 1.0, 0.0, 1.0),
+        response_tokens=jnp.asarray([10, 20, 30, 40]), think_tokens=jnp.asarray([1, 2, 3, 6]),
+        env_reward=f(0.0, 1.0, 0.0, 0.0), format_penalty=f(0.0, 0.0, -0.1, -0.1), num_turns=jnp.asarray([1, 2, 3, 2]),
+        context_exhausted=jnp.asarray([False, False, True, False]),
+        group_id=jnp.asarray([0, 0, 1, 1]), tag_id=jnp.asarray([0, 0, 1, 1]),
+    )
+    m = {k: float(v) for k, v in rollout_metrics(traj, plan, "val").items()}
+    assert (m["val/A/success"], m["val/B/success"]) == (0.5, 0.0)
+    assert (m["val/A/pass@2"], m["val/B/pass@2"]) == (1.0, 0.0)
+    assert (m["val/A/num_actions"], m["val/B/num_actions"], m["val/B/non-zero/num_actions"]) == (3.0, 0.5, 1.0)
+    assert (m["val/A/action_is_effective"], m["val/A/non-zero/action_is_effective"]) == (0.75, 0.75)
+    assert m["val/B/action_is_valid"] == 0.5 and m["val/B/non-zero/action_is_valid"] == 1.0
+    assert m["val/reward/mean"] == pytest.approx(0.2) and m["val/reward/std"] == pytest.approx(float(jnp.std(f(0, 1, -0.1, -0.1))))
+    assert (m["val/response_length"], m["val/think_length"], m["val/num_turns"]) == (25.0, 3.0, 2.0)
+    assert (m["val/context_exhausted"], m["val/generated_tokens"], m["val/env_steps"]) == (0.25, 100.0, 7.0)

@@ -147,7 +147,7 @@ def test_a_k3_kl_trains(k3):
     from starpo_jax.train import init_train_state, make_train_step
 
     _, exp = k3
-    step = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan))
+    step = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).step)
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))
     _, metrics = step(state, exp.train_tables, exp.hyper, jax.random.PRNGKey(1))
     assert all(math.isfinite(float(v)) for v in metrics.values())

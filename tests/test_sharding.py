@@ -37,7 +37,8 @@ import envs_jax
 from starpo_jax import bundled, sharding
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import RolloutPlan, TagPlan, build_tables, stop_tokens_for
-from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step, sampling_policy
+from starpo_jax.sampling import sampling_policy
+from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
 
 meshes = json.loads(sys.argv[1])
 assert len(jax.devices()) == max(np.prod(shape) for shape in meshes.values()), jax.devices()
@@ -58,7 +59,7 @@ hyper = Hyperparams.create(actor_lr=1e-3, critic_lr=1e-3, clip_ratio_low=0.2, cl
 def one_step(mesh):
     with sharding.use_mesh(mesh):
         state = sharding.shard(init_train_state(settings, model, jax.random.PRNGKey(0)), mesh)
-        step = jax.jit(make_train_step(settings, model.graphdef, plan))
+        step = jax.jit(make_train_step(settings, model.graphdef, plan).step)
         new, metrics = step(state, tables, hyper, jax.random.PRNGKey(1))
         q = new.actor["layers"]["q_proj"][...]
         # The rollout's copy of the policy: gathered over fsdp, still split over model.

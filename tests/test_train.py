@@ -75,7 +75,7 @@ def _setup(tokenizer, settings_overrides=None):
 
 
 def _train(plan, tables, responder, model, settings, hyper, steps):
-    step = jax.jit(make_train_step(settings, model.graphdef, plan, responder))
+    step = jax.jit(make_train_step(settings, model.graphdef, plan, responder).step)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     history = []
     for _ in range(steps):
@@ -110,7 +110,7 @@ def test_vmap_sweeps_hyperparameters_in_one_program(bandit, lora_rank):
     settings share one frozen base)."""
     plan, tables, responder, model, settings, hyper = bandit
     settings = dataclasses.replace(settings, lora_rank=lora_rank)
-    step = make_train_step(settings, model.graphdef, plan, responder)
+    step = make_train_step(settings, model.graphdef, plan, responder).step
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     lrs = jnp.asarray([0.0, 3e-3])
     hypers = jax.tree.map(lambda x: jnp.stack([x, x]), hyper).replace(actor_lr=lrs)
@@ -176,7 +176,7 @@ def test_lora_step_trains_critic_adapters_and_value_head(smollm2_tokenizer, esti
     plan, tables, responder, model, settings, hyper = _setup(
         smollm2_tokenizer, {"lora_rank": 4, "adv_estimator": estimator, "use_kl_loss": True}
     )
-    step = jax.jit(make_train_step(settings, model.graphdef, plan, responder))
+    step = jax.jit(make_train_step(settings, model.graphdef, plan, responder).step)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     assert state.ref is None and state.base is not None
     new, metrics = step(state, tables, hyper.replace(kl_loss_coef=jnp.float32(0.1)), jax.random.PRNGKey(1))

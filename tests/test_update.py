@@ -6,6 +6,9 @@ which order, and which steps are taken. The batch is 4 groups × 8 trajectories 
 (no playing) and the model a tiny random decoder; compiling ``learn`` is most of each test's time.
 """
 
+import functools
+
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +20,11 @@ import envs_jax
 from starpo_jax import advantages, rewards
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import RolloutPlan, TagPlan, Trajectories
-from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
+from starpo_jax.train import (
+    Hyperparams, TrainSettings, UpdateBatch, accumulate_gradients, actor_loss_fn, batch_metrics, critic_loss_fn,
+    estimate_advantages, filter_groups, init_train_state, make_train_step, old_logprobs, old_values, policy_tokens_per_row,
+    ppo_update, prepare_update, ref_logprobs, token_level_rewards, token_logprobs, token_values,
+)
 
 G, N, L = 4, 8, 48
 PLAN = RolloutPlan(
@@ -85,8 +92,9 @@ def program(model, **overrides):
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
         "micro_batch_size": N, "logprob_chunk": 8, **overrides,
     })
-    step = make_train_step(settings, model.graphdef, PLAN)
-    return jax.jit(step.prepare), jax.jit(step.learn), init_train_state(settings, model, jax.random.PRNGKey(0))
+    prepare = functools.partial(prepare_update, settings, model.graphdef, PLAN)
+    learn = make_train_step(settings, model.graphdef, PLAN).learn
+    return jax.jit(prepare), jax.jit(learn), init_train_state(settings, model, jax.random.PRNGKey(0))
 
 
 def adam_steps(opt_state) -> int:
@@ -213,3 +221,179 @@ def test_ppo_epochs_pass_over_every_mini_batch_each_epoch(model):
     _, learn, state = program(model, ppo_epochs=2, ppo_mini_batch_size=2 * N)
     new, _ = learn(state, rollout_batch(), HYPER)
     assert adam_steps(new.actor_opt) == 4
+
+
+# ---- each step alone ---------------------------------------------------------------------------
+
+
+def settings_for(**overrides) -> TrainSettings:
+    return TrainSettings(**{
+        "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
+        "micro_batch_size": N, "logprob_chunk": 8, **overrides,
+    })
+
+
+def kept_batch(**overrides):
+    """(settings, kept trajectories, score, valid, mask) of the whole rollout batch (ratio 1)."""
+    settings, traj = settings_for(**overrides), rollout_batch()
+    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id, "state", "mean_std")
+    kept, score, valid, _ = filter_groups(settings, N, traj, score, jnp.float32(1.0))
+    return settings, kept, score, valid, (kept.loss_mask & valid[:, None]).astype(jnp.float32)
+
+
+def test_filter_groups_keeps_the_most_varied_groups_then_pads_with_invalid_rows():
+    """Ratio 0.5 keeps 2 of 4 groups (0 and 3, the largest in-group stds), in group order; a
+    program sized for 3 kept groups fills the third slot with group 0, marked invalid."""
+    traj = rollout_batch()
+    score = jnp.arange(G * N, dtype=jnp.float32)  # row ids, to see which rows were gathered
+    kept, kept_score, valid, metrics = filter_groups(settings_for(kept_groups=3), N, traj, score, jnp.float32(0.5))
+    rows = np.r_[0:N, 3 * N:4 * N, 0:N]
+    np.testing.assert_array_equal(kept_score, rows)
+    np.testing.assert_array_equal(kept.group_id, rows // N)
+    np.testing.assert_array_equal(kept.tokens, np.asarray(traj.tokens)[rows])
+    np.testing.assert_array_equal(valid, np.r_[np.ones(2 * N, bool), np.zeros(N, bool)])
+    assert int(metrics["rollout/filter_kept_groups"]) == 2
+
+
+def test_forward_passes_are_the_models_on_policy_tokens_only(model):
+    """Old log-probs are the policy's (micro-batch by micro-batch, rows back in order) on the loss
+    mask and 0 elsewhere, or the sampler's; ref log-probs are the reference's, zeros without a KL
+    term; values are the critic's on the mask, zeros without a critic."""
+    settings, kept, _, _, mask = kept_batch(adv_estimator="gae", use_kl_loss=True, micro_batch_size=4)
+    state = init_train_state(settings, model, jax.random.PRNGKey(0))
+    max_tokens = policy_tokens_per_row(PLAN)
+    old = old_logprobs(settings, model.graphdef, max_tokens, state, kept, mask)
+    whole, _ = token_logprobs(model.graphdef, state.actor, kept.tokens, kept.length, mask > 0, 1.0, 8, max_tokens)
+    # micro-batches of 4 rows against one call on 32: the same math, matmuls of another shape
+    np.testing.assert_allclose(old, whole, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(old).min(where=mask > 0, initial=np.inf)) > 0 and not np.any(np.asarray(old)[mask == 0])
+    # the reference starts as a copy of the policy: the same program on equal weights
+    np.testing.assert_array_equal(ref_logprobs(settings, model.graphdef, max_tokens, state, kept, mask), old)
+    moved = state.replace(ref=jax.tree.map(lambda x: x * 1.5, state.ref))
+    assert not np.allclose(ref_logprobs(settings, model.graphdef, max_tokens, moved, kept, mask), old)
+
+    values = old_values(settings, model.graphdef, state, kept, mask)
+    critic = token_values(model.graphdef, state.critic, kept.tokens, kept.length)
+    np.testing.assert_allclose(values, critic * mask, rtol=1e-5, atol=1e-6)
+    assert np.count_nonzero(values) == np.count_nonzero(mask)
+
+    sampler = settings_for(use_sampler_logprobs=True)
+    np.testing.assert_array_equal(old_logprobs(sampler, model.graphdef, max_tokens, state, kept, mask), kept.sampler_logprobs)
+    assert not np.any(ref_logprobs(sampler, model.graphdef, max_tokens, state, kept, mask))
+    assert not np.any(old_values(sampler, model.graphdef, state, kept, mask))
+
+
+def test_token_level_rewards_put_scores_or_turn_rewards_on_tokens_less_the_kl():
+    settings, kept, score, _, mask = kept_batch()
+    last = np.asarray(kept.turn_end)[:, 0] - 1  # each row's one response ends its policy tokens
+    rows = np.arange(G * N)
+    old, ref = -jnp.ones_like(mask), -2 * jnp.ones_like(mask)  # KL = old − ref = 1 per policy token
+    tokens, same_score, metrics = token_level_rewards(settings, kept, score, mask, old, ref, HYPER)
+    np.testing.assert_array_equal(np.asarray(tokens)[rows, last], score)
+    assert np.count_nonzero(tokens) == np.count_nonzero(score) and same_score is score and not metrics
+
+    turns, turn_score, _ = token_level_rewards(settings_for(use_turn_scores=True), kept, score, mask, old, ref, HYPER)
+    np.testing.assert_array_equal(np.asarray(turns)[rows, last], kept.env_reward)  # raw: no normalisation, no penalty
+    np.testing.assert_array_equal(turn_score, kept.env_reward)
+
+    beta = 0.25
+    kl_rewards, _, metrics = token_level_rewards(
+        settings_for(kl_in_reward=True), kept, score, mask, old, ref, HYPER.replace(kl_in_reward_coef=jnp.float32(beta))
+    )
+    np.testing.assert_allclose(kl_rewards, tokens - beta * mask, rtol=1e-6)
+    assert float(metrics["actor/reward_kl_penalty"]) == pytest.approx(1.0)
+
+
+def test_estimate_advantages_runs_the_chosen_estimator():
+    settings, kept, score, valid, mask = kept_batch()
+    token_rewards = rewards.scores_to_token_rewards(score, mask)
+    values = 0.1 * mask
+    got = estimate_advantages(settings, kept, token_rewards, values, mask, valid, HYPER)
+    want = advantages.grpo_outcome(score, kept.group_id, mask, True, valid=valid)
+    np.testing.assert_array_equal(got[0], want[0])
+    gae = estimate_advantages(settings_for(adv_estimator="gae"), kept, token_rewards, values, mask, valid, HYPER)
+    np.testing.assert_array_equal(gae[1], advantages.gae(token_rewards, values, mask, HYPER.gamma, HYPER.lam)[1])
+    assert not np.allclose(gae[0], got[0])
+    with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'"):
+        estimate_advantages(settings_for(adv_estimator="ppo"), kept, token_rewards, values, mask, valid, HYPER)
+
+
+def test_batch_metrics_see_only_real_rows():
+    settings, kept, score, _, mask = kept_batch()
+    valid = jnp.arange(G * N) < N  # only group 0 is real
+    mask = mask * valid[:, None]
+    zeros = jnp.zeros_like(mask)
+    batch = UpdateBatch(kept.tokens, kept.length, mask, -mask, zeros, zeros, 2 * mask, 3 * mask)
+    metrics = batch_metrics(settings, batch, score, rewards.scores_to_token_rewards(score, mask), valid)
+    assert float(metrics["critic/score/mean"]) == pytest.approx(float(score[:N].mean()), abs=1e-6)
+    assert (float(metrics["critic/advantages/mean"]), float(metrics["critic/returns/mean"])) == (2.0, 3.0)
+    assert float(metrics["rollout/old_log_prob"]) == -1.0
+    assert "rollout/ref_log_prob" not in metrics and "critic/values/mean" not in metrics  # GRPO, no KL
+    with_both = batch_metrics(settings_for(adv_estimator="gae", use_kl_loss=True), batch, score, zeros, valid)
+    assert {"rollout/ref_log_prob", "critic/values/mean", "critic/vf_explained_var"} <= set(with_both)
+
+
+def test_losses_at_the_old_policy_and_values(model):
+    """At the weights that computed the old log-probs the ratio is 1 (no KL, no clipping), so the
+    actor's loss is minus the mean advantage; the critic's loss is ½(V − R)² where V = V_old."""
+    settings, kept, _, _, mask = kept_batch(adv_estimator="gae")
+    state = init_train_state(settings, model, jax.random.PRNGKey(0))
+    max_tokens = policy_tokens_per_row(PLAN)
+    old = old_logprobs(settings, model.graphdef, max_tokens, state, kept, mask)
+    values = old_values(settings, model.graphdef, state, kept, mask)
+    adv = jnp.where(mask > 0, jnp.arange(G * N, dtype=jnp.float32)[:, None] / (G * N) - 0.5, 0.0)
+    b = UpdateBatch(kept.tokens, kept.length, mask, old, jnp.zeros_like(old), values, adv, values + 0.5 * mask)
+    horizon = jnp.float32(L - 1)
+    loss, metrics = actor_loss_fn(settings, model.graphdef, max_tokens, None, horizon, state.actor, b, HYPER)
+    per_row = (adv * mask).sum(axis=1) / mask.sum(axis=1)
+    assert float(loss) == pytest.approx(-float(per_row.mean()), abs=1e-5)
+    assert float(metrics["actor/ppo_kl"]) == pytest.approx(0.0, abs=1e-5) and float(metrics["actor/pg_clipfrac"]) == 0.0
+    loss, _ = critic_loss_fn(settings, model.graphdef, None, state.critic, b, HYPER)
+    assert float(loss) == pytest.approx(0.5 * 0.5**2, rel=1e-4)
+
+
+@flax.struct.dataclass
+class Toy:
+    mask: jax.Array  # [rows]
+    x: jax.Array  # [rows]
+
+
+def toy_loss(w, b: Toy, hyper):
+    """½ Σ mask·(w − x)² per row, averaged over the rows: gradient mean(mask·(w − x))."""
+    loss = 0.5 * jnp.mean(b.mask * (w - b.x) ** 2)
+    return loss, {"toy/loss": loss}
+
+
+def test_accumulate_gradients_averages_the_live_micro_batches():
+    micro = Toy(mask=jnp.asarray([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]]), x=jnp.asarray([[1.0, 3.0], [9.0, 9.0], [4.0, 0.0]]))
+    grads, metrics, live = accumulate_gradients(toy_loss, jnp.float32(0.0), micro, HYPER)
+    # live micro-batches 0 and 2: gradients −2 and −2 (mean over 2 rows of −mask·x), the dead one left out
+    assert float(grads) == pytest.approx(-2.0) and bool(live)
+    assert float(metrics["toy/loss"]) == pytest.approx((2.5 + 4.0) / 2)
+    dead = jax.tree.map(lambda x: x[1:2], micro)
+    grads, _, live = accumulate_gradients(toy_loss, jnp.float32(0.0), dead, HYPER)
+    assert float(grads) == 0.0 and not bool(live)
+
+
+def test_ppo_update_steps_once_per_mini_batch_per_epoch():
+    """8 rows, mini-batches of 4 in micro-batches of 2, 2 epochs: 4 plain gradient steps (tx is the
+    identity), in row order; a mini-batch of padding rows only takes none."""
+    settings = settings_for(ppo_mini_batch_size=4, micro_batch_size=2, ppo_epochs=2)
+    x = jnp.asarray([2.0, 2.0, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0])
+    lr = 0.5
+    (w, _, skipped), metrics = ppo_update(settings, toy_loss, optax.identity(), jnp.float32(0.0), optax.EmptyState(),
+                                          Toy(jnp.ones(8), x), lr, HYPER, "toy")
+    expected = 0.0
+    for _ in range(2):
+        for target in (2.0, 4.0):
+            expected -= lr * (expected - target)  # gradient of ½(w − x)²: w − x
+    assert float(w) == pytest.approx(expected) and int(skipped) == 0
+    assert set(metrics) == {"toy/loss", "toy/grad_norm"}
+    half = Toy(jnp.asarray([1.0] * 4 + [0.0] * 4), x)
+    (w, _, _), _ = ppo_update(settings, toy_loss, optax.identity(), jnp.float32(0.0), optax.EmptyState(), half, lr, HYPER, "toy")
+    assert float(w) == pytest.approx(1.5)  # 0 → 1 → 1.5 toward 2; the padding mini-batch moves nothing
+
+
+def test_make_train_step_rejects_an_update_batch_that_does_not_split():
+    with pytest.raises(ValueError, match=r"4 kept groups × 8 = 32 trajectories\) must split into mini-batches of 12"):
+        make_train_step(settings_for(ppo_mini_batch_size=12), None, PLAN)
