@@ -38,7 +38,7 @@ def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_s
                     "think": parsed.think,
                     "answer": parsed.answer,
                     "actions": [names[i] for i in parsed.valid_action_ids],
-                    "format_penalty": bool(traj.turn_penalised[b, t]),
+                    "format_error": bool(traj.turn_penalised[b, t]),
                     "reward": float(traj.turn_reward[b, t]),
                 }
             )
@@ -50,7 +50,7 @@ def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_s
                 "seed": None if first_seed is None else first_seed + group,
                 "success": bool(traj.success[b]),
                 "env_reward": float(traj.env_reward[b]),
-                "format_penalty": float(traj.format_penalty[b]),
+                "format_penalty_sum": float(traj.format_penalty_sum[b]),
                 "num_actions": int(traj.num_actions[b]),
                 "turns": turns,
             }
@@ -86,5 +86,5 @@ def format_record(record: dict) -> str:
         lines.append(f"  turn {i} state:\n    " + state.replace("\n", "\n    "))
         lines.append(f"  response: {turn['response'][:300]!r}")
         lines.append(f"  answer: {turn['answer']!r} -> actions {turn['actions']} reward {turn['reward']:+.2f}"
-                     + (" (format penalty)" if turn["format_penalty"] else ""))
+                     + (" (format penalty)" if turn["format_error"] else ""))
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from jumanji.types import StepType
 @flax.struct.dataclass
 class TurnResult:
     reward: jnp.ndarray  # float32: sum of the executed actions' env rewards
-    reward_key: jnp.ndarray  # int32: mixed-radix key of the executed rewards' categories
+    reward_index: jnp.ndarray  # int32: which sequence of step rewards the turn paid (mixed radix, see below)
     num_executed: jnp.ndarray  # int32
     env_done: jnp.ndarray  # bool: the env terminated or truncated during this turn
     success: jnp.ndarray  # bool: the env reported success on its final step
@@ -51,34 +51,36 @@ def execute_turn(env, state, valid_ids, n_valid, actions_left, active, reward_va
         message, whose text depends on the exact sequence of doubles).
 
     Returns:
-      (new_state, TurnResult).
+      (new_state, TurnResult). ``TurnResult.reward_index`` numbers the sequence of the executed
+      steps' reward categories ``c_1, c_2, ...`` as ``sum_i (c_i + 1) * (C + 1) ** (i - 1)`` (0: no
+      step), the row of the reward message in ``prompts.PromptTables`` (``reward_sequence_key``).
     """
     num_categories = reward_values.shape[0]
     slots = jnp.arange(valid_ids.shape[0])
 
     def body(carry, slot):
-        st, reward, key, radix, executed, done, success, effective, valid = carry
+        st, reward, reward_index, radix, executed, done, success, effective, valid = carry
         act = active & (slot < n_valid) & (executed < actions_left) & ~done
         new_st, ts = env.step(st, jnp.maximum(valid_ids[slot], 0))
         st = jax.tree.map(lambda n, o: jnp.where(act, n, o), new_st, st)
         category = reward_categories(ts.reward, reward_values)
         reward = reward + jnp.where(act, ts.reward, 0.0)
-        key = key + jnp.where(act, (category + 1) * radix, 0)
+        reward_index = reward_index + jnp.where(act, (category + 1) * radix, 0)
         radix = jnp.where(act, radix * (num_categories + 1), radix)
         executed = executed + act.astype(jnp.int32)
         done = done | (act & (ts.step_type == StepType.LAST))
         success = jnp.where(act, ts.extras["success"], success)
         effective = jnp.where(act, ts.extras["action_is_effective"], effective)
         valid = jnp.where(act, ts.extras["action_is_valid"], valid)
-        return (st, reward, key, radix, executed, done, success, effective, valid), None
+        return (st, reward, reward_index, radix, executed, done, success, effective, valid), None
 
     false = jnp.zeros((), bool)
     init = (state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32),
             jnp.zeros((), jnp.int32), false, false, false, false)
-    (state, reward, key, _, executed, done, success, effective, valid), _ = jax.lax.scan(body, init, slots)
+    (state, reward, reward_index, _, executed, done, success, effective, valid), _ = jax.lax.scan(body, init, slots)
     return state, TurnResult(
         reward=reward,
-        reward_key=key,
+        reward_index=reward_index,
         num_executed=executed,
         env_done=done,
         success=success,

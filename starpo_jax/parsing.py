@@ -96,7 +96,7 @@ class ParsedResponse:
     actions: tuple[str, ...]  # kept action strings (at most max_actions_per_turn)
     action_ids: tuple[int, ...]  # one per kept string, -1 where unknown
     n_valid: int
-    format_penalty: bool
+    format_error: bool  # the turn earns the format penalty: no valid action, or an unknown one
     llm_response: str  # what RAGEN stores in the history and trains on
 
     @property
@@ -140,8 +140,8 @@ def parse_response_text(
     )
     ids = tuple(lookup.get(a.lower(), -1) for a in actions)
     n_valid = sum(i >= 0 for i in ids)
-    penalty = n_valid == 0 or n_valid != len(ids)
-    return ParsedResponse(True, think, answer, tuple(actions), ids, n_valid, penalty, llm_response)
+    format_error = n_valid == 0 or n_valid != len(ids)
+    return ParsedResponse(True, think, answer, tuple(actions), ids, n_valid, format_error, llm_response)
 
 
 def decode_response(tokenizer, token_ids) -> str:
@@ -416,7 +416,7 @@ class ParseResult:
     n_kept: jax.Array  # int32[B]: kept action strings
     n_valid: jax.Array  # int32[B]
     matched: jax.Array  # bool[B]: the regex matched
-    format_penalty: jax.Array  # bool[B]: no valid action, or an unknown one
+    format_error: jax.Array  # bool[B]: the turn earns the format penalty (no valid action, or an unknown one)
     think_tokens: jax.Array  # int32[B]: see the module docstring
 
 
@@ -624,7 +624,7 @@ def parser_result(state: ParserState) -> ParseResult:
         n_kept=n_kept,
         n_valid=n_valid,
         matched=matched,
-        format_penalty=~matched | (n_valid == 0) | (n_valid != n_kept),
+        format_error=~matched | (n_valid == 0) | (n_valid != n_kept),
         think_tokens=jnp.where(matched, state.think_tokens, -1),
     )
 

@@ -348,8 +348,8 @@ def rollout_metrics(traj: Trajectories, plan: RolloutPlan, prefix: str) -> dict[
     everything = jnp.ones_like(traj.success)
     metrics[f"{prefix}/response_length"] = traj.response_tokens.astype(jnp.float32).mean()
     metrics[f"{prefix}/think_length"] = traj.think_tokens.astype(jnp.float32).mean()
-    metrics[f"{prefix}/reward/mean"] = masked_mean(traj.env_reward + traj.format_penalty, everything)
-    metrics[f"{prefix}/reward/std"] = jnp.std(traj.env_reward + traj.format_penalty)
+    metrics[f"{prefix}/reward/mean"] = masked_mean(traj.env_reward + traj.format_penalty_sum, everything)
+    metrics[f"{prefix}/reward/std"] = jnp.std(traj.env_reward + traj.format_penalty_sum)
     metrics[f"{prefix}/num_turns"] = traj.num_turns.astype(jnp.float32).mean()
     metrics[f"{prefix}/context_exhausted"] = traj.context_exhausted.astype(jnp.float32).mean()
     metrics[f"{prefix}/generated_tokens"] = traj.response_tokens.sum().astype(jnp.float32)
@@ -403,7 +403,7 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         keep, metrics = filtering.select_groups(raw, hyper.filter_ratio, settings.filter_type)
         # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
         score = rewards.trajectory_score(
-            traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id,
+            traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id,
             settings.reward_grouping, settings.reward_method,
         )
         (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, k, N)
