@@ -21,8 +21,9 @@ ARMS = ("Phoenix", "Dragon", "Trader", "Librarian")
 NAME_SETS = (SOKOBAN, FROZEN_LAKE, ARMS)
 NAME_BYTES = 9
 B, T, K = 32, 96, 3
+TEXT_WIDTH = 16  # answer text kept per piece when checking the text (longer pieces are cut)
 
-_parse = jax.jit(parsing.parse_response_tokens, static_argnums=(3,))
+_parse = jax.jit(parsing.parse_response_tokens, static_argnums=(3, 5))
 
 
 def _tokenizer(name):
@@ -50,18 +51,19 @@ def _pad(rows, height=B, width=T):
     return jnp.asarray(ids), jnp.asarray(active)
 
 
-def _run(name, id_rows, names_per_row, think_per_row):
+def _run(name, id_rows, names_per_row, think_per_row, answer_width=0):
     """Parse up to B token-id rows in graph; names and enable_think are per row."""
     pad = B - len(id_rows)
     tables = _tables(name, [list(n) for n in names_per_row] + [list(SOKOBAN)] * pad)
     ids, active = _pad(id_rows)
-    result = _parse(tables, ids, active, K, jnp.asarray(list(think_per_row) + [True] * pad))
+    result = _parse(tables, ids, active, K, jnp.asarray(list(think_per_row) + [True] * pad), answer_width)
     return jax.tree.map(lambda a: a[: len(id_rows)], jax.device_get(result))
 
 
 def _assert_agrees(name, id_rows, names_per_row, think_per_row):
-    """The byte machine gives the oracle's ids, counts, match and penalty on every row."""
-    result = _run(name, id_rows, names_per_row, think_per_row)
+    """The byte machine gives the oracle's ids, counts, match and penalty on every row, and the
+    text of each kept piece (its first ``TEXT_WIDTH`` bytes) where the reply is valid UTF-8."""
+    result = _run(name, id_rows, names_per_row, think_per_row, TEXT_WIDTH)
     tokenizer = _tokenizer(name)
     for i, row in enumerate(id_rows):
         text = parsing.decode_response(tokenizer, row)
@@ -77,6 +79,11 @@ def _assert_agrees(name, id_rows, names_per_row, think_per_row):
         assert got == want, f"row {i}: {text!r} (think={think_per_row[i]}): got {got}, want {want}"
         assert (result.action_ids[i, result.n_kept[i] :] == -1).all()
         assert (result.valid_action_ids[i, result.n_valid[i] :] == -1).all()
+        if "\ufffd" not in text:  # raw bytes of broken UTF-8 have no exact text to compare with
+            pieces = [a.encode() for a in ref.actions] + [b""] * (K - len(ref.actions))
+            got_text = [bytes(result.answers.bytes[i, k, : result.answers.lengths[i, k]]) for k in range(K)]
+            assert got_text == [p[:TEXT_WIDTH] for p in pieces], f"row {i}: {text!r}"
+            assert not result.answers.bytes[i][np.arange(TEXT_WIDTH)[None] >= result.answers.lengths[i][:, None]].any()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,6 +211,7 @@ TARGETED = [
     ("</think><answer>U<thi</think>nk>p || L<|im_<answer>end|>eft</answer>", True),  # stage order
     ("</think><answer>U</<answer>think>p||<<|im_end|>/answer>Up</answer>", True),
     ("</think><answer>Up</answer", True),  # never closed
+    ("</think><answer> (2 +\u00a03) | 4 <|im_end|>*\u30005 \u3000||  9/3\u2003</answer>", True),  # answer text
     ("Up</answer>", False),
     (" right || <|im_start|>up</answer>", False),
     ("<think>Up</think></answer>", False),
