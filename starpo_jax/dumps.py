@@ -29,15 +29,16 @@ def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_s
             start, end = int(traj.turn_start[b, t]), int(traj.turn_end[b, t])
             observation = decode_response(tokenizer, traj.tokens[b, previous_end:start])
             response = decode_response(tokenizer, traj.tokens[b, start:end])
-            names = _names_for(tag, traj, b)
+            names = None if tag.env.answer_width else _names_for(tag, traj, b)  # None: language actions
             parsed = parse_response_text(response, names, plan.max_actions_per_turn, plan.enable_think)
+            actions = list(parsed.actions) if names is None else [names[i] for i in parsed.valid_action_ids]
             turns.append(
                 {
                     "observation": observation,
                     "response": response,
                     "think": parsed.think,
                     "answer": parsed.answer,
-                    "actions": [names[i] for i in parsed.valid_action_ids],
+                    "actions": actions,
                     "format_error": bool(traj.turn_penalised[b, t]),
                     "reward": float(traj.turn_reward[b, t]),
                 }

@@ -6,7 +6,7 @@ over rows; finished rows pass ``active=False`` and nothing changes for them.
 
 Semantics kept from the original:
 - unknown action names were dropped by the parser (they consume no budget; the format penalty is
-  the parser's verdict);
+  the parser's verdict); a language-action env (Countdown) gets every answer piece's text as is;
 - valid actions run in order until the env says done or the budget ``actions_left`` is spent;
 - the turn's info is the last executed action's (a turn that executed nothing has none, i.e. 0);
 - an episode ends when the env is done or the action budget is exhausted.
@@ -36,15 +36,17 @@ def reward_categories(reward, values):
     return jnp.argmin(jnp.abs(reward - values)).astype(jnp.int32)
 
 
-def execute_turn(env, state, valid_ids, n_valid, actions_left, active, reward_values):
+def execute_turn(env, state, actions, n_actions, actions_left, active, reward_values):
     """Step one row's env through the valid actions of one turn.
 
     Args:
       env: the row's env (static).
       state: the row's env state.
-      valid_ids: int32[K] the turn's valid action ids in order (unknown names already dropped),
-        -1 padded; entries past ``n_valid`` are ignored.
-      n_valid: int32, how many valid actions the response named.
+      actions: the turn's valid actions in order, a pytree with leading dim K whose slot ``k`` is
+        what ``env.step`` takes: int32[K] action ids for named actions (unknown names already
+        dropped), or ``(uint8[K, W], int32[K])`` answer texts for language actions; slots past
+        ``n_actions`` are ignored.
+      n_actions: int32, how many valid actions the response gave.
       actions_left: int32, the trajectory's remaining action budget.
       active: bool, whether this row still plays.
       reward_values: float32[C], the env's possible per-step rewards (categories for the reward
@@ -56,12 +58,12 @@ def execute_turn(env, state, valid_ids, n_valid, actions_left, active, reward_va
       step), the row of the reward message in ``prompts.PromptTables`` (``reward_sequence_key``).
     """
     num_categories = reward_values.shape[0]
-    slots = jnp.arange(valid_ids.shape[0])
+    slots = jnp.arange(jax.tree.leaves(actions)[0].shape[0])
 
     def body(carry, slot):
         st, reward, reward_index, radix, executed, done, success, effective, valid = carry
-        act = active & (slot < n_valid) & (executed < actions_left) & ~done
-        new_st, ts = env.step(st, jnp.maximum(valid_ids[slot], 0))
+        act = active & (slot < n_actions) & (executed < actions_left) & ~done
+        new_st, ts = env.step(st, jax.tree.map(lambda a: a[slot], actions))
         st = jax.tree.map(lambda n, o: jnp.where(act, n, o), new_st, st)
         category = reward_categories(ts.reward, reward_values)
         reward = reward + jnp.where(act, ts.reward, 0.0)

@@ -22,6 +22,8 @@ actions are ``[a.strip() for a in answer.split("||") if a.strip()]``, the first
 ``max_actions_per_turn`` are kept. The es_manager maps each kept string case-insensitively to an
 action id (0-based, in ``action_names`` order) and drops unknown ones; the turn earns the format
 penalty when no kept string is a valid action or any kept string is unknown.
+Envs without action names (language actions: RAGEN's Countdown) get the kept strings themselves,
+and the penalty only when there is none.
 
 **How the byte machine does it without buffering text.** Each token id is looked up in a
 ``[vocab, max_bytes]`` table of the exact bytes it adds to the decoded text (special tokens add
@@ -44,6 +46,12 @@ none). Per byte, a row is in one of three phases:
    the stack never needs more than six entries. The raw ``</answer>`` is the open candidate on top
    of the stack, so its snapshot is the final piece state.
 3. *done*: matched; later bytes are ignored.
+
+**Answer text** (``answer_width`` > 0, for language-action envs): each piece also carries its
+bytes from its first non-space character, in a buffer of ``answer_width`` bytes inside the piece
+state, so a completed tag's snapshot restores the text as well; an ``end`` mark after the last
+non-space character is what ``strip`` keeps. A kept piece's text is exactly the oracle's action
+string (UTF-8), cut at ``answer_width`` bytes; broken UTF-8 stays raw bytes.
 
 Whitespace is Python's ``str.isspace`` set, which is also what ``\\s`` and ``strip()`` use,
 multi-byte characters (U+00A0, U+3000, …) included.
@@ -94,7 +102,7 @@ class ParsedResponse:
     think: str
     answer: str
     actions: tuple[str, ...]  # kept action strings (at most max_actions_per_turn)
-    action_ids: tuple[int, ...]  # one per kept string, -1 where unknown
+    action_ids: tuple[int, ...]  # one per kept string, -1 where unknown (language actions: none)
     n_valid: int
     format_error: bool  # the turn earns the format penalty: no valid action, or an unknown one
     llm_response: str  # what RAGEN stores in the history and trains on
@@ -121,10 +129,15 @@ def _remove_tags(text: str) -> str:
 
 
 def parse_response_text(
-    text: str, action_names: Sequence[str], max_actions_per_turn: int, enable_think: bool = True
+    text: str, action_names: Sequence[str] | None, max_actions_per_turn: int, enable_think: bool = True
 ) -> ParsedResponse:
-    """RAGEN's parse of a decoded reply (without the forced prefix) and its action mapping."""
-    lookup = {name: i for i, name in enumerate(_check_action_names(action_names))}
+    """RAGEN's parse of a decoded reply (without the forced prefix) and its action mapping.
+
+    ``action_names=None``: a language-action env (RAGEN's envs without ``action_lookup``, e.g.
+    Countdown) takes every kept string as is; the turn's format error is then "no string at all".
+    """
+    language = action_names is None
+    lookup = {} if language else {name: i for i, name in enumerate(_check_action_names(action_names))}
     response = ("<think>" if enable_think else "<answer>") + text
     match = (THINK_PATTERN if enable_think else ANSWER_PATTERN).search(response)
     if match is None:
@@ -138,9 +151,9 @@ def parse_response_text(
     llm_response = (
         f"<think>{think}</think><answer>{answer}</answer>" if enable_think else f"<answer>{answer}</answer>"
     )
-    ids = tuple(lookup.get(a.lower(), -1) for a in actions)
-    n_valid = sum(i >= 0 for i in ids)
-    format_error = n_valid == 0 or n_valid != len(ids)
+    ids = () if language else tuple(lookup.get(a.lower(), -1) for a in actions)
+    n_valid = len(actions) if language else sum(i >= 0 for i in ids)
+    format_error = n_valid == 0 or n_valid != len(actions)
     return ParsedResponse(True, think, answer, tuple(actions), ids, n_valid, format_error, llm_response)
 
 

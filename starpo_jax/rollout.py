@@ -78,6 +78,12 @@ class RolloutPlan:
         return sum(t.n_groups for t in self.tags) * self.group_size
 
     @property
+    def answer_width(self) -> int:
+        """Bytes of answer text the parser keeps per piece: the widest language-action env's
+        ``answer_width`` (0: every tag's actions are named)."""
+        return max(t.env.answer_width for t in self.tags)
+
+    @property
     def num_groups(self) -> int:
         return sum(t.n_groups for t in self.tags)
 
@@ -139,7 +145,7 @@ def build_tables(
 ) -> RolloutTables:
     """Tokenise every prompt piece and action name of the plan's tags (host, once)."""
     tags = []
-    max_name = max(len(n) for t in plan.tags for n in t.env.action_names)
+    max_name = max((len(n) for t in plan.tags for n in t.env.action_names), default=1)
     for tag in plan.tags:
         tables = prompts.PromptTables.build(
             tokenizer,
@@ -161,7 +167,9 @@ def build_tables(
 
 def _names_with_empty(names: Sequence[str], width: int) -> parsing.ActionNames:
     """A tag's action names as [N + 1, width]; the last, empty name pads shorter action lists (an
-    empty name never matches: an empty answer piece is dropped)."""
+    empty name never matches: an empty answer piece is dropped). A language-action env has only it."""
+    if not names:
+        return parsing.ActionNames(jnp.zeros((1, width), jnp.int32), jnp.zeros((1,), jnp.int32))
     encoded = parsing.encode_action_names(list(names), width)
     return parsing.ActionNames(
         jnp.pad(encoded.bytes, ((0, 1), (0, 0))), jnp.pad(encoded.lengths, ((0, 1),))
@@ -301,7 +309,7 @@ class LLMResponder:
 def action_name_ids(plan: RolloutPlan, tag: TagPlan, states, pad: int) -> jax.Array:
     """int32[rows, A]: the tag's action-name index of each action id, ``pad`` past the tag's own
     actions (``A``: the action ids of the plan's widest tag)."""
-    num_actions = max(t.env.num_actions for t in plan.tags)
+    num_actions = max(max(t.env.num_actions for t in plan.tags), 1)  # >= 1: the parser needs a name
     ids = jax.vmap(tag.env.action_name_ids)(states).astype(jnp.int32)
     return jnp.pad(ids, ((0, 0), (0, num_actions - ids.shape[1])), constant_values=pad)
 
@@ -354,13 +362,16 @@ def write_turn(c: _Carry, out, n_new, n_out):
 
 def parse_turn(plan: RolloutPlan, tables: RolloutTables, env_states, response_ids, n_out):
     """``(ParseResult, ended_with_stop bool[B])``: each row's answer parsed on token ids against
-    its own action names, and whether the response ended with the end-of-turn token (a cut one
-    did not; its prompt closes it)."""
+    its own action names (and its pieces' text if a tag takes language actions), and whether the
+    response ended with the end-of-turn token (a cut one did not; its prompt closes it)."""
     parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, row_action_names(plan, tables, env_states))
     in_response = jnp.arange(response_ids.shape[1])[None] < n_out[:, None]
     parsed = parsing.parse_response_tokens(
-        parser_tables, response_ids, in_response, plan.max_actions_per_turn, plan.enable_think
+        parser_tables, response_ids, in_response, plan.max_actions_per_turn, plan.enable_think, plan.answer_width
     )
+    if plan.answer_width:  # a language-action row's pieces are all its actions: an error is having none
+        language = _per_row(plan, [t.env.answer_width > 0 for t in plan.tags]).astype(bool)
+        parsed = parsed.replace(format_error=jnp.where(language, parsed.n_kept == 0, parsed.format_error))
     last_token = jnp.take_along_axis(response_ids, jnp.maximum(n_out - 1, 0)[:, None], axis=1)[:, 0]
     ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
     return parsed, ended_with_stop
@@ -368,13 +379,19 @@ def parse_turn(plan: RolloutPlan, tables: RolloutTables, env_states, response_id
 
 def step_envs(plan: RolloutPlan, tables: RolloutTables, env_states, parsed, actions_left, active):
     """``(new_states, TurnResult[B])``: every active row's env stepped through its valid actions,
-    within ``actions_left`` (``starpo_jax.env_turn.execute_turn``), tag by tag."""
+    within ``actions_left`` (``starpo_jax.env_turn.execute_turn``), tag by tag. Named actions are
+    action ids; a language-action env gets each answer piece's bytes ``(uint8[W], length)``."""
     new_states, results = [], []
     for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
+        width = tag.env.answer_width
+        if width:
+            actions = (parsed.answers.bytes[sl, :, :width], jnp.minimum(parsed.answers.lengths[sl], width))
+            n_actions = parsed.n_kept[sl]
+        else:
+            actions, n_actions = jnp.maximum(parsed.valid_action_ids[sl], 0), parsed.n_valid[sl]
         step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
         state, res = step(
-            tag.env, states, parsed.valid_action_ids[sl], parsed.n_valid[sl], actions_left[sl], active[sl],
-            tag_tables.prompts.reward_values,
+            tag.env, states, actions, n_actions, actions_left[sl], active[sl], tag_tables.prompts.reward_values,
         )
         new_states.append(state)
         results.append(res)

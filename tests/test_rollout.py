@@ -326,3 +326,74 @@ def test_kv_cache_continuation_equals_a_fresh_forward(smollm2_rollout):
     )
     mask = traj.loss_mask
     np.testing.assert_allclose(np.asarray(logp)[mask], traj.sampler_logprobs[mask], atol=2e-3)
+
+
+# ---- language actions: Countdown ------------------------------------------------------------------
+
+
+def _solution(nums, target):
+    """An expression using each number once that equals the target (procedural tasks are +- solvable)."""
+    import itertools
+
+    for signs in itertools.product("+-", repeat=len(nums) - 1):
+        expr = str(nums[0]) + "".join(f" {s} {n}" for s, n in zip(signs, nums[1:]))
+        if eval(expr) == target:
+            return expr
+    for signs in itertools.product("+-", repeat=len(nums)):  # a negative first number
+        expr = "".join(f" {s} {n}" for s, n in zip(signs, nums)).strip()
+        if eval(expr) == target:
+            return expr
+    raise AssertionError(f"no +- solution for {nums} -> {target}")
+
+
+def test_countdown_answers_are_scored_in_the_graph_as_ragen_does(smollm2_tokenizer):
+    """A batch of Sokoban and Countdown rows: a Countdown row answering a correct expression earns
+    1.0, one with the wrong numbers 0, as RAGEN's plain-Python scorer says on the parsed answer."""
+    from envs_jax.countdown_score import ragen_score
+
+    tok = smollm2_tokenizer
+    countdown = envs_jax.make("Countdown")
+    tags = (TagPlan("SimpleSokoban", envs_jax.make("SimpleSokoban"), 1, 10), TagPlan("Countdown", countdown, 5, 1))
+    plan = RolloutPlan(tags=tags, group_size=1, max_turn=1, max_actions_per_turn=2, response_length=R, max_len=2048)
+    tables = build_tables(tok, plan)
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
+    init = initial_states_from_seeds(plan, 10001)  # Sokoban 10001, Countdown 10002..10006
+    tasks = [(np.asarray(init[1].nums[g, : int(init[1].num_count[g])]).tolist(), int(init[1].target[g])) for g in range(5)]
+    right = [_solution(*task) for task in tasks]
+    texts = [
+        "go</think><answer>Right || Up</answer>",
+        f"ok</think><answer> {right[0]} </answer>",  # correct
+        "ok</think><answer>1 + 1</answer>",  # wrong numbers
+        f"ok</think><answer>1 + 1 || {right[2]}</answer>",  # the budget is one answer: the first
+        f"ok</think><answer>({right[3]}) * 2</answer>",  # a number too many
+        f"I think {right[4]}",  # no answer tags: a format error, nothing scored
+    ]
+    stop = tables.tags[0].prompts.stop_token_id
+    script = np.zeros((len(texts), 1, R), np.int32)
+    lengths = np.zeros((len(texts), 1), np.int32)
+    for b, text in enumerate(texts):
+        ids = tok.encode(text, add_special_tokens=False) + [stop]
+        script[b, 0, : len(ids)], lengths[b, 0] = ids, len(ids)
+    traj = jax.device_get(make_rollout(plan, ScriptedResponder(script, lengths))(None, tables, init, jax.random.PRNGKey(0), 1.0))
+
+    np.testing.assert_allclose(traj.turn_reward[0, 0], -0.2, atol=1e-6)  # Sokoban, two moves
+    assert traj.turn_reward[1:, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert traj.success.tolist() == [False, True, False, False, False, False]
+    assert traj.num_actions.tolist() == [2, 1, 1, 1, 1, 0]
+    assert traj.turn_penalised[:, 0].tolist() == [False] * 5 + [True]
+    for g, (nums, target) in enumerate(tasks):
+        b = g + 1
+        text = tok.decode(traj.tokens[b, traj.turn_start[b, 0] : traj.turn_end[b, 0]], skip_special_tokens=True)
+        parsed = parse_response_text(text, None, plan.max_actions_per_turn)
+        want = ragen_score(parsed.actions[0], nums, target) if parsed.actions else 0.0
+        assert float(traj.turn_reward[b, 0]) == pytest.approx(want), (text, nums, target)
+        assert bool(traj.turn_penalised[b, 0]) == parsed.format_error
+    # the dumps show each answer string (the action a language-action env took)
+    from starpo_jax.dumps import trajectory_records
+
+    records = trajectory_records(traj, plan, tok, first_seed=10001)
+    assert [r["turns"][0]["actions"] for r in records] == [
+        ["Right", "Up"], [right[0]], ["1 + 1"], ["1 + 1", right[2]], [f"({right[3]}) * 2"], []
+    ]
+    assert records[1]["turns"][0]["answer"] == right[0] and records[1]["success"]
+    assert records[5]["turns"][0]["format_error"] and records[5]["format_penalty_sum"] == pytest.approx(-0.1)
