@@ -3,7 +3,8 @@
 For every turn, inside one XLA program:
 
     prompt tokens (from tables) → append to the KV cache → decode → parse <answer> on token ids
-    → step the envs → reward message and next observation as tokens → next turn
+    → step the envs (with action ids, or the answer text for language-action envs such as
+    Countdown) → reward message and next observation as tokens → next turn
 
 The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
 Finished rows keep their slot and stop generating. Host Python never sees a token or a turn.
