@@ -25,8 +25,8 @@ penalty when no kept string is a valid action or any kept string is unknown.
 Envs without action names (language actions: RAGEN's Countdown) get the kept strings themselves,
 and the penalty only when there is none.
 
-**How the byte machine does it without buffering text.** Each token id is looked up in a
-``[vocab, max_bytes]`` table of the exact bytes it adds to the decoded text (special tokens add
+**How the byte machine matches action names without buffering text.** Each token id is looked
+up in a ``[vocab, max_bytes]`` table of the exact bytes it adds to the decoded text (special tokens add
 none). Per byte, a row is in one of three phases:
 
 1. *search*: a DFA over bytes finds the first ``</think>\\s*<answer>`` (the forced ``<think>`` is
