@@ -176,3 +176,22 @@ def test_a_training_step_on_countdown_through_the_run_entry_point(tmp_path):
     dump = [json.loads(line) for line in (tmp_path / "val" / "step_1.jsonl").read_text().splitlines()]
     assert len(dump) == 2 and all(len(d["turns"]) == 1 for d in dump)
     assert "Target: " in dump[0]["turns"][0]["observation"] and ", nums: [" in dump[0]["turns"][0]["observation"]
+
+
+def test_evaluate_the_bundled_model_on_countdown(tmp_path):
+    """``experiments.evaluate --suite countdown`` like the other suites: RAGEN's fixed tasks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "eval.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", "--model", "smollm2-135m-instruct", "--suite", "countdown",
+         "--levels", "2", "--batch", "2", "--max-turn", "1", "--response-length", "16", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["Countdown"] and results["Countdown"]["levels"] == 2
+    assert "Countdown" in proc.stdout and "success %" in proc.stdout
