@@ -223,6 +223,8 @@ class TextEnv(Environment, abc.ABC):
       newline, or before a space-led word or number (a grid row with its newline is one piece).
     - ``reset(key)`` / ``step(state, action)`` (jumanji, pure, jittable), with per-step
       ``extras["success"]``, ``"action_is_effective"`` and ``"action_is_valid"``.
+    - language actions instead of names (Countdown): ``answer_width`` > 0 and no ``action_names``;
+      ``step(state, (bytes, length))`` then gets each answer piece's text as ``uint8[answer_width]``.
     - optionally ``reset_from_seed(seed)``: RAGEN's level for a seed (validation sets); by default
       ``reset(PRNGKey(seed))``.
     - optionally ``default_max_actions_per_traj``: the action budget of an episode when the config
@@ -241,8 +243,9 @@ class TextEnv(Environment, abc.ABC):
     lists_actions: bool = True
     #: an episode's action budget where the config gives none.
     default_max_actions_per_traj: int = 10
-    #: language-action envs (Countdown): the answer bytes ``step(state, (bytes, length))`` reads;
-    #: 0 for envs whose actions are named (``action_names``). The rollout runs named actions only.
+    #: language-action envs (Countdown): the answer bytes ``step(state, (bytes, length))`` reads
+    #: (``uint8[answer_width]``; a longer answer is cut); such an env has no ``action_names``.
+    #: 0 for envs whose actions are named (``action_names``).
     answer_width: int = 0
 
     @property

@@ -30,7 +30,7 @@ VARIANTS: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
     ),
     "FrozenLake": ("envs_jax.frozen_lake:FrozenLake", dict(size=4, p=0.8, is_slippery=True)),
-    # A language-action env: the rollout does not pass answer text to envs yet (check_env says so).
+    # A language-action env: its step reads the answer text (answer_width bytes).
     "Countdown": ("envs_jax.countdown:Countdown", {}),
 }
 

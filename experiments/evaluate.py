@@ -4,6 +4,7 @@
     python -m experiments.evaluate --model runs/sokoban --suite sokoban_generalisation --levels 256
     python -m experiments.evaluate --model Qwen/Qwen2.5-0.5B-Instruct --suite sokoban
     python -m experiments.evaluate --model smollm2-135m-instruct --suite bandit --no-think
+    python -m experiments.evaluate --model smollm2-135m-instruct --suite countdown --max-turn 1
 
 ``--model`` is anything ``load_model`` takes (the bundled name, a GGUF file, a Hugging Face folder
 or hub id) or a training run folder (its config and latest checkpoint). Prints a success table per
@@ -23,6 +24,7 @@ SUITES = {
     "sokoban": ("SimpleSokoban",),
     "frozen_lake": ("FrozenLake",),
     "bandit": ("Bandit", "BanditTest"),
+    "countdown": ("Countdown",),
     "sokoban_generalisation": ("SimpleSokoban", "SokobanDifferentGridVocab", "LargerSokoban", "FrozenLake"),
 }
 

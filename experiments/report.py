@@ -105,7 +105,7 @@ def compact_turn(turn: dict) -> dict:
         "answer": turn.get("answer") or "",
         "actions": list(turn.get("actions") or []),
         "reward": finite(turn.get("reward")),
-        "penalty": bool(turn.get("format_penalty")),
+        "penalty": bool(turn.get("format_error")),
         "response": turn.get("response") or "",
     }
 
@@ -119,7 +119,7 @@ def compact_record(record: dict, step: int) -> dict:
         "seed": record.get("seed"),
         "success": bool(record.get("success")),
         "reward": finite(record.get("env_reward")),
-        "penalty": finite(record.get("format_penalty")),
+        "penalty": finite(record.get("format_penalty_sum")),
         "actions": record.get("num_actions"),
         "turns": [compact_turn(t) for t in record.get("turns") or [] if isinstance(t, dict)],
     }

@@ -22,8 +22,8 @@ def check_env(env, tag: str = "") -> None:
 
     Checks the declarations (action names distinct and parseable, step rewards, a piece table),
     their shapes (``action_name_ids``, ``observation_pieces``), and on a few states (the level of
-    ``reset_from_seed(0)`` and one step of each of its first 8 actions from it) that the pieces
-    spell ``render_text(state) + "\\n"``.
+    ``reset_from_seed(0)`` and one step of each of its first 8 actions from it, or of an empty
+    answer for a language-action env) that the pieces spell ``render_text(state) + "\\n"``.
     """
     what = f"Env {tag or getattr(env, 'name', '') or type(env).__name__!r}"
 
@@ -32,13 +32,14 @@ def check_env(env, tag: str = "") -> None:
 
     if not isinstance(env, TextEnv):
         fail(f"it is a {type(env).__name__}, not an envs_jax.base.TextEnv subclass.")
-    if env.answer_width:
-        raise EnvContractError(
-            f"{what} takes its answer as text (answer_width={env.answer_width}, a language action); the "
-            "rollout does not pass answer text to envs yet, only named actions."
-        )
     names = tuple(env.action_names)
-    if not names or any(not isinstance(n, str) or not n.strip() or not n.isascii() for n in names):
+    language = env.answer_width != 0
+    if language and (not isinstance(env.answer_width, int) or env.answer_width < 0 or names):
+        fail(
+            f"a language-action env declares answer_width > 0 (an int: the answer bytes step reads) and no "
+            f"action names; got answer_width={env.answer_width!r}, action_names={names!r}."
+        )
+    if not language and (not names or any(not isinstance(n, str) or not n.strip() or not n.isascii() for n in names)):
         fail(f"action_names must be non-empty ASCII strings, got {names!r}.")
     if any(ACTION_SEP in n or n != n.strip() for n in names):
         fail(f"an action name contains the separator {ACTION_SEP!r} or surrounding spaces: {names!r}.")
@@ -61,8 +62,10 @@ def check_env(env, tag: str = "") -> None:
     if len(pieces_shape.shape) != 1 or not np.issubdtype(pieces_shape.dtype, np.integer):
         fail(f"observation_pieces(state) must be a 1-D int array, got {pieces_shape.dtype}{list(pieces_shape.shape)}.")
     observation_pieces, step = jax.jit(env.observation_pieces), jax.jit(env.step)
-    # The first level and one step of each action from it (a few states, seen as the rollout sees them).
-    for action in [None, *range(min(env.num_actions, 8))]:
+    # The first level and one step of each action from it (a few states, seen as the rollout sees
+    # them); a language-action env steps once, with an empty answer.
+    actions = [(np.zeros(env.answer_width, np.uint8), np.int32(0))] if language else range(min(env.num_actions, 8))
+    for action in [None, *actions]:
         seen = state if action is None else step(state, action)[0]
         pieces = np.asarray(observation_pieces(seen))
         if np.any((pieces < -1) | (pieces >= len(texts))):
@@ -70,7 +73,7 @@ def check_env(env, tag: str = "") -> None:
         spelled = "".join(texts[int(p)] for p in pieces if p >= 0)
         expected = env.render_text(seen) + "\n"
         if spelled != expected:
-            after = "of seed 0" if action is None else f"after action {action} from seed 0"
+            after = "of seed 0" if action is None else f"after action {'<empty answer>' if language else action} from seed 0"
             fail(
                 f"the observation pieces {after} spell {spelled!r}, not render_text + newline {expected!r} "
                 f"(an observation wider than its {len(pieces)} pieces, or a piece table out of step)."

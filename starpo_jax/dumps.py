@@ -29,16 +29,17 @@ def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_s
             start, end = int(traj.turn_start[b, t]), int(traj.turn_end[b, t])
             observation = decode_response(tokenizer, traj.tokens[b, previous_end:start])
             response = decode_response(tokenizer, traj.tokens[b, start:end])
-            names = _names_for(tag, traj, b)
+            names = None if tag.env.answer_width else _names_for(tag, traj, b)  # None: language actions
             parsed = parse_response_text(response, names, plan.max_actions_per_turn, plan.enable_think)
+            actions = list(parsed.actions) if names is None else [names[i] for i in parsed.valid_action_ids]
             turns.append(
                 {
                     "observation": observation,
                     "response": response,
                     "think": parsed.think,
                     "answer": parsed.answer,
-                    "actions": [names[i] for i in parsed.valid_action_ids],
-                    "format_penalty": bool(traj.turn_penalised[b, t]),
+                    "actions": actions,
+                    "format_error": bool(traj.turn_penalised[b, t]),
                     "reward": float(traj.turn_reward[b, t]),
                 }
             )
@@ -50,7 +51,7 @@ def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_s
                 "seed": None if first_seed is None else first_seed + group,
                 "success": bool(traj.success[b]),
                 "env_reward": float(traj.env_reward[b]),
-                "format_penalty": float(traj.format_penalty[b]),
+                "format_penalty_sum": float(traj.format_penalty_sum[b]),
                 "num_actions": int(traj.num_actions[b]),
                 "turns": turns,
             }
@@ -86,5 +87,5 @@ def format_record(record: dict) -> str:
         lines.append(f"  turn {i} state:\n    " + state.replace("\n", "\n    "))
         lines.append(f"  response: {turn['response'][:300]!r}")
         lines.append(f"  answer: {turn['answer']!r} -> actions {turn['actions']} reward {turn['reward']:+.2f}"
-                     + (" (format penalty)" if turn["format_penalty"] else ""))
+                     + (" (format penalty)" if turn["format_error"] else ""))
     return "\n".join(lines)

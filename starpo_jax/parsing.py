@@ -22,9 +22,11 @@ actions are ``[a.strip() for a in answer.split("||") if a.strip()]``, the first
 ``max_actions_per_turn`` are kept. The es_manager maps each kept string case-insensitively to an
 action id (0-based, in ``action_names`` order) and drops unknown ones; the turn earns the format
 penalty when no kept string is a valid action or any kept string is unknown.
+Envs without action names (language actions: RAGEN's Countdown) get the kept strings themselves,
+and the penalty only when there is none.
 
-**How the byte machine does it without buffering text.** Each token id is looked up in a
-``[vocab, max_bytes]`` table of the exact bytes it adds to the decoded text (special tokens add
+**How the byte machine matches action names without buffering text.** Each token id is looked
+up in a ``[vocab, max_bytes]`` table of the exact bytes it adds to the decoded text (special tokens add
 none). Per byte, a row is in one of three phases:
 
 1. *search*: a DFA over bytes finds the first ``</think>\\s*<answer>`` (the forced ``<think>`` is
@@ -44,6 +46,12 @@ none). Per byte, a row is in one of three phases:
    the stack never needs more than six entries. The raw ``</answer>`` is the open candidate on top
    of the stack, so its snapshot is the final piece state.
 3. *done*: matched; later bytes are ignored.
+
+**Answer text** (``answer_width`` > 0, for language-action envs): each piece also carries its
+bytes from its first non-space character, in a buffer of ``answer_width`` bytes inside the piece
+state, so a completed tag's snapshot restores the text as well; an ``end`` mark after the last
+non-space character is what ``strip`` keeps. A kept piece's text is exactly the oracle's action
+string (UTF-8), cut at ``answer_width`` bytes; broken UTF-8 stays raw bytes.
 
 Whitespace is Python's ``str.isspace`` set, which is also what ``\\s`` and ``strip()`` use,
 multi-byte characters (U+00A0, U+3000, …) included.
@@ -94,9 +102,9 @@ class ParsedResponse:
     think: str
     answer: str
     actions: tuple[str, ...]  # kept action strings (at most max_actions_per_turn)
-    action_ids: tuple[int, ...]  # one per kept string, -1 where unknown
+    action_ids: tuple[int, ...]  # one per kept string, -1 where unknown (language actions: none)
     n_valid: int
-    format_penalty: bool
+    format_error: bool  # the turn earns the format penalty: no valid action, or an unknown one
     llm_response: str  # what RAGEN stores in the history and trains on
 
     @property
@@ -121,10 +129,15 @@ def _remove_tags(text: str) -> str:
 
 
 def parse_response_text(
-    text: str, action_names: Sequence[str], max_actions_per_turn: int, enable_think: bool = True
+    text: str, action_names: Sequence[str] | None, max_actions_per_turn: int, enable_think: bool = True
 ) -> ParsedResponse:
-    """RAGEN's parse of a decoded reply (without the forced prefix) and its action mapping."""
-    lookup = {name: i for i, name in enumerate(_check_action_names(action_names))}
+    """RAGEN's parse of a decoded reply (without the forced prefix) and its action mapping.
+
+    ``action_names=None``: a language-action env (RAGEN's envs without ``action_lookup``, e.g.
+    Countdown) takes every kept string as is; the turn's format error is then "no string at all".
+    """
+    language = action_names is None
+    lookup = {} if language else {name: i for i, name in enumerate(_check_action_names(action_names))}
     response = ("<think>" if enable_think else "<answer>") + text
     match = (THINK_PATTERN if enable_think else ANSWER_PATTERN).search(response)
     if match is None:
@@ -138,10 +151,10 @@ def parse_response_text(
     llm_response = (
         f"<think>{think}</think><answer>{answer}</answer>" if enable_think else f"<answer>{answer}</answer>"
     )
-    ids = tuple(lookup.get(a.lower(), -1) for a in actions)
-    n_valid = sum(i >= 0 for i in ids)
-    penalty = n_valid == 0 or n_valid != len(ids)
-    return ParsedResponse(True, think, answer, tuple(actions), ids, n_valid, penalty, llm_response)
+    ids = () if language else tuple(lookup.get(a.lower(), -1) for a in actions)
+    n_valid = len(actions) if language else sum(i >= 0 for i in ids)
+    format_error = n_valid == 0 or n_valid != len(actions)
+    return ParsedResponse(True, think, answer, tuple(actions), ids, n_valid, format_error, llm_response)
 
 
 def decode_response(tokenizer, token_ids) -> str:
@@ -307,6 +320,19 @@ def _trie(words: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return nxt, word_of
 
 
+def _trie_prefixes(nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes int32[N, D], length int32[N]): the bytes each trie node stands for."""
+    prefixes = {0: b""}
+    for node in range(nxt.shape[0]):  # a child's id is larger than its parent's
+        for byte in np.nonzero(nxt[node])[0]:
+            prefixes[int(nxt[node, byte])] = prefixes[node] + bytes([int(byte)])
+    depth = max(len(p) for p in prefixes.values())
+    table = np.zeros((nxt.shape[0], depth), np.int32)
+    for node, prefix in prefixes.items():
+        table[node, : len(prefix)] = list(prefix)
+    return table, np.array([len(prefixes[n]) for n in range(nxt.shape[0])], np.int32)
+
+
 @functools.cache
 def _machine_tables() -> dict[str, np.ndarray]:
     ascii_ws, multibyte_ws = _whitespace()
@@ -336,6 +362,7 @@ def _machine_tables() -> dict[str, np.ndarray]:
             tag_mask[node] |= 1 << (s - 1)
 
     ws_next, ws_done = _trie(multibyte_ws)
+    ws_bytes, ws_length = _trie_prefixes(ws_next)
     byte = np.arange(256)
     return dict(
         think_next=think_next,
@@ -348,6 +375,8 @@ def _machine_tables() -> dict[str, np.ndarray]:
         tag_mask=tag_mask,
         ws_next=ws_next,
         ws_done=(ws_done > 0),
+        ws_bytes=ws_bytes,
+        ws_length=ws_length,
         ascii_ws=np.isin(byte, ascii_ws),
         lower=np.where((byte >= ord("A")) & (byte <= ord("Z")), byte + 32, byte).astype(np.int32),
     )
@@ -367,6 +396,23 @@ _LT, _BAR = ord("<"), ord("|")
 
 
 @struct.dataclass
+class PieceText:
+    """The piece's text, kept for envs that take the answer itself (language actions)."""
+
+    bytes: jax.Array  # int32[W]: the piece's bytes from its first non-space character, tags removed
+    size: jax.Array  # bytes written (past W they are dropped)
+    end: jax.Array  # size after the last non-space character: what ``strip`` keeps
+
+
+@struct.dataclass
+class AnswerText:
+    """The kept answer pieces as text: what a language-action env receives (RAGEN's action strings)."""
+
+    bytes: jax.Array  # uint8[B, K, W] each kept piece's bytes, zero-padded, cut at W bytes
+    lengths: jax.Array  # int32[B, K] bytes of each kept piece (at most W; 0: no piece)
+
+
+@struct.dataclass
 class Piece:
     """The answer piece being read (between separators), as int32 scalars per row."""
 
@@ -376,6 +422,7 @@ class Piece:
     pos: jax.Array  # bytes read since the piece started
     alive: jax.Array  # bitmask of action names equal (so far) to the piece's bytes
     match: jax.Array  # action id equal to the piece up to its last non-space byte, else -1
+    text: PieceText | None = None  # only when the parser keeps answer text (``answer_width`` > 0)
 
 
 @struct.dataclass
@@ -398,6 +445,7 @@ class ParserState:
     n_valid: jax.Array  # kept pieces that are action names
     action_ids: jax.Array  # [B, K] id per kept piece, -1 unknown / none
     valid_ids: jax.Array  # [B, K] the valid ids in order, -1 padded
+    answers: AnswerText | None = None  # int32 bytes [B, K, W] of the kept pieces (``answer_width`` > 0)
 
 
 @struct.dataclass
@@ -407,19 +455,29 @@ class ParseResult:
     n_kept: jax.Array  # int32[B]: kept action strings
     n_valid: jax.Array  # int32[B]
     matched: jax.Array  # bool[B]: the regex matched
-    format_penalty: jax.Array  # bool[B]: no valid action, or an unknown one
+    format_error: jax.Array  # bool[B]: the turn earns the format penalty (no valid action, or an unknown one)
     think_tokens: jax.Array  # int32[B]: see the module docstring
+    answers: AnswerText | None = None  # the kept pieces' text, with ``answer_width`` > 0
 
 
-def _empty_piece(shape=()) -> Piece:
+def _empty_piece(shape=(), answer_width: int = 0) -> Piece:
     zero = jnp.zeros(shape, jnp.int32)
-    return Piece(pipe=zero, ws=zero, started=zero, pos=zero, alive=zero - 1, match=zero - 1)
+    text = PieceText(jnp.zeros(shape + (answer_width,), jnp.int32), zero, zero) if answer_width else None
+    return Piece(pipe=zero, ws=zero, started=zero, pos=zero, alive=zero - 1, match=zero - 1, text=text)
 
 
-def init_parser_state(batch: int, max_actions_per_turn: int, enable_think=True) -> ParserState:
-    """Fresh state for a turn; ``enable_think`` may be a bool or a bool[batch] array."""
+def init_parser_state(batch: int, max_actions_per_turn: int, enable_think=True, answer_width: int = 0) -> ParserState:
+    """Fresh state for a turn; ``enable_think`` may be a bool or a bool[batch] array.
+
+    ``answer_width`` > 0 also keeps each kept piece's text, its first ``answer_width`` bytes (for
+    language-action envs); 0 keeps action ids only.
+    """
     zero = jnp.zeros((batch,), jnp.int32)
     think = jnp.broadcast_to(jnp.asarray(enable_think, bool), (batch,))
+    k = max_actions_per_turn
+    answers = None
+    if answer_width:
+        answers = AnswerText(jnp.zeros((batch, k, answer_width), jnp.int32), jnp.zeros((batch, k), jnp.int32))
     return ParserState(
         phase=jnp.where(think, SEARCH, ANSWER).astype(jnp.int32),
         search=zero,
@@ -427,21 +485,49 @@ def init_parser_state(batch: int, max_actions_per_turn: int, enable_think=True) 
         n_tokens=zero,
         think_mark=zero - 1,
         think_tokens=jnp.where(think, -1, 0).astype(jnp.int32),
-        piece=_empty_piece((batch,)),
+        piece=_empty_piece((batch,), answer_width),
         stack_node=jnp.zeros((batch, STACK), jnp.int32),
         stack_floor=jnp.zeros((batch, STACK), jnp.int32),
-        stack_snap=_empty_piece((batch, STACK)),
+        stack_snap=_empty_piece((batch, STACK), answer_width),
         depth=zero,
         base=zero,
         n_pieces=zero,
         n_valid=zero,
         action_ids=jnp.full((batch, max_actions_per_turn), -1, jnp.int32),
         valid_ids=jnp.full((batch, max_actions_per_turn), -1, jnp.int32),
+        answers=answers,
     )
 
 
 def _select(cond, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+    def pick(x, y):
+        extra = max(jnp.ndim(x), jnp.ndim(y)) - jnp.ndim(cond)
+        if jnp.ndim(cond) and extra > 0:  # cond picks stack slots of a piece's text bytes
+            return jnp.where(jnp.reshape(cond, jnp.shape(cond) + (1,) * extra), x, y)
+        return jnp.where(cond, x, y)
+
+    return jax.tree.map(pick, a, b)
+
+
+def _put(piece: Piece, data, count, is_space) -> Piece:
+    """Append ``data[:count]`` to the piece's text (if kept); a space does not move its end."""
+    if piece.text is None:
+        return piece
+    t = piece.text
+    slots = jnp.arange(data.shape[0])
+    cols = jnp.where(slots < count, t.size + slots, t.bytes.shape[-1])  # past the width: dropped
+    size = t.size + count
+    return piece.replace(
+        text=PieceText(t.bytes.at[cols].set(data, mode="drop"), size, jnp.where(is_space, t.end, size))
+    )
+
+
+def _release(piece: Piece) -> Piece:
+    """A pending '|' or unfinished multi-byte space turns out to be ordinary text."""
+    pipe = piece.pipe == 1
+    data = jnp.where(pipe, jnp.full_like(_table("ws_bytes")[0], _BAR), _table("ws_bytes")[piece.ws])
+    count = jnp.where(pipe, 1, _table("ws_length")[piece.ws])
+    return _unknown_char(_put(piece, data, count, False))
 
 
 def _unknown_char(piece: Piece) -> Piece:
@@ -477,15 +563,17 @@ def _eat(piece: Piece, names: ActionNames, c):
     # a pending '|' not followed by '|', or a broken multi-byte sequence, is ordinary text
     released = (pending_ws & (ws_next == 0)) | ((piece.pipe == 1) & ~is_bar)
     zero = jnp.zeros_like(piece.pipe)
-    p = _select(released, _unknown_char(piece), piece).replace(pipe=zero, ws=zero)
+    p = _select(released, _release(piece), piece).replace(pipe=zero, ws=zero)
 
     lead = _table("ws_next")[0, c]  # first byte of a multi-byte space
     is_space = _table("ascii_ws")[c]
-    as_char = _select(is_space & (p.started == 0), p, _extend(p, names, _table("lower")[c], is_space))
+    char = _put(_extend(p, names, _table("lower")[c], is_space), jnp.reshape(c, (1,)), 1, is_space)
+    as_char = _select(is_space & (p.started == 0), p, char)
     fresh = _select(is_bar, p.replace(pipe=zero + 1), _select(lead != 0, p.replace(ws=lead), as_char))
-    fresh = _select(split, _empty_piece(), fresh)
+    fresh = _select(split, _empty_piece((), 0 if p.text is None else p.text.bytes.shape[-1]), fresh)
     # a completed multi-byte space: stripped at the ends, breaks any name inside
     spaced = piece.replace(ws=zero, alive=jnp.where(piece.started == 1, 0, piece.alive))
+    spaced = _put(spaced, _table("ws_bytes")[ws_next], jnp.where(piece.started == 1, _table("ws_length")[ws_next], 0), True)
     ws_complete = pending_ws & _table("ws_done")[ws_next]
     out = _select(own_char, fresh, _select(ws_complete, spaced, piece.replace(ws=ws_next)))
     return out, split
@@ -494,7 +582,7 @@ def _eat(piece: Piece, names: ActionNames, c):
 def _finish(piece: Piece) -> Piece:
     """End of the answer: anything pending is ordinary text."""
     pending = (piece.pipe == 1) | (piece.ws != 0)
-    return _select(pending, _unknown_char(piece), piece)
+    return _select(pending, _release(piece), piece)
 
 
 def _record(st: ParserState, ended, piece: Piece) -> ParserState:
@@ -503,6 +591,14 @@ def _record(st: ParserState, ended, piece: Piece) -> ParserState:
     slots = jnp.arange(k)
     keep = ended & (piece.started == 1) & (st.n_pieces < k)
     valid = keep & (piece.match >= 0)
+    if st.answers is not None:
+        width = piece.text.bytes.shape[-1]
+        length = jnp.minimum(piece.text.end, width)
+        text = jnp.where(jnp.arange(width) < length, piece.text.bytes, 0)
+        here = keep & (slots == st.n_pieces)
+        st = st.replace(answers=AnswerText(
+            jnp.where(here[:, None], text[None], st.answers.bytes), jnp.where(here, length, st.answers.lengths)
+        ))
     return st.replace(
         action_ids=jnp.where(keep & (slots == st.n_pieces), piece.match, st.action_ids),
         valid_ids=jnp.where(valid & (slots == st.n_valid), piece.match, st.valid_ids),
@@ -609,22 +705,30 @@ def parser_result(state: ParserState) -> ParseResult:
     matched = state.phase == DONE
     n_kept = jnp.where(matched, jnp.minimum(state.n_pieces, state.action_ids.shape[-1]), 0)
     n_valid = jnp.where(matched, state.n_valid, 0)
+    answers = None
+    if state.answers is not None:
+        answers = AnswerText(
+            jnp.where(matched[:, None, None], state.answers.bytes, 0).astype(jnp.uint8),
+            jnp.where(matched[:, None], state.answers.lengths, 0),
+        )
     return ParseResult(
         action_ids=jnp.where(matched[:, None], state.action_ids, -1),
         valid_action_ids=jnp.where(matched[:, None], state.valid_ids, -1),
         n_kept=n_kept,
         n_valid=n_valid,
         matched=matched,
-        format_penalty=~matched | (n_valid == 0) | (n_valid != n_kept),
+        format_error=~matched | (n_valid == 0) | (n_valid != n_kept),
         think_tokens=jnp.where(matched, state.think_tokens, -1),
+        answers=answers,
     )
 
 
 def parse_response_tokens(
-    tables: ParserTables, token_ids, active, max_actions_per_turn: int, enable_think=True
+    tables: ParserTables, token_ids, active, max_actions_per_turn: int, enable_think=True, answer_width: int = 0
 ) -> ParseResult:
-    """Parse whole responses ``token_ids int32[B, T]`` (``active`` bool[B, T]) token by token."""
-    state = init_parser_state(token_ids.shape[0], max_actions_per_turn, enable_think)
+    """Parse whole responses ``token_ids int32[B, T]`` (``active`` bool[B, T]) token by token;
+    ``answer_width`` > 0 also keeps the answer pieces' text (``ParseResult.answers``)."""
+    state = init_parser_state(token_ids.shape[0], max_actions_per_turn, enable_think, answer_width)
 
     def step(st, xs):
         return parser_feed_tokens(tables, st, *xs), None

@@ -8,7 +8,7 @@ groups (`trajectory_score`), then placed on the trajectory's last policy token
 Departures from / decisions on RAGEN quirks (spec §8):
 - Quirk 5 (replicated): the format penalty is added *before* normalisation. In turn-score mode
   RAGEN applies neither normalisation nor the penalty; `turn_scores_to_token_rewards` replicates
-  that by default, and `format_penalty=` adds the trajectory's penalty on its last turn instead.
+  that by default, and `format_penalty_sum=` adds the trajectory's penalties on its last turn instead.
 - Quirk 3 (departure): rewards sit on the last *policy* token (of the trajectory, or of each turn),
   because we train exactly the sampled tokens; RAGEN puts them on the "\\n" after `<|im_end|>`,
   which its off-by-one mask happens to train.
@@ -54,9 +54,9 @@ def normalize_scores(x, group_id, tag_id=None, grouping="state", method="identit
     return jnp.where(jnp.any(size > 1), normalised, x)
 
 
-def trajectory_score(env_reward, format_penalty, group_id, tag_id=None, grouping="state", method="identity"):
-    """RAGEN's `rm_scores` scalar: (Σ env rewards + format penalty), then group-normalised."""
-    return normalize_scores(env_reward + format_penalty, group_id, tag_id, grouping, method)
+def trajectory_score(env_reward, format_penalty_sum, group_id, tag_id=None, grouping="state", method="identity"):
+    """RAGEN's `rm_scores` scalar: (Σ env rewards + the format penalties paid), then group-normalised."""
+    return normalize_scores(env_reward + format_penalty_sum, group_id, tag_id, grouping, method)
 
 
 def last_true_one_hot(mask):
@@ -72,15 +72,15 @@ def scores_to_token_rewards(score, loss_mask):
     return jnp.where(last_true_one_hot(loss_mask), score[:, None], 0.0).astype(score.dtype)
 
 
-def turn_scores_to_token_rewards(turn_reward, turn_end, turn_valid, seq_len, format_penalty=None):
+def turn_scores_to_token_rewards(turn_reward, turn_end, turn_valid, seq_len, format_penalty_sum=None):
     """Token rewards [B, T] with turn_reward[b, k] on token turn_end[b, k] for each valid turn.
 
     RAGEN's `use_turn_scores`: raw env rewards, no normalisation and no format penalty. Pass
-    `format_penalty[B]` to add each trajectory's penalty on its last valid turn instead.
+    `format_penalty_sum[B]` to add each trajectory's penalties on its last valid turn instead.
     """
     reward = turn_reward
-    if format_penalty is not None:
-        reward = reward + jnp.where(last_true_one_hot(turn_valid), format_penalty[:, None], 0.0)
+    if format_penalty_sum is not None:
+        reward = reward + jnp.where(last_true_one_hot(turn_valid), format_penalty_sum[:, None], 0.0)
     rows = jnp.arange(turn_end.shape[0])[:, None]
     end_index = jnp.where(turn_valid, turn_end, seq_len)  # invalid turns: out of bounds, dropped
     token_rewards = jnp.zeros((turn_end.shape[0], seq_len), reward.dtype)

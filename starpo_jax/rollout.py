@@ -3,7 +3,8 @@
 For every turn, inside one XLA program:
 
     prompt tokens (from tables) → append to the KV cache → decode → parse <answer> on token ids
-    → step the envs → reward message and next observation as tokens → next turn
+    → step the envs (with action ids, or the answer text for language-action envs such as
+    Countdown) → reward message and next observation as tokens → next turn
 
 The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
 Finished rows keep their slot and stop generating. Host Python never sees a token or a turn.
@@ -32,6 +33,7 @@ Departures from the original, on purpose:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import flax.struct
@@ -77,6 +79,12 @@ class RolloutPlan:
         return sum(t.n_groups for t in self.tags) * self.group_size
 
     @property
+    def answer_width(self) -> int:
+        """Bytes of answer text the parser keeps per piece: the widest language-action env's
+        ``answer_width`` (0: every tag's actions are named)."""
+        return max(t.env.answer_width for t in self.tags)
+
+    @property
     def num_groups(self) -> int:
         return sum(t.n_groups for t in self.tags)
 
@@ -118,7 +126,7 @@ class Trajectories:
     turn_reward: jax.Array  # float32[B, T] env reward of each turn
     turn_penalised: jax.Array  # bool[B, T] the turn paid the format penalty
     env_reward: jax.Array  # float32[B] sum of env rewards
-    format_penalty: jax.Array  # float32[B] sum of format penalties (<= 0)
+    format_penalty_sum: jax.Array  # float32[B] the penalties paid: format_penalty * turns penalised (<= 0)
     success: jax.Array  # bool[B] the env reported success when the episode ended
     num_actions: jax.Array  # int32[B] actions executed
     num_turns: jax.Array  # int32[B]
@@ -138,7 +146,7 @@ def build_tables(
 ) -> RolloutTables:
     """Tokenise every prompt piece and action name of the plan's tags (host, once)."""
     tags = []
-    max_name = max(len(n) for t in plan.tags for n in t.env.action_names)
+    max_name = max((len(n) for t in plan.tags for n in t.env.action_names), default=1)
     for tag in plan.tags:
         tables = prompts.PromptTables.build(
             tokenizer,
@@ -160,7 +168,9 @@ def build_tables(
 
 def _names_with_empty(names: Sequence[str], width: int) -> parsing.ActionNames:
     """A tag's action names as [N + 1, width]; the last, empty name pads shorter action lists (an
-    empty name never matches: an empty answer piece is dropped)."""
+    empty name never matches: an empty answer piece is dropped). A language-action env has only it."""
+    if not names:
+        return parsing.ActionNames(jnp.zeros((1, width), jnp.int32), jnp.zeros((1,), jnp.int32))
     encoded = parsing.encode_action_names(list(names), width)
     return parsing.ActionNames(
         jnp.pad(encoded.bytes, ((0, 1), (0, 0))), jnp.pad(encoded.lengths, ((0, 1),))
@@ -209,6 +219,13 @@ def initial_states_from_seeds(plan: RolloutPlan, first_seed: int) -> tuple:
 
 
 # ---- the rollout ---------------------------------------------------------------------------------
+#
+# One turn is ``play_turn``: ``turn_rows`` (who plays) → ``generate`` (the responder answers) →
+# ``write_turn`` (prompt and response into the token buffers) → ``parse_turn`` (the answers, on
+# token ids) → ``step_envs`` (the actions, in the envs) → ``next_prompts`` (reward message and next
+# observation as tokens) → a new ``_Carry`` and the turn's record. Each is a pure function of the
+# frozen ``RolloutPlan`` and arrays; ``rollout`` runs turn 1, scans the others and packs the
+# ``Trajectories``.
 
 
 def _pad_to(ids, width: int, pad_id: int):
@@ -226,6 +243,11 @@ def _concat_ids(outs, pad_id):
     width = max(ids.shape[1] for ids, _ in outs)
     ids = jnp.concatenate([_pad_to(ids, width, pad_id) for ids, _ in outs])
     return ids, jnp.concatenate([n for _, n in outs])
+
+
+def _concat_rows(trees):
+    """The per-tag pytrees of a turn joined along the batch (tags own consecutive rows)."""
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
 
 
 def _write(buffer, offsets, values, count):
@@ -285,177 +307,235 @@ class LLMResponder:
         )
 
 
+def action_name_ids(plan: RolloutPlan, tag: TagPlan, states, pad: int) -> jax.Array:
+    """int32[rows, A]: the tag's action-name index of each action id, ``pad`` past the tag's own
+    actions (``A``: the action ids of the plan's widest tag)."""
+    num_actions = max(max(t.env.num_actions for t in plan.tags), 1)  # >= 1: the parser needs a name
+    ids = jax.vmap(tag.env.action_name_ids)(states).astype(jnp.int32)
+    return jnp.pad(ids, ((0, 0), (0, num_actions - ids.shape[1])), constant_values=pad)
+
+
+def row_action_names(plan: RolloutPlan, tables: RolloutTables, env_states) -> parsing.ActionNames:
+    """Each row's action names in action-id order, [B, A, L] (padded with the empty name)."""
+    outs = []
+    for tag, tag_tables, states in zip(plan.tags, tables.tags, env_states):
+        ids = action_name_ids(plan, tag, states, pad=len(tag.env.action_names))
+        outs.append(jax.tree.map(lambda x: x[ids], tag_tables.names))
+    return _concat_rows(outs)
+
+
+def first_prompts(plan: RolloutPlan, tables: RolloutTables, env_states):
+    """``(ids int32[B, P], lengths int32[B])``: the first user turn of every row (system prompt,
+    instruction, first observation, generation prompt)."""
+    outs = []
+    for tag, tag_tables, states in zip(plan.tags, tables.tags, env_states):
+        obs = jax.vmap(tag.env.observation_pieces)(states)
+        left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
+        outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tag_tables.prompts, obs, left))
+    return _concat_ids(outs, plan.pad_id)
+
+
+def turn_rows(plan: RolloutPlan, c: _Carry):
+    """``(active, exhausted)`` bool[B]: rows that play this turn, and rows that end now because the
+    prompt plus a full response would not fit in ``max_len``."""
+    fits = c.length + c.prompt_len + plan.response_length <= plan.max_len
+    return ~c.done & fits, ~c.done & ~fits
+
+
+def generate(responder, model, c: _Carry, active, key, temperature, turn):
+    """``(out, n_new, n_out)``: the responder's ``DecodeOutput`` after reading this turn's prompt,
+    the prompt tokens appended and the response tokens kept per row (0 for inactive rows)."""
+    n_new = jnp.where(active, c.prompt_len, 0)
+    out = responder.respond(model, c.cache, c.prompt_ids, n_new, jax.random.fold_in(key, turn), temperature, active, turn)
+    return out, n_new, jnp.where(active, out.lengths, 0)
+
+
+def write_turn(c: _Carry, out, n_new, n_out):
+    """The prompt then the response appended to each row's buffers: ``(tokens, loss_mask,
+    logprobs, start, end)``, ``[start, end)`` being the response's positions."""
+    tokens = _write(c.tokens, c.length, c.prompt_ids, n_new)
+    start = c.length + n_new
+    tokens = _write(tokens, start, out.tokens, n_out)
+    loss_mask = _write(c.loss_mask, start, jnp.ones_like(out.tokens, bool), n_out)
+    logprobs = _write(c.logprobs, start, out.logprobs, n_out)
+    return tokens, loss_mask, logprobs, start, start + n_out
+
+
+def parse_turn(plan: RolloutPlan, tables: RolloutTables, env_states, response_ids, n_out):
+    """``(ParseResult, ended_with_stop bool[B])``: each row's answer parsed on token ids against
+    its own action names (and its pieces' text if a tag takes language actions), and whether the
+    response ended with the end-of-turn token (a cut one did not; its prompt closes it)."""
+    parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, row_action_names(plan, tables, env_states))
+    in_response = jnp.arange(response_ids.shape[1])[None] < n_out[:, None]
+    parsed = parsing.parse_response_tokens(
+        parser_tables, response_ids, in_response, plan.max_actions_per_turn, plan.enable_think, plan.answer_width
+    )
+    if plan.answer_width:  # a language-action row's pieces are all its actions: an error is having none
+        language = _per_row(plan, [t.env.answer_width > 0 for t in plan.tags]).astype(bool)
+        parsed = parsed.replace(format_error=jnp.where(language, parsed.n_kept == 0, parsed.format_error))
+    last_token = jnp.take_along_axis(response_ids, jnp.maximum(n_out - 1, 0)[:, None], axis=1)[:, 0]
+    ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
+    return parsed, ended_with_stop
+
+
+def step_envs(plan: RolloutPlan, tables: RolloutTables, env_states, parsed, actions_left, active):
+    """``(new_states, TurnResult[B])``: every active row's env stepped through its valid actions,
+    within ``actions_left`` (``starpo_jax.env_turn.execute_turn``), tag by tag. Named actions are
+    action ids; a language-action env gets each answer piece's bytes ``(uint8[W], length)``."""
+    new_states, results = [], []
+    for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
+        width = tag.env.answer_width
+        if width:
+            actions = (parsed.answers.bytes[sl, :, :width], jnp.minimum(parsed.answers.lengths[sl], width))
+            n_actions = parsed.n_kept[sl]
+        else:
+            actions, n_actions = jnp.maximum(parsed.valid_action_ids[sl], 0), parsed.n_valid[sl]
+        step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
+        state, res = step(
+            tag.env, states, actions, n_actions, actions_left[sl], active[sl], tag_tables.prompts.reward_values,
+        )
+        new_states.append(state)
+        results.append(res)
+    return tuple(new_states), _concat_rows(results)
+
+
+def next_prompts(plan: RolloutPlan, tables: RolloutTables, env_states, res, actions_left, ended_with_stop, turn):
+    """``(ids int32[B, P], lengths int32[B])``: the next user turn of every row (the reward message
+    of turn ``turn``, 0-based, then the observation and the actions left after it)."""
+    outs = []
+    for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
+        obs = jax.vmap(tag.env.observation_pieces)(states)
+        outs.append(jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
+            tag_tables.prompts, res.reward_index[sl], turn + 2, obs, actions_left[sl], ended_with_stop[sl]
+        ))
+    return _concat_ids(outs, plan.pad_id)
+
+
+def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, temperature, turn, c: _Carry):
+    """One turn for every row still playing: ``(carry, record)``; ``turn`` is 0-based."""
+    active, exhausted = turn_rows(plan, c)
+    out, n_new, n_out = generate(responder, model, c, active, key, temperature, turn)
+    tokens, loss_mask, logprobs, start, end = write_turn(c, out, n_new, n_out)
+    parsed, ended_with_stop = parse_turn(plan, tables, c.env_states, out.tokens, n_out)
+
+    budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
+    actions_left = budget - c.num_actions
+    env_states, res = step_envs(plan, tables, c.env_states, parsed, actions_left, active)
+    prompt_ids, prompt_len = next_prompts(
+        plan, tables, env_states, res, actions_left - res.num_executed, ended_with_stop, turn
+    )
+
+    num_actions = c.num_actions + res.num_executed
+    finished = active & (res.env_done | (num_actions >= budget))
+    record = dict(
+        start=jnp.where(active, start, 0),
+        end=jnp.where(active, end, 0),
+        played=active,
+        reward=jnp.where(active, res.reward, 0.0),
+        penalised=active & parsed.format_error,
+    )
+    carry = _Carry(
+        tokens=tokens,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        length=end,
+        cache=out.cache,
+        env_states=env_states,
+        done=c.done | finished | exhausted,
+        success=c.success | (finished & res.env_done & res.success),
+        num_actions=num_actions,
+        num_turns=c.num_turns + active,
+        effective_sum=c.effective_sum + (active & res.effective),
+        valid_sum=c.valid_sum + (active & res.valid),
+        response_tokens=c.response_tokens + n_out,
+        think_tokens=c.think_tokens + jnp.where(active, jnp.maximum(parsed.think_tokens, 0), 0),
+        context_exhausted=c.context_exhausted | exhausted,
+        prompt_ids=prompt_ids,
+        prompt_len=prompt_len,
+    )
+    return carry, record
+
+
+def initial_carry(plan: RolloutPlan, responder, model, tables: RolloutTables, init_states) -> _Carry:
+    """Empty buffers, a fresh cache, the initial env states and the first prompts."""
+    B = plan.batch_size
+    first_ids, first_len = first_prompts(plan, tables, init_states)
+    zeros_i = jnp.zeros((B,), jnp.int32)
+    return _Carry(
+        tokens=jnp.full((B, plan.max_len), plan.pad_id, jnp.int32),
+        loss_mask=jnp.zeros((B, plan.max_len), bool),
+        logprobs=jnp.zeros((B, plan.max_len), jnp.float32),
+        length=zeros_i,
+        cache=responder.init(model, B),
+        env_states=tuple(init_states),
+        done=jnp.zeros((B,), bool),
+        success=jnp.zeros((B,), bool),
+        num_actions=zeros_i,
+        num_turns=zeros_i,
+        effective_sum=zeros_i,
+        valid_sum=zeros_i,
+        response_tokens=zeros_i,
+        think_tokens=zeros_i,
+        context_exhausted=jnp.zeros((B,), bool),
+        prompt_ids=first_ids,
+        prompt_len=first_len,
+    )
+
+
+def pack_trajectories(plan: RolloutPlan, init_states, carry: _Carry, records) -> Trajectories:
+    """The finished episodes: the last carry, and the turns' records stacked as ``[T, B]``."""
+    B = plan.batch_size
+    rec = jax.tree.map(lambda x: x.T, records)  # [B, T]
+    turns = jnp.maximum(carry.num_turns, 1)
+    return Trajectories(
+        tokens=carry.tokens,
+        loss_mask=carry.loss_mask,
+        sampler_logprobs=carry.logprobs,
+        length=carry.length,
+        turn_start=rec["start"],
+        turn_end=rec["end"],
+        turn_played=rec["played"],
+        turn_reward=rec["reward"],
+        turn_penalised=rec["penalised"],
+        env_reward=jnp.sum(rec["reward"], axis=1),
+        format_penalty_sum=plan.format_penalty * jnp.sum(rec["penalised"], axis=1).astype(jnp.float32),
+        success=carry.success,
+        num_actions=carry.num_actions,
+        num_turns=carry.num_turns,
+        action_is_effective=carry.effective_sum / turns,
+        action_is_valid=carry.valid_sum / turns,
+        response_tokens=carry.response_tokens,
+        think_tokens=carry.think_tokens,
+        context_exhausted=carry.context_exhausted,
+        group_id=jnp.arange(B, dtype=jnp.int32) // plan.group_size,
+        tag_id=_per_row(plan, range(len(plan.tags))),
+        action_name_ids=jnp.concatenate(
+            [action_name_ids(plan, t, s, pad=-1) for t, s in zip(plan.tags, init_states)]
+        ),
+    )
+
+
+def rollout(plan: RolloutPlan, responder, model: ModelState, tables: RolloutTables, init_states: tuple, key,
+            temperature) -> Trajectories:
+    """Every episode of the batch, ``plan.max_turn`` turns at most (traced as one program)."""
+    carry = initial_carry(plan, responder, model, tables, init_states)
+    # Turn 1 has its own (long) prompt width; later turns share one, so they run in a scan.
+    carry, first = play_turn(plan, responder, model, tables, key, temperature, 0, carry)
+    if plan.max_turn > 1:
+        def body(c, turn):
+            return play_turn(plan, responder, model, tables, key, temperature, turn, c)
+
+        carry, rest = jax.lax.scan(body, carry, jnp.arange(1, plan.max_turn))
+        records = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+    else:
+        records = jax.tree.map(lambda a: a[None], first)
+    return pack_trajectories(plan, init_states, carry, records)
+
+
 def make_rollout(plan: RolloutPlan, responder=None):
     """Returns ``rollout(model, tables, init_states, key, temperature) -> Trajectories`` (jitted).
 
     ``responder`` produces each turn's responses (default: ``LLMResponder``, the model sampling
     from its KV cache); tests pass a scripted one.
     """
-    B, T, R = plan.batch_size, plan.max_turn, plan.response_length
-    responder = responder or LLMResponder(plan)
-    budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
-    tag_id = _per_row(plan, range(len(plan.tags)))
-
-    num_actions = max(t.env.num_actions for t in plan.tags)  # action ids of the widest tag
-
-    def tag_name_ids(tag, states, pad):
-        """int32[rows, num_actions]: the tag's action-name index of each action id, ``pad`` past
-        the tag's own actions."""
-        ids = jax.vmap(tag.env.action_name_ids)(states).astype(jnp.int32)
-        return jnp.pad(ids, ((0, 0), (0, num_actions - ids.shape[1])), constant_values=pad)
-
-    def name_tables(tables: RolloutTables, env_states):
-        """Each row's action names in action-id order, [B, num_actions, L] (padded with the empty name)."""
-        outs = []
-        for i, (tag, states) in enumerate(zip(plan.tags, env_states)):
-            ids = tag_name_ids(tag, states, pad=len(tag.env.action_names))
-            outs.append(jax.tree.map(lambda x: x[ids], tables.tags[i].names))
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
-
-    def first_prompts(tables, env_states):
-        outs = []
-        for i, (tag, states) in enumerate(zip(plan.tags, env_states)):
-            obs = jax.vmap(tag.env.observation_pieces)(states)
-            left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
-            outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tables.tags[i].prompts, obs, left))
-        return _concat_ids(outs, plan.pad_id)
-
-    def play_turn(model, tables, key, temperature, turn, c: _Carry):
-        """One turn for every row still playing; ``turn`` is 0-based."""
-        fits = c.length + c.prompt_len + R <= plan.max_len
-        exhausted = ~c.done & ~fits
-        active = ~c.done & fits
-        n_new = jnp.where(active, c.prompt_len, 0)
-        tokens = _write(c.tokens, c.length, c.prompt_ids, n_new)
-        out = responder.respond(model, c.cache, c.prompt_ids, n_new, jax.random.fold_in(key, turn), temperature, active, turn)
-        start = c.length + n_new
-        n_out = jnp.where(active, out.lengths, 0)
-        tokens = _write(tokens, start, out.tokens, n_out)
-        loss_mask = _write(c.loss_mask, start, jnp.ones_like(out.tokens, bool), n_out)
-        logprobs = _write(c.logprobs, start, out.logprobs, n_out)
-        end = start + n_out
-
-        # parse the answers on token ids
-        parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, name_tables(tables, c.env_states))
-        in_response = jnp.arange(out.tokens.shape[1])[None] < n_out[:, None]
-        parsed = parsing.parse_response_tokens(
-            parser_tables, out.tokens, in_response, plan.max_actions_per_turn, plan.enable_think
-        )
-        last_token = jnp.take_along_axis(out.tokens, jnp.maximum(n_out - 1, 0)[:, None], axis=1)[:, 0]
-        ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
-
-        # step the envs, tag by tag
-        actions_left_before = budget - c.num_actions
-        new_states, results, next_prompts = [], [], []
-        for i, (tag, sl) in enumerate(zip(plan.tags, plan.row_slices())):
-            step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
-            state, res = step(
-                tag.env, c.env_states[i], parsed.valid_action_ids[sl], parsed.n_valid[sl],
-                actions_left_before[sl], active[sl], tables.tags[i].prompts.reward_values,
-            )
-            left = actions_left_before[sl] - res.num_executed
-            obs = jax.vmap(tag.env.observation_pieces)(state)
-            nxt = jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
-                tables.tags[i].prompts, res.reward_key, turn + 2, obs, left, ended_with_stop[sl]
-            )
-            new_states.append(state)
-            results.append(res)
-            next_prompts.append(nxt)
-        res = jax.tree.map(lambda *xs: jnp.concatenate(xs), *results)
-        prompt_ids, prompt_len = _concat_ids(next_prompts, plan.pad_id)
-
-        num_actions = c.num_actions + res.num_executed
-        finished = active & (res.env_done | (num_actions >= budget))
-        penalised = active & parsed.format_penalty
-        record = dict(
-            start=jnp.where(active, start, 0),
-            end=jnp.where(active, end, 0),
-            played=active,
-            reward=jnp.where(active, res.reward, 0.0),
-            penalised=penalised,
-        )
-        carry = _Carry(
-            tokens=tokens,
-            loss_mask=loss_mask,
-            logprobs=logprobs,
-            length=end,
-            cache=out.cache,
-            env_states=tuple(new_states),
-            done=c.done | finished | exhausted,
-            success=c.success | (finished & res.env_done & res.success),
-            num_actions=num_actions,
-            num_turns=c.num_turns + active,
-            effective_sum=c.effective_sum + (active & res.effective),
-            valid_sum=c.valid_sum + (active & res.valid),
-            response_tokens=c.response_tokens + n_out,
-            think_tokens=c.think_tokens + jnp.where(active, jnp.maximum(parsed.think_tokens, 0), 0),
-            context_exhausted=c.context_exhausted | exhausted,
-            prompt_ids=prompt_ids,
-            prompt_len=prompt_len,
-        )
-        return carry, record
-
-    def rollout(model: ModelState, tables: RolloutTables, init_states: tuple, key, temperature) -> Trajectories:
-        first_ids, first_len = first_prompts(tables, init_states)
-        zeros_i = jnp.zeros((B,), jnp.int32)
-        carry = _Carry(
-            tokens=jnp.full((B, plan.max_len), plan.pad_id, jnp.int32),
-            loss_mask=jnp.zeros((B, plan.max_len), bool),
-            logprobs=jnp.zeros((B, plan.max_len), jnp.float32),
-            length=zeros_i,
-            cache=responder.init(model, B),
-            env_states=tuple(init_states),
-            done=jnp.zeros((B,), bool),
-            success=jnp.zeros((B,), bool),
-            num_actions=zeros_i,
-            num_turns=zeros_i,
-            effective_sum=zeros_i,
-            valid_sum=zeros_i,
-            response_tokens=zeros_i,
-            think_tokens=zeros_i,
-            context_exhausted=jnp.zeros((B,), bool),
-            prompt_ids=first_ids,
-            prompt_len=first_len,
-        )
-        # Turn 1 has its own (long) prompt width; later turns share one, so they run in a scan.
-        carry, first = play_turn(model, tables, key, temperature, 0, carry)
-        if T > 1:
-            def body(c, turn):
-                return play_turn(model, tables, key, temperature, turn, c)
-
-            carry, rest = jax.lax.scan(body, carry, jnp.arange(1, T))
-            records = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
-        else:
-            records = jax.tree.map(lambda a: a[None], first)
-        rec = jax.tree.map(lambda x: x.T, records)  # [B, T]
-        turns = jnp.maximum(carry.num_turns, 1)
-        env_reward = jnp.sum(rec["reward"], axis=1)
-        group_id = jnp.arange(B, dtype=jnp.int32) // plan.group_size
-        return Trajectories(
-            tokens=carry.tokens,
-            loss_mask=carry.loss_mask,
-            sampler_logprobs=carry.logprobs,
-            length=carry.length,
-            turn_start=rec["start"],
-            turn_end=rec["end"],
-            turn_played=rec["played"],
-            turn_reward=rec["reward"],
-            turn_penalised=rec["penalised"],
-            env_reward=env_reward,
-            format_penalty=plan.format_penalty * jnp.sum(rec["penalised"], axis=1).astype(jnp.float32),
-            success=carry.success,
-            num_actions=carry.num_actions,
-            num_turns=carry.num_turns,
-            action_is_effective=carry.effective_sum / turns,
-            action_is_valid=carry.valid_sum / turns,
-            response_tokens=carry.response_tokens,
-            think_tokens=carry.think_tokens,
-            context_exhausted=carry.context_exhausted,
-            group_id=group_id,
-            tag_id=tag_id,
-            action_name_ids=jnp.concatenate(
-                [tag_name_ids(t, s, pad=-1) for t, s in zip(plan.tags, init_states)]
-            ),
-        )
-
-    return jax.jit(rollout)
+    return jax.jit(functools.partial(rollout, plan, responder or LLMResponder(plan)))

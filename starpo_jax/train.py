@@ -393,7 +393,7 @@ def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, state: 
     """Steps 2–5: filter, then everything the update needs: (UpdateBatch, metrics)."""
     # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
     score = rewards.trajectory_score(
-        traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id,
+        traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id,
         settings.reward_grouping, settings.reward_method,
     )
     kept, score, valid, metrics = filter_groups(settings, plan.group_size, traj, score, hyper.filter_ratio)

@@ -12,7 +12,7 @@ from configs import base, presets
 from starpo_jax import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_FILES = ["base.py", "sokoban.py", "frozen_lake.py", "bandit.py", "quickstart.py"]
+CONFIG_FILES = ["base.py", "sokoban.py", "frozen_lake.py", "bandit.py", "countdown.py", "quickstart.py"]
 ENVS = ["sokoban", "frozen_lake", "bandit"]
 ALGORITHMS = ["starpo_s", "starpo_ppo", "starpo_grpo", "starpo_s_grpo", "base_ppo_cliphigh", "base_ppo_nokl"]
 

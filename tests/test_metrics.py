@@ -31,7 +31,7 @@ def test_rollout_metrics_per_tag_and_over_the_batch():
         success=jnp.asarray([False, True, False, False]), num_actions=jnp.asarray([2, 4, 0, 1]),
         action_is_effective=f(0.5, 1.0, 0.0, 0.0), action_is_valid=f(1.0, 1.0, 0.0, 1.0),
         response_tokens=jnp.asarray([10, 20, 30, 40]), think_tokens=jnp.asarray([1, 2, 3, 6]),
-        env_reward=f(0.0, 1.0, 0.0, 0.0), format_penalty=f(0.0, 0.0, -0.1, -0.1), num_turns=jnp.asarray([1, 2, 3, 2]),
+        env_reward=f(0.0, 1.0, 0.0, 0.0), format_penalty_sum=f(0.0, 0.0, -0.1, -0.1), num_turns=jnp.asarray([1, 2, 3, 2]),
         context_exhausted=jnp.asarray([False, False, True, False]),
         group_id=jnp.asarray([0, 0, 1, 1]), tag_id=jnp.asarray([0, 0, 1, 1]),
     )

@@ -21,8 +21,9 @@ ARMS = ("Phoenix", "Dragon", "Trader", "Librarian")
 NAME_SETS = (SOKOBAN, FROZEN_LAKE, ARMS)
 NAME_BYTES = 9
 B, T, K = 32, 96, 3
+TEXT_WIDTH = 16  # answer text kept per piece when checking the text (longer pieces are cut)
 
-_parse = jax.jit(parsing.parse_response_tokens, static_argnums=(3,))
+_parse = jax.jit(parsing.parse_response_tokens, static_argnums=(3, 5))
 
 
 def _tokenizer(name):
@@ -50,18 +51,19 @@ def _pad(rows, height=B, width=T):
     return jnp.asarray(ids), jnp.asarray(active)
 
 
-def _run(name, id_rows, names_per_row, think_per_row):
+def _run(name, id_rows, names_per_row, think_per_row, answer_width=0):
     """Parse up to B token-id rows in graph; names and enable_think are per row."""
     pad = B - len(id_rows)
     tables = _tables(name, [list(n) for n in names_per_row] + [list(SOKOBAN)] * pad)
     ids, active = _pad(id_rows)
-    result = _parse(tables, ids, active, K, jnp.asarray(list(think_per_row) + [True] * pad))
+    result = _parse(tables, ids, active, K, jnp.asarray(list(think_per_row) + [True] * pad), answer_width)
     return jax.tree.map(lambda a: a[: len(id_rows)], jax.device_get(result))
 
 
 def _assert_agrees(name, id_rows, names_per_row, think_per_row):
-    """The byte machine gives the oracle's ids, counts, match and penalty on every row."""
-    result = _run(name, id_rows, names_per_row, think_per_row)
+    """The byte machine gives the oracle's ids, counts, match and penalty on every row, and the
+    text of each kept piece (its first ``TEXT_WIDTH`` bytes) where the reply is valid UTF-8."""
+    result = _run(name, id_rows, names_per_row, think_per_row, TEXT_WIDTH)
     tokenizer = _tokenizer(name)
     for i, row in enumerate(id_rows):
         text = parsing.decode_response(tokenizer, row)
@@ -71,12 +73,17 @@ def _assert_agrees(name, id_rows, names_per_row, think_per_row):
             tuple(result.action_ids[i, : result.n_kept[i]].tolist()),
             tuple(result.valid_action_ids[i, : result.n_valid[i]].tolist()),
             int(result.n_valid[i]),
-            bool(result.format_penalty[i]),
+            bool(result.format_error[i]),
         )
-        want = (ref.matched, ref.action_ids, ref.valid_action_ids, ref.n_valid, ref.format_penalty)
+        want = (ref.matched, ref.action_ids, ref.valid_action_ids, ref.n_valid, ref.format_error)
         assert got == want, f"row {i}: {text!r} (think={think_per_row[i]}): got {got}, want {want}"
         assert (result.action_ids[i, result.n_kept[i] :] == -1).all()
         assert (result.valid_action_ids[i, result.n_valid[i] :] == -1).all()
+        if "\ufffd" not in text:  # raw bytes of broken UTF-8 have no exact text to compare with
+            pieces = [a.encode() for a in ref.actions] + [b""] * (K - len(ref.actions))
+            got_text = [bytes(result.answers.bytes[i, k, : result.answers.lengths[i, k]]) for k in range(K)]
+            assert got_text == [p[:TEXT_WIDTH] for p in pieces], f"row {i}: {text!r}"
+            assert not result.answers.bytes[i][np.arange(TEXT_WIDTH)[None] >= result.answers.lengths[i][:, None]].any()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,13 +95,13 @@ def test_oracle_well_formed_reply():
     r = parsing.parse_response_text(" go up</think> \n<answer> Up || LEFT ||foo</answer>tail", SOKOBAN, 5)
     assert r.matched and r.think == "go up" and r.answer == "Up || LEFT ||foo"
     assert r.actions == ("Up", "LEFT", "foo") and r.action_ids == (0, 2, -1)
-    assert r.valid_action_ids == (0, 2) and r.n_valid == 2 and r.format_penalty
+    assert r.valid_action_ids == (0, 2) and r.n_valid == 2 and r.format_error
     assert r.llm_response == "<think>go up</think><answer>Up || LEFT ||foo</answer>"
 
 
 def test_oracle_truncates_and_rebuilds_the_answer():
     r = parsing.parse_response_text("</think><answer>up||down|| left ||right</answer>", SOKOBAN, 2)
-    assert r.actions == ("up", "down") and r.action_ids == (0, 1) and not r.format_penalty
+    assert r.actions == ("up", "down") and r.action_ids == (0, 1) and not r.format_error
     assert r.llm_response == "<think></think><answer>up || down</answer>"
 
 
@@ -106,7 +113,7 @@ def test_oracle_lazy_think_and_failed_tags():
     assert not parsing.parse_response_text("a</think> <ans<answer>x</answer>", SOKOBAN, 5).matched
     # no </answer> after the only </think>…<answer>: no match, the raw text is kept
     r = parsing.parse_response_text("t</think><answer>Up", SOKOBAN, 5)
-    assert not r.matched and r.format_penalty and r.llm_response == "<think>t</think><answer>Up"
+    assert not r.matched and r.format_error and r.llm_response == "<think>t</think><answer>Up"
     r = parsing.parse_response_text(" Up</answer>", SOKOBAN, 5, enable_think=False)
     assert r.matched and r.action_ids == (0,) and r.llm_response == "<answer>Up</answer>"
 
@@ -118,7 +125,7 @@ def test_oracle_removes_tags_stage_by_stage():
     assert r.actions == ("Up", "Down") and r.action_ids == (0, 1)
     # a tag that forms only after a *later* stage is kept: "<think>" stays, the piece is unknown
     r = parsing.parse_response_text("</think><answer><thi</think>nk>Up</answer>", SOKOBAN, 5)
-    assert r.actions == ("<think>Up",) and r.format_penalty
+    assert r.actions == ("<think>Up",) and r.format_error
 
 
 def test_action_names_are_checked_and_padded():
@@ -204,6 +211,7 @@ TARGETED = [
     ("</think><answer>U<thi</think>nk>p || L<|im_<answer>end|>eft</answer>", True),  # stage order
     ("</think><answer>U</<answer>think>p||<<|im_end|>/answer>Up</answer>", True),
     ("</think><answer>Up</answer", True),  # never closed
+    ("</think><answer> (2 +\u00a03) | 4 <|im_end|>*\u30005 \u3000||  9/3\u2003</answer>", True),  # answer text
     ("Up</answer>", False),
     (" right || <|im_start|>up</answer>", False),
     ("<think>Up</think></answer>", False),
@@ -232,7 +240,7 @@ def test_tags_split_at_every_byte(qwen_tokenizer):
         batch = rows[start : start + B]
         result = _run("qwen", batch, [SOKOBAN] * len(batch), [True] * len(batch))
         assert result.matched.all() and (result.action_ids[:, :2] == [0, 2]).all()
-        assert not result.format_penalty.any()
+        assert not result.format_error.any()
 
 
 def test_one_token_at_a_time_matches_scan(qwen_tokenizer):
@@ -284,7 +292,7 @@ def test_bandit_names_per_row(smollm2_tokenizer):
     ids, active = _pad([smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts])
     result = jax.device_get(_parse(tables, ids, active, K, jnp.ones(B, bool)))
     assert result.action_ids[:5, :2].tolist() == [[1, -1], [0, -1], [1, -1], [1, -1], [1, -1]]
-    assert result.format_penalty[:5].tolist() == [False, False, False, False, True]  # "dragon" isn't an arm
+    assert result.format_error[:5].tolist() == [False, False, False, False, True]  # "dragon" isn't an arm
 
 
 # ------------------------------------------------------------------------------------------------

@@ -170,8 +170,8 @@ def test_reward_keys_match_the_env_turn():
     _, turn = execute_turn(
         env, env.reset_from_seed(10001), actions, 3, 10, True, jnp.asarray(values, jnp.float32)
     )
-    assert int(turn.reward_key) == P.reward_sequence_key([0, 0, 3], len(values))
-    assert P.reward_sequence_of_key(int(turn.reward_key), values, 5) == [-0.1, -0.1, 10.9]
+    assert int(turn.reward_index) == P.reward_sequence_key([0, 0, 3], len(values))
+    assert P.reward_sequence_of_key(int(turn.reward_index), values, 5) == [-0.1, -0.1, 10.9]
 
 
 # ---- tokens -------------------------------------------------------------------------------------

@@ -233,8 +233,8 @@ def test_distinct_ngrams():
 
 def test_max_levels_keeps_the_first_levels_of_each_env(tmp_path):
     turn = {"observation": "State:\nP_G\nYou have 3 actions left.", "think": "go right", "answer": "Right",
-            "actions": ["Right"], "reward": 1.0, "format_penalty": False, "response": "go right</think>"}
-    records = [{"tag": tag, "group": g, "seed": 123 + g, "success": True, "env_reward": 1.0, "format_penalty": 0.0,
+            "actions": ["Right"], "reward": 1.0, "format_error": False, "response": "go right</think>"}
+    records = [{"tag": tag, "group": g, "seed": 123 + g, "success": True, "env_reward": 1.0, "format_penalty_sum": 0.0,
                 "num_actions": 1, "turns": [turn]} for g, tag in enumerate(["FrozenLake"] * 3 + ["Bandit"])]
     (tmp_path / "val").mkdir()
     (tmp_path / "val" / "step_5.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

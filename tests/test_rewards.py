@@ -98,7 +98,7 @@ def test_turn_scores_land_on_each_turn_end():
     expected[0, 5], expected[1, 1] = 1.0, 0.5  # the invalid turn's 7.0 goes nowhere
     np.testing.assert_array_equal(got, expected)
     penalised = rewards.turn_scores_to_token_rewards(
-        turn_reward, turn_end, turn_valid, seq_len=7, format_penalty=jnp.array([-0.2, -0.1])
+        turn_reward, turn_end, turn_valid, seq_len=7, format_penalty_sum=jnp.array([-0.2, -0.1])
     )
     expected[0, 5], expected[1, 1] = 0.8, 0.4
     np.testing.assert_allclose(penalised, expected, rtol=1e-6)

@@ -17,6 +17,7 @@ import pytest
 
 import envs_jax
 from starpo_jax import prompts
+from starpo_jax import rollout as R_
 from starpo_jax.parsing import parse_response_text
 from starpo_jax.rollout import (
     RolloutPlan,
@@ -71,7 +72,8 @@ MAX_TURN = 3
 
 
 @pytest.fixture(scope="module")
-def setup(smollm2_tokenizer):
+def scripted(smollm2_tokenizer):
+    """The plan, tables and scripted responder of the Sokoban rows of ``SCRIPTS``."""
     tok = smollm2_tokenizer
     env = envs_jax.make("SimpleSokoban")
     plan = RolloutPlan(
@@ -93,10 +95,16 @@ def setup(smollm2_tokenizer):
             ids = ids[:R]
             script[b, t, : len(ids)] = ids
             lengths[b, t] = len(ids)
-    rollout = make_rollout(plan, ScriptedResponder(script, lengths))
+    return tok, env, plan, tables, ScriptedResponder(script, lengths)
+
+
+@pytest.fixture(scope="module")
+def setup(scripted):
+    tok, env, plan, tables, responder = scripted
+    rollout = make_rollout(plan, responder)
     init = initial_states_from_seeds(plan, 10001)
     traj = jax.device_get(rollout(None, tables, init, jax.random.PRNGKey(0), 1.0))
-    return tok, env, plan, script, lengths, traj
+    return tok, env, plan, responder.script, responder.lengths, traj
 
 
 def reference_episode(tok, env, seed, responses, plan):
@@ -118,7 +126,7 @@ def reference_episode(tok, env, seed, responses, plan):
                 done, success = True, bool(ts.extras["success"])
                 break
         out["num_actions"] += len(step_rewards)
-        out["penalties"] += int(parsed.format_penalty)
+        out["penalties"] += int(parsed.format_error)
         out["turn_rewards"].append(prompts.turn_reward(step_rewards))
         history[-1].update(llm_response=text, reward=prompts.turn_reward(step_rewards))
         history.append({"state": env.render_text(state), "actions_left": budget - out["num_actions"]})
@@ -148,7 +156,7 @@ def test_rollout_matches_reference_loop(setup, b):
     np.testing.assert_allclose(traj.turn_reward[b, : ref["turns"]], ref["turn_rewards"], atol=1e-5)
     assert int(traj.num_actions[b]) == ref["num_actions"]
     assert bool(traj.success[b]) == ref["success"]
-    assert traj.format_penalty[b] == pytest.approx(-0.1 * ref["penalties"])
+    assert traj.format_penalty_sum[b] == pytest.approx(-0.1 * ref["penalties"])
     # the token sequence is the chat-templated conversation: prompts re-encoded by the tokenizer
     # equal the in-graph ones, and each response is exactly the scripted ids
     prefix = prompts.env_instruction(env, 10)
@@ -187,6 +195,91 @@ def test_paths_are_the_intended_ones(setup):
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     assert int(traj.tokens[4, end]) == stop and not traj.loss_mask[4, end]
     assert traj.turn_penalised[4, 0]
+
+
+# ---- each step of a turn alone ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def first_turn(scripted):
+    """The first turn's steps run one by one on the scripted rows (eagerly, no jit)."""
+    tok, env, plan, tables, responder = scripted
+    init = initial_states_from_seeds(plan, 10001)
+    carry = R_.initial_carry(plan, responder, None, tables, init)
+    active, exhausted = R_.turn_rows(plan, carry)
+    out, n_new, n_out = R_.generate(responder, None, carry, active, jax.random.PRNGKey(0), 1.0, 0)
+    return dict(tok=tok, env=env, plan=plan, tables=tables, responder=responder, init=init, carry=carry,
+                active=active, out=out, n_new=n_new, n_out=n_out)
+
+
+def test_first_prompts_hold_the_instruction_and_each_level(first_turn):
+    t = first_turn
+    ids, lengths = R_.first_prompts(t["plan"], t["tables"], t["init"])
+    for b in range(ids.shape[0]):
+        text = t["tok"].decode(np.asarray(ids[b, : int(lengths[b])]))
+        level = t["env"].render_text(jax.tree.map(lambda x: x[b], t["init"][0]))
+        assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n<think>")
+        assert prompts.env_instruction(t["env"], 10) in text and level in text
+
+
+def test_turn_rows_stop_rows_whose_next_turn_cannot_fit(first_turn):
+    t = first_turn
+    plan, carry = t["plan"], t["carry"]
+    assert np.asarray(t["active"]).all()
+    # row 0 done, row 1 one token short of room for its prompt plus a whole response
+    room = plan.max_len - int(carry.prompt_len[1]) - plan.response_length
+    carry = carry.replace(done=carry.done.at[0].set(True), length=carry.length.at[1].set(room + 1))
+    active, exhausted = R_.turn_rows(plan, carry)
+    assert np.asarray(active).tolist() == [False, False, True, True, True]
+    assert np.asarray(exhausted).tolist() == [False, True, False, False, False]
+    _, _, n_out = R_.generate(t["responder"], None, carry, active, jax.random.PRNGKey(0), 1.0, 0)
+    assert np.asarray(n_out)[:2].tolist() == [0, 0]
+
+
+def test_write_turn_appends_the_prompt_then_the_trained_response(first_turn):
+    t = first_turn
+    carry, out, n_new, n_out = t["carry"], t["out"], t["n_new"], t["n_out"]
+    tokens, loss_mask, logprobs, start, end = R_.write_turn(carry, out, n_new, n_out)
+    for b in range(tokens.shape[0]):
+        p, n = int(n_new[b]), int(n_out[b])
+        assert int(start[b]) == p and int(end[b]) == p + n
+        assert np.asarray(tokens[b, :p]).tolist() == np.asarray(carry.prompt_ids[b, :p]).tolist()
+        assert np.asarray(tokens[b, p : p + n]).tolist() == t["responder"].script[b, 0, :n].tolist()
+        assert np.asarray(loss_mask[b]).nonzero()[0].tolist() == list(range(p, p + n))
+        assert (np.asarray(logprobs[b, p : p + n]) == -1.0).all() and (np.asarray(logprobs[b, :p]) == 0).all()
+
+
+def test_parse_turn_equals_the_text_parser(first_turn):
+    t = first_turn
+    parsed, ended_with_stop = R_.parse_turn(t["plan"], t["tables"], t["carry"].env_states, t["out"].tokens, t["n_out"])
+    for b in range(len(SCRIPTS)):
+        n = int(t["n_out"][b])
+        text = t["tok"].decode(t["responder"].script[b, 0, :n], skip_special_tokens=True)
+        ref = parse_response_text(text, t["env"].action_names, t["plan"].max_actions_per_turn)
+        assert tuple(np.asarray(parsed.valid_action_ids[b, : int(parsed.n_valid[b])]).tolist()) == ref.valid_action_ids
+        assert bool(parsed.format_error[b]) == ref.format_error
+    # every response ends with the end-of-turn token except row 4's, cut by the token budget
+    assert np.asarray(ended_with_stop).tolist() == [True, True, True, True, False]
+
+
+def test_step_envs_then_next_prompts_show_the_new_state(first_turn):
+    t = first_turn
+    env, plan, tables = t["env"], t["plan"], t["tables"]
+    init = t["init"][0]
+    parsed, ended = R_.parse_turn(plan, tables, t["carry"].env_states, t["out"].tokens, t["n_out"])
+    left = jnp.full((len(SCRIPTS),), 10, jnp.int32)
+    states, res = R_.step_envs(plan, tables, t["carry"].env_states, parsed, left, t["active"])
+    # row 0 pushed Right then Up from seed 10001: the env, stepped by hand, agrees
+    by_hand = jax.tree.map(lambda x: x[0], init)
+    for action in (env.action_names.index("Right"), env.action_names.index("Up")):
+        by_hand, _ = env.step(by_hand, action)
+    row0 = jax.tree.map(lambda x: x[0], states[0])
+    assert env.render_text(row0) == env.render_text(by_hand) != env.render_text(jax.tree.map(lambda x: x[0], init))
+    assert np.asarray(res.num_executed).tolist() == [2, 0, 5, 5, 0]  # row 1: no tags, no action
+    ids, lengths = R_.next_prompts(plan, tables, states, res, left - res.num_executed, ended, 0)
+    text = t["tok"].decode(np.asarray(ids[0, : int(lengths[0])]))
+    assert "Reward:\n-0.2\n" in text and "Turn 2:\nState:\n" + env.render_text(row0) in text
+    assert "You have 8 actions left." in text
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +326,74 @@ def test_kv_cache_continuation_equals_a_fresh_forward(smollm2_rollout):
     )
     mask = traj.loss_mask
     np.testing.assert_allclose(np.asarray(logp)[mask], traj.sampler_logprobs[mask], atol=2e-3)
+
+
+# ---- language actions: Countdown ------------------------------------------------------------------
+
+
+def _solution(nums, target):
+    """An expression using each number once that equals the target (procedural tasks are +- solvable)."""
+    import itertools
+
+    for signs in itertools.product("+-", repeat=len(nums) - 1):
+        expr = str(nums[0]) + "".join(f" {s} {n}" for s, n in zip(signs, nums[1:]))
+        if eval(expr) == target:
+            return expr
+    for signs in itertools.product("+-", repeat=len(nums)):  # a negative first number
+        expr = "".join(f" {s} {n}" for s, n in zip(signs, nums)).strip()
+        if eval(expr) == target:
+            return expr
+    raise AssertionError(f"no +- solution for {nums} -> {target}")
+
+
+def test_countdown_answers_are_scored_in_the_graph_as_ragen_does(smollm2_tokenizer):
+    """A batch of Sokoban and Countdown rows: a Countdown row answering a correct expression earns
+    1.0, one with the wrong numbers 0, as RAGEN's plain-Python scorer says on the parsed answer."""
+    from envs_jax.countdown_score import ragen_score
+
+    tok = smollm2_tokenizer
+    countdown = envs_jax.make("Countdown")
+    tags = (TagPlan("SimpleSokoban", envs_jax.make("SimpleSokoban"), 1, 10), TagPlan("Countdown", countdown, 5, 1))
+    plan = RolloutPlan(tags=tags, group_size=1, max_turn=1, max_actions_per_turn=2, response_length=R, max_len=2048)
+    tables = build_tables(tok, plan)
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
+    init = initial_states_from_seeds(plan, 10001)  # Sokoban 10001, Countdown 10002..10006
+    tasks = [(np.asarray(init[1].nums[g, : int(init[1].num_count[g])]).tolist(), int(init[1].target[g])) for g in range(5)]
+    right = [_solution(*task) for task in tasks]
+    texts = [
+        "go</think><answer>Right || Up</answer>",
+        f"ok</think><answer> {right[0]} </answer>",  # correct
+        "ok</think><answer>1 + 1</answer>",  # wrong numbers
+        f"ok</think><answer>1 + 1 || {right[2]}</answer>",  # the budget is one answer: the first
+        f"ok</think><answer>({right[3]}) * 2</answer>",  # a number too many
+        f"I think {right[4]}",  # no answer tags: a format error, nothing scored
+    ]
+    stop = tables.tags[0].prompts.stop_token_id
+    script = np.zeros((len(texts), 1, R), np.int32)
+    lengths = np.zeros((len(texts), 1), np.int32)
+    for b, text in enumerate(texts):
+        ids = tok.encode(text, add_special_tokens=False) + [stop]
+        script[b, 0, : len(ids)], lengths[b, 0] = ids, len(ids)
+    traj = jax.device_get(make_rollout(plan, ScriptedResponder(script, lengths))(None, tables, init, jax.random.PRNGKey(0), 1.0))
+
+    np.testing.assert_allclose(traj.turn_reward[0, 0], -0.2, atol=1e-6)  # Sokoban, two moves
+    assert traj.turn_reward[1:, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert traj.success.tolist() == [False, True, False, False, False, False]
+    assert traj.num_actions.tolist() == [2, 1, 1, 1, 1, 0]
+    assert traj.turn_penalised[:, 0].tolist() == [False] * 5 + [True]
+    for g, (nums, target) in enumerate(tasks):
+        b = g + 1
+        text = tok.decode(traj.tokens[b, traj.turn_start[b, 0] : traj.turn_end[b, 0]], skip_special_tokens=True)
+        parsed = parse_response_text(text, None, plan.max_actions_per_turn)
+        want = ragen_score(parsed.actions[0], nums, target) if parsed.actions else 0.0
+        assert float(traj.turn_reward[b, 0]) == pytest.approx(want), (text, nums, target)
+        assert bool(traj.turn_penalised[b, 0]) == parsed.format_error
+    # the dumps show each answer string (the action a language-action env took)
+    from starpo_jax.dumps import trajectory_records
+
+    records = trajectory_records(traj, plan, tok, first_seed=10001)
+    assert [r["turns"][0]["actions"] for r in records] == [
+        ["Right", "Up"], [right[0]], ["1 + 1"], ["1 + 1", right[2]], [f"({right[3]}) * 2"], []
+    ]
+    assert records[1]["turns"][0]["answer"] == right[0] and records[1]["success"]
+    assert records[5]["turns"][0]["format_error"] and records[5]["format_penalty_sum"] == pytest.approx(-0.1)

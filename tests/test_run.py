@@ -87,7 +87,7 @@ def test_outputs(full_run):
     mean = lambda field: sum(d[field] for d in dump) / len(dump)  # noqa: E731
     assert val[1]["val-env/FrozenLake/success"] == mean("success")  # exact: 0, 1/2 or 1
     assert val[1]["val-env/FrozenLake/num_actions"] == mean("num_actions")  # exact: a whole count over 2
-    assert val[1]["val-env/reward/mean"] == pytest.approx(mean("env_reward") + mean("format_penalty"), abs=1e-6)
+    assert val[1]["val-env/reward/mean"] == pytest.approx(mean("env_reward") + mean("format_penalty_sum"), abs=1e-6)
     assert "train/Bandit/pass@2" in tensorboard_scalars(full_run)  # verbatim, as in metrics.jsonl
     assert (full_run / "hf_policy" / "config.json").exists() and (full_run / "hf_policy" / "model.safetensors").exists()
 

@@ -66,7 +66,7 @@ def rollout_batch(env_reward=REWARD, seed=0) -> Trajectories:
         turn_reward=jnp.asarray(env_reward)[:, None],
         turn_penalised=zeros(bool, 1),
         env_reward=jnp.asarray(env_reward),
-        format_penalty=jnp.asarray(np.where(np.arange(B) % 5 == 0, -0.1, 0.0), jnp.float32),
+        format_penalty_sum=jnp.asarray(np.where(np.arange(B) % 5 == 0, -0.1, 0.0), jnp.float32),
         success=zeros(bool),
         num_actions=zeros(jnp.int32),
         num_turns=jnp.ones(B, jnp.int32),
@@ -141,7 +141,7 @@ def test_scores_are_normalised_over_the_whole_rollout_then_filtered(model):
         model, adv_estimator="gae", reward_grouping="batch", kept_groups=1, ppo_mini_batch_size=N, micro_batch_size=N
     )
     batch, _ = prepare(state, traj, HYPER.replace(filter_ratio=jnp.float32(0.25)))
-    whole = rewards.trajectory_score(traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id, "batch", "mean_std")
+    whole = rewards.trajectory_score(traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id, "batch", "mean_std")
     mask = np.asarray(batch.mask, bool)
     expected = np.broadcast_to(np.asarray(whole[:N])[:, None], mask.shape)  # group 0 is the one kept
     np.testing.assert_allclose(np.asarray(batch.returns)[mask], expected[mask], rtol=1e-5, atol=1e-6)
@@ -159,7 +159,7 @@ def test_grpo_with_kl_in_reward_changes_the_advantages_by_the_kl(model):
     with_kl, metrics = prepare(state, traj, HYPER.replace(kl_in_reward_coef=jnp.float32(beta)))
     mask = with_kl.mask
     kl = jnp.sum(jnp.where(mask > 0, with_kl.old_logp - with_kl.ref_logp, 0.0), axis=1)
-    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id, "state", "mean_std")
+    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id, "state", "mean_std")
     expected, _ = advantages.grpo_outcome(score - beta * kl, traj.group_id, mask)
     np.testing.assert_allclose(with_kl.advantages, expected, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(with_kl.advantages - without.advantages).max()) > 1e-2
@@ -236,7 +236,7 @@ def settings_for(**overrides) -> TrainSettings:
 def kept_batch(**overrides):
     """(settings, kept trajectories, score, valid, mask) of the whole rollout batch (ratio 1)."""
     settings, traj = settings_for(**overrides), rollout_batch()
-    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty, traj.group_id, traj.tag_id, "state", "mean_std")
+    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id, "state", "mean_std")
     kept, score, valid, _ = filter_groups(settings, N, traj, score, jnp.float32(1.0))
     return settings, kept, score, valid, (kept.loss_mask & valid[:, None]).astype(jnp.float32)
 

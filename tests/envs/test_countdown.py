@@ -120,12 +120,78 @@ def test_prompt_tokens_equal_tokenized_chat(which, request, env, states):
         assert np.asarray(ids[b, : lengths[b]]).tolist() == tokenizer(text)["input_ids"], b
 
 
-def test_the_rollout_refuses_language_actions_clearly(env):
-    with pytest.raises(EnvContractError, match="language action"):
-        check_env(env, "Countdown")
+def test_contract_accepts_language_actions_and_names_a_bad_declaration(env):
+    check_env(env, "Countdown")
     from configs import base
-    from starpo_jax.experiment import ConfigError, rollout_plan
+    from starpo_jax.experiment import rollout_plan
 
     config = base.with_overrides(base.get_config(), {"envs.train.tags": ("Countdown",)})
-    with pytest.raises(ConfigError, match="envs.train.tags: Env 'Countdown' takes its answer as text"):
-        rollout_plan(config, "train")
+    assert rollout_plan(config, "train").answer_width == env.answer_width == 64
+
+    class Named(Countdown):
+        action_names = ("add", "sub")
+
+    with pytest.raises(EnvContractError, match="language-action env declares answer_width > 0 .* and no action names"):
+        check_env(Named(), "Named")
+
+
+TINY_RUN = [
+    "--config=configs/countdown.py",
+    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
+    "--config.model.random_init_preset=tiny-llama",
+    "--config.model.dtype=float32",
+    "--config.envs.train.n_groups=(2,)",
+    "--config.envs.train.group_size=2",
+    "--config.envs.val.n_groups=(2,)",
+    "--config.rollout.response_length=6",
+    "--config.rollout.max_model_len=512",
+    "--config.filter.ratio=0.5",
+    "--config.actor.ppo_mini_batch_size=2",
+    "--config.actor.micro_batch_size=2",
+    "--config.trainer.total_steps=1",
+    "--config.trainer.test_freq=1",
+    "--config.trainer.save_freq=-1",
+    "--config.trainer.log_trajectories=1",
+    "--config.trainer.export_hf=False",
+]
+
+
+def test_a_training_step_on_countdown_through_the_run_entry_point(tmp_path):
+    """``python -m experiments.run --config configs/countdown.py`` trains a tiny random model for a
+    step and validates it: Countdown's metrics and dumped trajectories (its task as the observation)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", *TINY_RUN, f"--config.trainer.output_dir={tmp_path}"],
+                          cwd=repo, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/Countdown/success" in r]
+    assert [r["step"] for r in train] == [1] and np.isfinite(train[0]["actor/grad_norm"])
+    assert [r["step"] for r in rows if "val-env/Countdown/success" in r] == [0, 1]
+    dump = [json.loads(line) for line in (tmp_path / "val" / "step_1.jsonl").read_text().splitlines()]
+    assert len(dump) == 2 and all(len(d["turns"]) == 1 for d in dump)
+    assert "Target: " in dump[0]["turns"][0]["observation"] and ", nums: [" in dump[0]["turns"][0]["observation"]
+
+
+def test_evaluate_the_bundled_model_on_countdown(tmp_path):
+    """``experiments.evaluate --suite countdown`` like the other suites: RAGEN's fixed tasks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "eval.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", "--model", "smollm2-135m-instruct", "--suite", "countdown",
+         "--levels", "2", "--batch", "2", "--max-turn", "1", "--response-length", "16", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["Countdown"] and results["Countdown"]["levels"] == 2
+    assert "Countdown" in proc.stdout and "success %" in proc.stdout
