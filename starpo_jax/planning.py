@@ -41,12 +41,12 @@ def model_config_and_tokenizer(config):
     from pathlib import Path
 
     from starpo_jax import bundled
-    from starpo_jax.experiment import _tokenizer_only
+    from starpo_jax.experiment import _tokenizer_only, model_compute
     from starpo_jax.models.config import PRESETS, ModelConfig, preset
     from starpo_jax.models.loading import load_tokenizer
 
     source = str(config.model.source)
-    dtypes = {"dtype": config.model.dtype, "param_dtype": "float32"}
+    dtypes = model_compute(config)
     if config.model.random_init_preset:
         tokenizer = _tokenizer_only(source)
         return preset(config.model.random_init_preset, vocab_size=len(tokenizer), **dtypes), tokenizer
