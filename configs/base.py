@@ -55,6 +55,9 @@ def get_config() -> ConfigDict:
             # Random weights of a named preset instead of a checkpoint (tests, benchmarks).
             random_init_preset="",
             dtype="bfloat16",  # compute dtype; master weights stay float32
+            # The update's backward pass recomputes each layer ("layer"), or keeps all ("none"),
+            # or keeps the projections too ("dots"): docs/scaling.md.
+            remat="layer",
             # A Jinja chat template replacing the tokenizer's ("" keeps it); the rollout needs one
             # that renders past messages verbatim (ChatML: Qwen2.5, SmolLM2).
             chat_template="",

@@ -59,6 +59,9 @@ def main(argv) -> int:
     print(f"compiling the rollout and the update for {FLAGS.devices} device(s)...", file=sys.stderr, flush=True)
     plan = plan_memory(exp)
     print(plan.report(budget), flush=True)
+    if exp.model.merge().config.dtype == "bfloat16":
+        print("note: XLA:CPU widens bf16 matrix products and all-gathers to float32, so these working-memory "
+              "figures overstate a GPU's (docs/scaling.md).", file=sys.stderr)
     return 0 if plan.peak <= budget else 1
 
 

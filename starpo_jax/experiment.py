@@ -50,23 +50,32 @@ def device_mesh(config: ConfigDict, **batch_sizes: int):
     return mesh
 
 
+def model_compute(config: ConfigDict) -> dict[str, str]:
+    """The ``ModelConfig`` fields a config sets on top of the checkpoint's: compute dtype, float32
+    master weights, rematerialisation (``model.remat``)."""
+    from starpo_jax.models.config import REMAT_MODES
+
+    dtype, remat = config.model.dtype, config.model.remat
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', not {dtype!r}.")
+    if remat not in REMAT_MODES:
+        raise ConfigError(f"model.remat must be one of {', '.join(map(repr, REMAT_MODES))}, not {remat!r}.")
+    return {"dtype": dtype, "param_dtype": "float32", "remat": remat}
+
+
 def load_policy(config: ConfigDict):
     """(ModelState, tokenizer) from ``config.model``."""
     from starpo_jax.models.config import preset
     from starpo_jax.models.loading import load_model
 
-    dtype = config.model.dtype
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', not {dtype!r}.")
+    compute = model_compute(config)
     if config.model.random_init_preset:
         # Random weights of a preset (tests and benchmarks); the tokenizer still comes from `source`.
         tokenizer = _tokenizer_only(config.model.source)
-        cfg = dataclasses.replace(
-            preset(config.model.random_init_preset), vocab_size=len(tokenizer), dtype=dtype, param_dtype="float32"
-        )
+        cfg = dataclasses.replace(preset(config.model.random_init_preset), vocab_size=len(tokenizer), **compute)
         model = Decoder(cfg, rngs=nnx.Rngs(config.trainer.seed))
     else:
-        model, tokenizer = load_model(config.model.source, dtype=dtype, param_dtype="float32")
+        model, tokenizer = load_model(config.model.source, **compute)
     return ModelState.split(model), tokenizer
 
 

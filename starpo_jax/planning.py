@@ -41,12 +41,12 @@ def model_config_and_tokenizer(config):
     from pathlib import Path
 
     from starpo_jax import bundled
-    from starpo_jax.experiment import _tokenizer_only
+    from starpo_jax.experiment import _tokenizer_only, model_compute
     from starpo_jax.models.config import PRESETS, ModelConfig, preset
     from starpo_jax.models.loading import load_tokenizer
 
     source = str(config.model.source)
-    dtypes = {"dtype": config.model.dtype, "param_dtype": "float32"}
+    dtypes = model_compute(config)
     if config.model.random_init_preset:
         tokenizer = _tokenizer_only(source)
         return preset(config.model.random_init_preset, vocab_size=len(tokenizer), **dtypes), tokenizer
@@ -90,6 +90,7 @@ class MemoryPlan:
     update_temp: int  # the update program's working memory: gathered weights, activations, gradients
     update_peak: int  # inputs + outputs + working memory of the update program (donated state reused)
     micro_rows: int = 1  # rows per device in one gradient pass (actor.micro_batch_size / (data × fsdp))
+    remat: str = "layer"  # model.remat: what the update's backward pass keeps of each layer
 
     @property
     def peak(self) -> int:
@@ -113,6 +114,15 @@ class MemoryPlan:
             lines.append(advice)
         return "\n".join(lines)
 
+    def _update_knob(self) -> str:
+        if self.remat != "layer":
+            return (f"set model.remat=layer (now {self.remat!r}: the backward pass keeps more of every layer "
+                    "than its input, e.g. its attention scores, which grow with the square of the length)")
+        if self.micro_rows > 1:
+            return f"lower actor.micro_batch_size ({self.micro_rows} rows per device per gradient pass)"
+        return ("lower rollout.max_model_len (a layer's attention scores grow with its square; gradient passes "
+                "already take one row per device and recompute each layer)")
+
     def advice(self, budget: int) -> str | None:
         """Which knob to turn when the peak is over ``budget`` (None when it fits)."""
         if self.peak <= budget:
@@ -123,11 +133,7 @@ class MemoryPlan:
             "the rollout's working memory": (self.rollout_temp, "lower the rows per device (envs.train.n_groups × "
                                              "group_size over mesh.data × mesh.fsdp; more devices split them) or "
                                              "rollout.max_model_len"),
-            "the update's working memory": (self.update_temp, (
-                f"lower actor.micro_batch_size ({self.micro_rows} rows per device per gradient pass)"
-                if self.micro_rows > 1 else
-                "lower rollout.max_model_len (the saved attention scores grow with its square; gradient "
-                "passes already take one row per device)")),
+            "the update's working memory": (self.update_temp, self._update_knob()),
         }
         name, (_, knob) = max(parts.items(), key=lambda item: item[1][0])
         return f"  over budget by {gib(self.peak - budget)}; the largest part is {name}: {knob}."
@@ -206,6 +212,7 @@ def plan_memory(exp) -> MemoryPlan:
         update_temp=update.temp_size_in_bytes,
         update_peak=_peak(update),
         micro_rows=exp.settings.micro_batch_size // sharding.rows_per_mesh(exp.mesh),
+        remat=exp.model.merge().config.remat,
     )
 
 

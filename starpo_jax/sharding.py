@@ -126,7 +126,11 @@ def shard(tree, mesh: Mesh):
 def for_decoding(params):
     """Inside a jitted function on a mesh: the policy's weights gathered over ``fsdp`` (still split
     over ``model``), the layout decoding is fastest in. One constraint at the phase boundary, so the
-    gather happens once per iteration, not once per decoded token. Without a mesh, ``params``."""
+    gather happens once per iteration, not once per decoded token. Without a mesh, ``params``.
+
+    Each weight is first pinned to its stored (``fsdp``-split) layout: given only the gathered
+    layout, XLA's SPMD partitioner gathers the operand of the cast that made ``params`` (float32
+    master weights), then casts: twice the bytes moved and a float32 copy of the whole policy."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "fsdp" not in mesh.axis_names or mesh.shape["fsdp"] == 1:
         return params
@@ -135,7 +139,8 @@ def for_decoding(params):
         names = _names(x)
         if not names:
             return x
-        return x.replace(jax.lax.with_sharding_constraint(x[...], _spec(names, x.shape, mesh, "policy", DECODE_RULES)))
+        stored = jax.lax.with_sharding_constraint(x[...], _spec(names, x.shape, mesh, "policy"))
+        return x.replace(jax.lax.with_sharding_constraint(stored, _spec(names, x.shape, mesh, "policy", DECODE_RULES)))
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

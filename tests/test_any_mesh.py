@@ -41,6 +41,14 @@ def test_fsdp_checkpoint_resumes_data_parallel(fsdp_run, tmp_path):
     _resume_from_step_1(fsdp_run, tmp_path / "data", "--config.mesh.data=-1", "--config.mesh.fsdp=1", devices=2)
 
 
+@pytest.mark.slow  # another 2-device run (~1-2 min); the tensor-parallel layout splits what FSDP keeps whole
+def test_fsdp_checkpoint_resumes_tensor_parallel(fsdp_run, tmp_path):
+    """Heads, MLP features and the vocabulary split over ``model``, the embedding dimension whole:
+    every weight's slices are read into a layout other than the one that wrote them."""
+    _resume_from_step_1(fsdp_run, tmp_path / "model", "--config.mesh.data=1", "--config.mesh.fsdp=1",
+                        "--config.mesh.model=-1", devices=2)
+
+
 def test_distributed_config_errors(tmp_path):
     proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.distributed.coordinator_address=localhost:1234",
                check=False)

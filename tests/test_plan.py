@@ -10,6 +10,7 @@ import pytest
 
 from configs import base
 from starpo_jax import planning as planner
+from starpo_jax.experiment import build_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,6 @@ def test_planner_figures_are_those_of_the_programs_that_run():
     """Plan with abstract weights, then build the real run (weights allocated), compile and run its
     rollout and update: the same bytes, since the same programs are compiled for the same shapes."""
     from starpo_jax import sharding
-    from starpo_jax.experiment import build_experiment
     from starpo_jax.train import init_train_state, make_train_step
 
     config = base.with_overrides(base.get_config(), TINY)
@@ -68,6 +68,21 @@ def test_planner_figures_are_those_of_the_programs_that_run():
     assert update.alias_size_in_bytes >= state_bytes - 64
 
 
+@pytest.mark.slow  # two planner compiles, ~1 min on 2 loaded cores; tests/models/test_remat.py checks the same on the decoder's gradient
+def test_remat_lowers_the_updates_working_memory():
+    """The real update of the tiny run (3 layers, 2 rows of 320 tokens per gradient pass): without
+    remat its backward pass keeps every layer's float32 attention probabilities [rows, heads, T, T];
+    recomputing each layer keeps one layer's at a time."""
+    configs = {remat: base.with_overrides(base.get_config(), {**TINY, "model.remat": remat}) for remat in ("none", "layer")}
+    plans = {remat: planner.plan_memory(build_experiment(config, load=planner.abstract_policy))
+             for remat, config in configs.items()}
+    c = planner.model_config_and_tokenizer(configs["none"])[0]
+    one_layer_probabilities = 2 * c.num_heads * 320 * 320 * 4
+    assert plans["none"].update_temp - plans["layer"].update_temp >= (c.num_layers - 1) * one_layer_probabilities
+    assert plans["none"].rollout_temp == plans["layer"].rollout_temp  # decoding has no backward pass
+    assert (plans["none"].remat, plans["layer"].remat) == ("none", "layer")
+
+
 def _plan(**parts):
     figures = dict(mesh={"data": 1, "fsdp": 1, "model": 1}, train_state=10, kv_cache=1, rollout_temp=2,
                    rollout_peak=13, update_temp=3, update_peak=14)
@@ -79,6 +94,8 @@ def test_advice_names_the_knob_for_the_largest_part():
     assert "mesh.fsdp" in _plan().advice(budget=12)
     assert "micro_batch_size (4 rows" in _plan(update_temp=50, update_peak=62, micro_rows=4).advice(budget=20)
     assert "max_model_len" in _plan(update_temp=50, update_peak=62, micro_rows=1).advice(budget=20)
+    for remat in ("none", "dots"):  # recomputing each layer comes before smaller passes
+        assert "model.remat=layer" in _plan(update_temp=50, update_peak=62, micro_rows=4, remat=remat).advice(20)
     assert "max_model_len" in _plan(kv_cache=40, rollout_temp=41, rollout_peak=52).advice(budget=20)
     assert "does NOT fit" in _plan().report(12)
 

@@ -101,6 +101,40 @@ def test_rules_name_every_weight_axis():
     assert decode["embed"].value == ("model", None)
 
 
+# The rollout's copy of an FSDP policy, cast then gathered over 2 devices: the compiled program's
+# gathers must move the cast dtype. float16 stands in for bfloat16, which XLA:CPU alone cannot
+# gather (its float-normalization pass widens a bfloat16 all-gather to float32 after partitioning).
+GATHER_SCRIPT = r"""
+import json, re
+import jax, jax.numpy as jnp
+from flax import nnx
+from starpo_jax import sharding
+from starpo_jax.models import Decoder, ModelState, preset
+params = ModelState.split(Decoder(preset("tiny-qwen2"), rngs=nnx.Rngs(0))).params
+mesh = sharding.make_mesh(1, 2, 1)
+with sharding.use_mesh(mesh):
+    params = sharding.shard(params, mesh)
+    gather = jax.jit(lambda p: sharding.for_decoding(jax.tree.map(lambda x: x.astype(jnp.float16), p)))
+    compiled = gather.lower(params).compile()
+    q = gather(params)["layers"]["q_proj"][...]
+hlo = compiled.as_text()
+print(json.dumps({"gathered": re.findall(r"= (\w+)\[[^=]*? all-gather\(", hlo), "q_shard": list(q.addressable_shards[0].data.shape),
+                  "q_equal": bool((q == params["layers"]["q_proj"][...].astype(jnp.float16)).all())}))
+"""
+
+
+def test_rollout_gathers_the_cast_policy():
+    """Cast, then gather (half the bytes of float32 weights moved, no float32 copy of the policy);
+    given only the gathered layout, XLA's partitioner gathers the float32 weights and casts after."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", GATHER_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["gathered"] and set(out["gathered"]) == {"f16"}, out["gathered"]
+    assert out["q_shard"][1] == 64 and out["q_equal"]  # whole over fsdp, the cast values
+
+
 class _TwoByTwoRows:
     """Stands in for a mesh with data=2, fsdp=2: ``check_batch`` reads only the axis sizes."""
 

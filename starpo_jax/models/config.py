@@ -12,6 +12,10 @@ import dataclasses
 from typing import Any
 
 _DTYPES = ("float32", "bfloat16")
+# What the backward pass keeps of each block (starpo_jax.models.decoder.REMAT_POLICIES): "none"
+# keeps every intermediate; "layer" only each block's input, recomputing the block's forward in the
+# backward pass; "dots" also the weight projections' outputs (more memory, less recompute).
+REMAT_MODES = ("none", "layer", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +34,14 @@ class ModelConfig:
     max_position_embeddings: int
     dtype: str = "float32"  # compute dtype of activations
     param_dtype: str = "float32"  # storage dtype of the weights
+    remat: str = "layer"  # rematerialisation of full-sequence passes under jax.grad (REMAT_MODES)
 
     def __post_init__(self):
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in _DTYPES:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not supported; use one of {_DTYPES}.")
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r} is not supported; use one of {REMAT_MODES}.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)."

@@ -20,6 +20,9 @@ Layout choices:
   (``slot < length``) plus the new block (causal); only the real tokens of the block are written.
   Nothing is recomputed for the prefix, which is what lets a multi-turn rollout append the next
   observation to a live cache.
+- A gradient through ``hidden_states`` recomputes each block's forward in the backward pass
+  (``ModelConfig.remat``, default "layer"): the scan then keeps one [rows, T, embed] input per layer
+  instead of every layer's intermediates, whose float32 attention scores grow with T².
 - Attention is masked dense attention with the softmax in float32. For full sequences on GPU in
   bf16/fp16 it is ``jax.nn.dot_product_attention(implementation="cudnn")`` (flash attention); the
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
@@ -285,6 +288,18 @@ def decoder_block(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: A
     return _constrain(x, ("batch", None, "embed")), (k, v)
 
 
+# What the backward pass of a full-sequence pass keeps of each block (``ModelConfig.remat``); the
+# rest is recomputed from the block's input, which the layer scan keeps anyway. Without it, the
+# scan keeps every layer's intermediates, float32 attention scores and probabilities
+# [rows, heads, T, T] included, until the backward pass reaches that layer.
+REMAT_POLICIES = {
+    "layer": jax.checkpoint_policies.nothing_saveable,  # one block's intermediates at a time
+    # The weight projections' outputs too (dots without batch dimensions; attention's products have
+    # them): recomputes attention and elementwise work only, keeps [rows, T, features] per layer.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 # ----------------------------------------------------------------------------------------------
 # The module
 # ----------------------------------------------------------------------------------------------
@@ -317,16 +332,22 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.config.dtype))
         return _constrain(x, ("batch", None, "embed"))
 
-    def _scan_blocks(self, x: Array, positions: Array, attention, per_layer=None) -> tuple[Array, tuple[Array, Array]]:
+    def _scan_blocks(self, x: Array, positions: Array, attention, per_layer=None,
+                     remat: str = "none") -> tuple[Array, tuple[Array, Array]]:
         """All blocks in one lax.scan over the stacked weights. ``attention(q, k, v, layer_input)``
         computes a block's attention, where ``layer_input`` is this layer's slice of ``per_layer``
-        (its KV cache), scanned alongside the weights. Returns final-normed x and each layer's k, v."""
+        (its KV cache), scanned alongside the weights. ``remat`` (``REMAT_POLICIES``) is what a
+        backward pass keeps of each block. Returns final-normed x and each layer's k, v."""
         c = self.config
 
         def body(x, xs):
             params, layer_input = xs
             return decoder_block(c, params, x, positions, lambda q, k, v: attention(q, k, v, layer_input))
 
+        if remat != "none":
+            # prevent_cse=False: inside a scan the recomputation cannot be merged with the forward
+            # (jax.checkpoint's documentation), so the barriers that would stop it are not needed.
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
         x, kv = jax.lax.scan(body, x, (self.layers.arrays(), per_layer))
         return rms_norm(x, self.final_norm[...], c.rms_norm_eps), kv
 
@@ -335,12 +356,14 @@ class Decoder(nnx.Module):
 
         tokens, positions: [B, T] int. segment_ids: [B, T] int, 0 marks padding and tokens attend
         (causally, by index) only to earlier tokens of their own segment; a 0/1 attention mask is the
-        one-segment case. None means every token is real.
+        one-segment case. None means every token is real. Under ``jax.grad`` the layers are
+        rematerialised as ``config.remat`` says (``REMAT_POLICIES``); the values are the same.
         """
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
         allowed = sequence_mask(segment_ids.astype(jnp.int32))
-        x, _ = self._scan_blocks(self._embed(tokens), positions, lambda q, k, v, _: self_attention(q, k, v, allowed))
+        attention = lambda q, k, v, _: self_attention(q, k, v, allowed)  # noqa: E731
+        x, _ = self._scan_blocks(self._embed(tokens), positions, attention, remat=self.config.remat)
         return x
 
     def logits(self, hidden: Array) -> Array:

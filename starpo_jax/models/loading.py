@@ -44,15 +44,16 @@ _SOURCES_HINT = (f"pass a local checkpoint folder, a .gguf file, or {bundled.SMO
 
 
 def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "float32",
-               param_dtype: str | None = None):
+               param_dtype: str | None = None, **compute):
     """``(Decoder, tokenizer)`` from a bundled name, GGUF file, local HF folder or hub id.
 
     ``dtype`` is the compute dtype ("float32" or "bfloat16"); ``param_dtype`` the dtype the weights
-    are kept in (default: ``dtype``). For a folder, the config and tokenizer are checked before any
+    are kept in (default: ``dtype``); ``compute`` other ``ModelConfig`` fields that are not the
+    checkpoint's (``remat``). For a folder, the config and tokenizer are checked before any
     weight is read, so a wrong checkpoint fails fast.
     """
     kind, path = resolve_source(source)
-    dtypes = {"dtype": dtype, "param_dtype": param_dtype or dtype}
+    dtypes = {"dtype": dtype, "param_dtype": param_dtype or dtype, **compute}
     if kind == "gguf":
         from starpo_jax.models.gguf_reader import read_gguf
 
