@@ -162,10 +162,11 @@ class CheckedConfig:
 
 
 def check_config(config: ConfigDict) -> CheckedConfig:
-    """Every check that needs no model (settings, envs, batch sizes, mesh), so a mistake is reported
+    """Every check that needs no model (settings, model dtype and remat, envs, batch sizes, mesh), so a mistake is reported
     in a second rather than after the model has loaded. ``build_experiment`` takes the result, so
     a run checks its config once."""
     check_settings(config)
+    model_compute(config)
     train_plan, val_plan = rollout_plan(config, "train"), rollout_plan(config, "val")
     return CheckedConfig(
         config=config,
