@@ -27,6 +27,7 @@ adversarial arithmetic.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -107,11 +108,13 @@ def numbers_match(data, length, nums, num_count):
 
 
 def _gcd(a, b):
-    def body(_, ab):
+    """Euclid's algorithm, elementwise; it stops when every pair is done (at most 46 steps for
+    int32, usually a handful: a literal ``p / 1`` takes one)."""
+    def body(ab):
         a, b = ab
         return jnp.where(b == 0, a, b), jnp.where(b == 0, 0, a % jnp.maximum(b, 1))
 
-    a, _ = jax.lax.fori_loop(0, 46, body, (jnp.abs(a), jnp.abs(b)))  # Euclid: 46 steps cover int32
+    a, _ = jax.lax.while_loop(lambda ab: jnp.any(ab[1] != 0), body, (jnp.abs(a), jnp.abs(b)))
     return jnp.maximum(a, 1)
 
 
@@ -193,29 +196,30 @@ def parse(data, length, max_numbers: int = MAX_NUMBERS):
     depth = width + 2
     n_ops = max_numbers - 1  # a valid expression of n literals has n - 1 binary operations
 
-    def put(array, index, value):
-        return array.at[jnp.clip(index, 0, array.shape[0] - 1)].set(value)
+    def put(array, index, value):  # (a select, cheaper than a scatter under vmap)
+        return jnp.where(jnp.arange(array.shape[0]) == index, value, array)
 
     def get(array, index):
         return array[jnp.clip(index, 0, array.shape[0] - 1)]
 
-    def reduce_top(c):
+    def reduce_top(ops, c):
         """Apply the operator on top of the operator stack to the reference stack: a unary sign
-        flips the top reference; a binary operator becomes the next operation of the program."""
-        ops, otop, refs, rtop, code, left, right, count, ok = c
-        op = get(ops, otop - 1)
+        flips the top reference; a binary operator becomes the next operation of the program.
+        (Popping only moves ``otop``: ``ops`` stays out of the loop's carry.)"""
+        otop, refs, rtop, code, left, right, count, ok = c
+        op = get(ops, otop - 1).astype(jnp.int32)
         unary = (op == NEG) | (op == POS)
         b, a = get(refs, rtop - 1), get(refs, rtop - 2)
         ok = ok & (rtop >= jnp.where(unary, 1, 2)) & (otop > 0) & (unary | (count < n_ops))
         code, left, right = put(code, count, op), put(left, count, a), put(right, count, b)  # kept if binary
         ref = jnp.where(unary, b ^ (op == NEG), 2 * (max_numbers + count))
         rtop = rtop - jnp.where(unary, 1, 2)
-        return ops, otop - 1, put(refs, rtop, ref), rtop + 1, code, left, right, count + ~unary, ok
+        return otop - 1, put(refs, rtop, ref), rtop + 1, code, left, right, count + ~unary, ok
 
     def body(i, carry):
         (reduce_state, lit_p, lit_q, n_lits, expect_operand, skip,
          in_num, num_p, num_q, seen_dot, int_digits, leading_zero, nonzero, depth_paren) = carry
-        ops, otop, refs, rtop, code, left, right, count, ok = reduce_state
+        ops, (otop, refs, rtop, code, left, right, count, ok) = reduce_state
         c = _byte(data, i, length)
         nxt = _byte(data, i + 1, length)
         at_end = i == length
@@ -264,13 +268,13 @@ def parse(data, length, max_numbers: int = MAX_NUMBERS):
         act_end = at_end & act
 
         def should_pop(c):
-            ops, otop, ok = c[0], c[1], c[-1]
-            top = get(ops, otop - 1)
+            otop, ok = c[0], c[-1]
+            top = get(ops, otop - 1).astype(jnp.int32)
             outranks = (PRECEDENCE[top] > prec) | ((PRECEDENCE[top] == prec) & (op != POW))
             return ok & (otop > 0) & (top != LPAREN) & (rparen | act_end | (binary & outranks))
 
-        reduce_state = jax.lax.while_loop(should_pop, reduce_top, (ops, otop, refs, rtop, code, left, right, count, ok))
-        ops, otop, refs, rtop, code, left, right, count, ok = reduce_state
+        reduced = jax.lax.while_loop(should_pop, partial(reduce_top, ops), (otop, refs, rtop, code, left, right, count, ok))
+        otop, refs, rtop, code, left, right, count, ok = reduced
         matched = otop > 0
         ok = ok & ~(rparen & ~matched)
         otop = jnp.where(rparen & matched, otop - 1, otop)
@@ -278,7 +282,7 @@ def parse(data, length, max_numbers: int = MAX_NUMBERS):
 
         pushed_op = jnp.where(unary, jnp.where(op == SUB, NEG, POS), jnp.where(lparen, LPAREN, op))
         pushing = (binary | unary | lparen) & ok
-        ops = jnp.where(pushing, put(ops, otop, pushed_op), ops)
+        ops = jnp.where(pushing, put(ops, otop, pushed_op.astype(ops.dtype)), ops)  # int8: a small carry
         otop = otop + pushing
         depth_paren = depth_paren + lparen - (rparen & matched)
         expect_operand = jnp.where(binary | unary | lparen, True, jnp.where(rparen, False, expect_operand))
@@ -297,18 +301,18 @@ def parse(data, length, max_numbers: int = MAX_NUMBERS):
         nonzero = jnp.where(first, digit & (c != 48), nonzero | (continues & digit & ~seen_dot & (c != 48)))
         in_num = in_num | first
         skip = act & (star2 | slash2)
-        return ((ops, otop, refs, rtop, code, left, right, count, ok), lit_p, lit_q, n_lits, expect_operand, skip,
+        return ((ops, (otop, refs, rtop, code, left, right, count, ok)), lit_p, lit_q, n_lits, expect_operand, skip,
                 in_num, num_p, num_q, seen_dot, int_digits, leading_zero, nonzero, depth_paren)
 
     zero, false = jnp.int32(0), jnp.bool_(False)
     program = jnp.zeros((max(n_ops, 1),), jnp.int32)
-    reduce_state = (jnp.zeros((depth,), jnp.int32), zero, jnp.zeros((max_numbers,), jnp.int32), zero,
-                    program, program, program, zero, jnp.bool_(True))
+    reduce_state = (jnp.zeros((depth,), jnp.int8), (zero, jnp.zeros((max_numbers,), jnp.int32), zero,
+                    program, program, program, zero, jnp.bool_(True)))
     literals = jnp.zeros((max_numbers,), jnp.int32), jnp.ones((max_numbers,), jnp.int32)
     init = (reduce_state, *literals, zero, jnp.bool_(True), false, false, zero, jnp.int32(1), false, zero,
             false, false, zero)
-    out = jax.lax.fori_loop(0, width + 1, body, init)
-    (_, _, refs, _, code, left, right, count, ok), lit_p, lit_q = out[0], out[1], out[2]
+    out = jax.lax.fori_loop(0, jnp.minimum(length, width) + 1, body, init)
+    (_, (_, refs, _, code, left, right, count, ok)), lit_p, lit_q = out[0], out[1], out[2]
     return lit_p, lit_q, code, left, right, count, refs[0], ok & (length > 0)
 
 
