@@ -8,12 +8,20 @@ RAGEN scores an answer ``expr`` against ``nums`` and ``target``:
 
 ``ragen_score`` is that code, the oracle. ``score_answer`` computes the same inside the graph from
 the answer's bytes: ``answer_numbers`` (the digit runs) and ``evaluate`` (a byte-level expression
-evaluator). It evaluates Python's arithmetic grammar exactly: integer and decimal literals (Python's
+evaluator) in two passes. ``parse`` reads the bytes once (a shunting-yard, no arithmetic) into a
+straight-line program: the literals, then the binary operations in the order eager evaluation
+applies them, each naming its operands (a literal or an earlier result, negated by unary signs).
+``run_program`` then does the exact arithmetic, at most ``n - 1`` operations for ``n`` literals.
+An answer of more literals than the task has numbers scores 0 by the number check whatever its
+value, so ``score_answer`` reads at most that many (4) and the arithmetic is a few fixed steps per
+answer instead of one reduction per byte.
+
+The evaluator follows Python's arithmetic grammar exactly: integer and decimal literals (Python's
 rules, e.g. ``03`` is a syntax error, ``03.5`` is not), ``+ - * / // % **`` with Python's
 precedence and associativity, unary signs, parentheses, spaces and tabs, and newlines inside
-parentheses. Values are exact fractions of int32 integers, reduced after each operation, so
-``8 / (3 - 8 / 3)`` is exactly 24 where Python's doubles are 24 - 1.4e-14; both are within the
-tolerance.
+parentheses. Values are exact fractions of int32 integers, each literal and each operation's
+result reduced, so ``8 / (3 - 8 / 3)`` is exactly 24 where Python's doubles are 24 - 1.4e-14;
+both are within the tolerance.
 
 Where ``eval`` would do more, the answer counts as not equal to the target (score 0.1 when its
 numbers are right), a documented departure: Python syntax beyond arithmetic (names, keywords,
