@@ -103,7 +103,7 @@ def answer_numbers(data, length):
 
     init = (jnp.full((MAX_DIGIT_RUNS,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
     # One step past the end: the byte there reads 0 (not a digit) and closes a last run.
-    runs, count, _, _ = jax.lax.fori_loop(0, data.shape[0] + 1, body, init)
+    runs, count, _, _ = jax.lax.fori_loop(0, jnp.minimum(length, data.shape[0]) + 1, body, init)
     return runs, count
 
 
