@@ -206,7 +206,7 @@ def parse(data, length, max_numbers: int = MAX_NUMBERS):
     depth = width + 2
     n_ops = max_numbers - 1  # a valid expression of n literals has n - 1 binary operations
 
-    def put(array, index, value):  # (a select, cheaper than a scatter under vmap)
+    def put(array, index, value):  # a select over the slots: no scatter under vmap
         return jnp.where(jnp.arange(array.shape[0]) == index, value, array)
 
     def get(array, index):

@@ -168,6 +168,16 @@ def test_values_past_int32_are_not_evaluated():
 
 
 def test_values_are_exact_fractions():
-    for text, (p, q) in {"8/(3-8/3)": (24, 1), "2**-1": (1, 2), "7%-3": (-2, 1), "-7//2": (-4, 1), "1.25*2": (5, 2)}.items():
+    cases = {"8/(3-8/3)": (24, 1), "2**-1": (1, 2), "7%-3": (-2, 1), "-7//2": (-4, 1), "1.25*2": (5, 2),
+             "-(2)**2": (-4, 1), "2**-(1+1)**2": (1, 16), "--(-3)*2": (-6, 1), "123456789+1": (123456790, 1)}
+    for text, (p, q) in cases.items():
         got = value(*encode(text))
         assert (int(got[0]), int(got[1]), bool(got[2])) == (p, q, True), text
+
+
+def test_evaluate_reads_at_most_max_numbers_literals():
+    """More literals than the task has numbers cannot pass the number check: not evaluated."""
+    data, length = encode("1+2+3+4+5")
+    assert not bool(value(data, length)[2])  # 4 by default
+    p, q, ok = jax.jit(evaluate, static_argnums=2)(data, length, 5)
+    assert (int(p), int(q), bool(ok)) == (15, 1, True)
