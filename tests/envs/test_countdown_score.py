@@ -19,7 +19,8 @@ WIDTH = 48
 NUMS = (3, 5, 7, 12)
 score = jax.jit(score_answer)
 value = jax.jit(evaluate)
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,  # the same examples on every machine
+                     suppress_health_check=[HealthCheck.too_slow])
 
 
 def encode(text: str):
@@ -40,7 +41,8 @@ BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, 
 
 def outside_int32_fractions(text) -> bool:
     """Whether evaluating ``text`` with exact fractions leaves what the in-graph evaluator holds (a
-    numerator or denominator of 2**30 or more, or a fractional power): the documented departure."""
+    numerator or denominator of 2**30 or more, a fractional power, or ``//`` / ``%`` of a
+    non-integer, which it computes exactly): the documented departures."""
     def walk(node):
         if isinstance(node, ast.Expression):
             return walk(node.body)
@@ -53,6 +55,8 @@ def outside_int32_fractions(text) -> bool:
             if isinstance(node.op, ast.Pow):
                 if b.denominator != 1 or (abs(b) > 64 and abs(a) not in (0, 1)):
                     raise OverflowError
+            elif isinstance(node.op, (ast.FloorDiv, ast.Mod)) and (a.denominator != 1 or b.denominator != 1):
+                raise OverflowError  # exact where Python's doubles round: 1 // (1 / 5) is 5, not 4.0
             else:  # the evaluator's cross products
                 products = {ast.Mult: (a.numerator * b.numerator, a.denominator * b.denominator),
                             ast.Div: (a.numerator * b.denominator, a.denominator * b.numerator)}.get(
