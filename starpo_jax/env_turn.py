@@ -55,7 +55,7 @@ def execute_turn(env, state, actions, n_actions, actions_left, active, reward_va
     Returns:
       (new_state, TurnResult). ``TurnResult.reward_index`` numbers the sequence of the executed
       steps' reward categories ``c_1, c_2, ...`` as ``sum_i (c_i + 1) * (C + 1) ** (i - 1)`` (0: no
-      step), the row of the reward message in ``prompts.PromptTables`` (``reward_sequence_key``).
+      step), the row of the reward message in ``prompts.PromptTables`` (``reward_sequence_index``).
     """
     num_categories = reward_values.shape[0]
     slots = jnp.arange(jax.tree.leaves(actions)[0].shape[0])

@@ -45,7 +45,7 @@ Decisions on RAGEN details, documented:
   executed nothing prints ``0``; three Sokoban steps print ``-0.30000000000000004``. (We add in a
   loop rather than with ``sum``, which compensates rounding from Python 3.12 on.) The per-step
   rewards an env can pay are its ``step_reward_values``; the rollout maps each float32 step
-  reward to the nearest one and keys the turn by the sequence (``reward_sequence_key``), since the
+  reward to the nearest one and indexes the turn by the sequence (``reward_sequence_index``), since the
   printed double depends on the order of the additions.
 """
 
@@ -275,19 +275,19 @@ class TokenRuns:
         return self.ids[key][None], self.lengths[key][None]
 
 
-def reward_sequence_key(categories: Sequence[int], num_categories: int) -> int:
-    """Key of a turn's executed step-reward categories: ``sum((c_i + 1) * (C + 1) ** i)``.
+def reward_sequence_index(categories: Sequence[int], num_categories: int) -> int:
+    """Index of a turn's executed step-reward categories: ``sum((c_i + 1) * (C + 1) ** i)``.
 
-    Digit 0 means "no action", so an empty turn is key 0 and differs from a turn that paid 0.0.
-    ``starpo_jax.env_turn.execute_turn`` computes the same key in-graph.
+    Digit 0 means "no action", so an empty turn is index 0 and differs from a turn that paid 0.0.
+    ``starpo_jax.env_turn.execute_turn`` computes the same index in-graph.
     """
     return sum((c + 1) * (num_categories + 1) ** i for i, c in enumerate(categories))
 
 
-def reward_sequence_of_key(key: int, values: Sequence[float], num_slots: int) -> list[float]:
-    """The step rewards a key stands for (zero digits are skipped)."""
+def reward_sequence_of_index(index: int, values: Sequence[float], num_slots: int) -> list[float]:
+    """The step rewards an index stands for (zero digits are skipped)."""
     base = len(values) + 1
-    digits = [(key // base**i) % base for i in range(num_slots)]
+    digits = [(index // base**i) % base for i in range(num_slots)]
     return [values[d - 1] for d in digits if d > 0]
 
 
@@ -302,7 +302,7 @@ class PromptTables:
     observation: PieceTable  # the env's observation pieces
     tail: TokenRuns  # key: actions left n
     turn_end: TokenRuns  # key 0: full assistant end (response cut); 1: after the model's stop token
-    reward: TokenRuns  # key: reward_sequence_key; user start + "Reward:\n{acc}"
+    reward: TokenRuns  # key: reward_sequence_index; user start + "Reward:\n{acc}"
     turn_header: TokenRuns  # key k: "\n\nTurn {k}:\nState:\n"
     reward_values: jnp.ndarray  # float32[C]: the env's per-step rewards, in category order
     max_actions_per_traj: int = struct.field(pytree_node=False)
@@ -374,7 +374,7 @@ class PromptPieces:
     head: str  # chat start + prefix + "\nTurn 1:\nState:\n"
     tails: list[str]  # by actions left n
     assistant_end: str
-    rewards: list[str]  # by reward_sequence_key
+    rewards: list[str]  # by reward_sequence_index
     turn_headers: list[str]  # by turn k
 
     @classmethod
@@ -387,7 +387,7 @@ class PromptPieces:
         values = env.step_reward_values
         slots = min(max_actions_per_turn, max_actions_per_traj)
         rewards = [  # without the message's final newline, which belongs with "\nTurn"
-            glue.user_start + reward_text(reward_sequence_of_key(k, values, slots))[:-1]
+            glue.user_start + reward_text(reward_sequence_of_index(k, values, slots))[:-1]
             for k in range((len(values) + 1) ** slots)
         ]
         prefix = env_instruction(env, max_actions_per_traj, legend_from_env_symbols)
@@ -450,17 +450,17 @@ def first_prompt_tokens(tables: PromptTables, pieces, actions_left):
     return pack_runs(runs, tables.first_len)
 
 
-def next_turn_tokens(tables: PromptTables, reward_key, turn, pieces, actions_left, response_ended_with_stop):
+def next_turn_tokens(tables: PromptTables, reward_index, turn, pieces, actions_left, response_ended_with_stop):
     """Jittable, vmappable: what follows turn ``turn - 1``'s response, ``(int32[tables.next_len], length)``.
 
     The assistant end (only what follows the stop token if the response ended with it), the reward
-    message of the previous turn (``reward_key``), and turn ``turn``'s (1-based, >= 2) state and
+    message of the previous turn (``reward_index``), and turn ``turn``'s (1-based, >= 2) state and
     generation prompt. Appended to the previous tokens, the sequence equals the tokenizer's encoding
     of the whole chat-templated conversation.
     """
     runs = [
         tables.turn_end.run(jnp.asarray(response_ended_with_stop, jnp.int32)),
-        tables.reward.run(reward_key),
+        tables.reward.run(reward_index),
         tables.turn_header.run(turn),
     ] + _observation_runs(tables, pieces, actions_left)
     return pack_runs(runs, tables.next_len)

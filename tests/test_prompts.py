@@ -162,7 +162,7 @@ def test_chat_glue(qwen_tokenizer, smollm2_tokenizer):
         P.chat_glue(qwen3)
 
 
-def test_reward_keys_match_the_env_turn():
+def test_reward_indices_match_the_env_turn():
     env = envs_jax.make("SimpleSokoban")
     values = env.step_reward_values
     assert [repr(v) for v in values] == ["-0.1", "0.9", "-1.1", "10.9"]
@@ -170,8 +170,8 @@ def test_reward_keys_match_the_env_turn():
     _, turn = execute_turn(
         env, env.reset_from_seed(10001), actions, 3, 10, True, jnp.asarray(values, jnp.float32)
     )
-    assert int(turn.reward_index) == P.reward_sequence_key([0, 0, 3], len(values))
-    assert P.reward_sequence_of_key(int(turn.reward_index), values, 5) == [-0.1, -0.1, 10.9]
+    assert int(turn.reward_index) == P.reward_sequence_index([0, 0, 3], len(values))
+    assert P.reward_sequence_of_index(int(turn.reward_index), values, 5) == [-0.1, -0.1, 10.9]
 
 
 # ---- tokens -------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def test_assembled_turns_equal_tokenized_chat(name, which, think, request):
         for b, ep in enumerate(episodes):
             response = RESPONSES[think][rng.integers(len(RESPONSES[think]))]
             categories = rng.integers(0, len(values), rng.integers(0, slots + 1)).tolist()
-            keys.append(P.reward_sequence_key(categories, len(values)))
+            keys.append(P.reward_sequence_index(categories, len(values)))
             ep.history[-1].update(
                 llm_response=P.forced_prefix(think) + response,
                 reward=P.turn_reward([values[c] for c in categories]),

@@ -76,7 +76,7 @@ def test_a_pulls_reward_message_prints_the_configured_payout():
     states = BanditState(hi_first=jnp.ones(32, bool), key=jax.random.split(jax.random.PRNGKey(0), 32))
     for action, payouts in ((1, {0.3}), (0, {0.0, 1.0})):  # Phoenix (safe), Dragon (risky)
         turns = pull(states, jnp.full(32, action))
-        messages = [prompts.reward_text(prompts.reward_sequence_of_key(int(k), values, 1)) for k in turns.reward_key]
+        messages = [prompts.reward_text(prompts.reward_sequence_of_index(int(k), values, 1)) for k in turns.reward_index]
         paid = [next(p for p in payouts if np.float32(p) == r) for r in np.asarray(turns.reward)]
         assert messages == [f"Reward:\n{p}\n" for p in paid]
         assert set(paid) == payouts  # the risky arm's 32 pulls paid both ways
