@@ -135,6 +135,52 @@ def test_rollout_gathers_the_cast_policy():
     assert out["q_shard"][1] == 64 and out["q_equal"]  # whole over fsdp, the cast values
 
 
+# One decode step and one prefill block of a data-parallel rollout (rows split over 2 devices, the
+# policy whole on each), compiled from abstract shapes; the collectives of each partitioned program.
+LOCAL_ROWS_SCRIPT = r"""
+import json, re
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from starpo_jax import sampling, sharding
+from starpo_jax.models import Decoder, ModelState, preset
+config, B, T = preset("tiny-llama"), 4, 8
+mesh = sharding.make_mesh(2, 1, 1)
+graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+def placed(tree, spec):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec(x))), tree)
+by_rows = lambda x: P() if x.ndim == 0 else P(sharding.ROWS)  # batch first; scalars replicated
+with sharding.use_mesh(mesh):
+    model = ModelState(graphdef, placed(params, lambda x: P()))
+    cache = placed(sampling.init_cache(config, B, 32), lambda x: P(None, sharding.ROWS) if x.ndim == 5 else by_rows(x))
+    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c, jnp.zeros((B, config.vocab_size)), 4, None), cache)
+    state = placed(state, by_rows).replace(cache=cache)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    step = lambda m, s, k: sampling.decode_step(m.merge(), s, k, 1.0, 0, 1.0, jnp.full((B, 1), -1), 0)
+    decode = jax.jit(step, donate_argnums=1).lower(model, state, key).compile().as_text()
+    tokens = placed(jax.ShapeDtypeStruct((B, T), jnp.int32), by_rows)
+    num_new = placed(jax.ShapeDtypeStruct((B,), jnp.int32), by_rows)
+    extend = lambda m, c, t, n: m.merge().extend(t, n, c)[1]
+    prefill = jax.jit(extend, donate_argnums=1).lower(model, cache, tokens, num_new).compile().as_text()
+collective = r"= ([^=]+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
+local = f"[{config.num_layers},{B // 2},{config.num_kv_heads},32,{config.head_dim}]"  # a device's half of the cache
+print(json.dumps({"decode": re.findall(collective, decode), "prefill": re.findall(collective, prefill),
+                  "partitioned": local in decode and local in prefill}))
+"""
+
+
+def test_data_parallel_decoding_stays_on_each_device():
+    """Each device holds its rows' cache and the whole policy, so neither a decoded token nor a
+    prefill block needs any communication. A KV-cache write that scatters by (row, slot) pairs made
+    the partitioner all-gather every row's new keys, values and slots to every device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", LOCAL_ROWS_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"decode": [], "prefill": [], "partitioned": True}, out
+
+
 class _TwoByTwoRows:
     """Stands in for a mesh with data=2, fsdp=2: ``check_batch`` reads only the axis sizes."""
 

@@ -160,13 +160,26 @@ class KVCache:
         (Writing past ``max_len`` is a caller error that cannot raise inside jit: those tokens are
         lost; ``decode`` stops a row when its cache row is full.)
         """
-        rows = jnp.arange(positions.shape[0])[:, None]
         real = jnp.arange(positions.shape[1])[None, :] < num_new[:, None]
         positions = jnp.where(real, positions, self.max_len)
 
+        # One scatter over every row, with the batch a *batching* dimension of the scatter (row b's
+        # update goes to row b), not a scattered index: XLA's SPMD partitioner then keeps each row's
+        # write on the device that holds the row. Indexing by (row, slot) pairs instead made it send
+        # every row's new keys and values to every device (two all-gathers per decoded token on a
+        # data- or fsdp-split batch; docs/scaling.md). ``jax.vmap`` over rows builds the same
+        # scatter but moves the batch axis first, copying the whole cache twice per step.
+        dims = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(0, 3, 4),  # new's layers, kv_heads, head_dim
+            inserted_window_dims=(3,),  # one slot per update
+            scatter_dims_to_operand_dims=(3,),
+            operand_batching_dims=(1,),
+            scatter_indices_batching_dims=(0,),
+        )
+
         def put(cache: Array, new: Array) -> Array:
-            # Advanced indices (rows, positions) come first in the indexed view: [batch, T, layers, kv_heads, d].
-            return cache.at[:, rows, :, positions].set(new.transpose(1, 2, 0, 3, 4).astype(cache.dtype), mode="drop")
+            return jax.lax.scatter(cache, positions[..., None], new.astype(cache.dtype), dims,
+                                   mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
         return KVCache(k=put(self.k, k_new), v=put(self.v, v_new), lengths=self.lengths + num_new)
 
