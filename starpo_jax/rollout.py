@@ -299,12 +299,28 @@ class LLMResponder:
         """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
         plan = self.plan
         stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
-        cache, logits = append(model, cache, prompt_ids, num_new)
+        if isinstance(turn, int) and turn == 0 and plan.group_size > 1:
+            cache, logits = self.prefill_groups(model, prompt_ids, num_new, cache.max_len)
+        else:
+            cache, logits = append(model, cache, prompt_ids, num_new)
         return decode(
             model, cache, logits, key,
             max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
             top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
         )
+
+
+    def prefill_groups(self, model, prompt_ids, num_new, max_len: int):
+        """The first turn's prefill, once per group: a group's rows start from the same level, so
+        they read the same first prompt (``first_prompts``). Its keys, values and logits are
+        computed for the first row of each group and repeated over the group's rows."""
+        group = self.plan.group_size
+        leaders = slice(None, None, group)
+        empty = init_cache(model.merge().config, prompt_ids.shape[0] // group, max_len)
+        cache, logits = append(model, empty, prompt_ids[leaders], num_new[leaders])
+        repeat = functools.partial(jnp.repeat, repeats=group)
+        cache = cache.replace(k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), lengths=repeat(cache.lengths, axis=0))
+        return cache, repeat(logits, axis=0)
 
 
 def action_name_ids(plan: RolloutPlan, tag: TagPlan, states, pad: int) -> jax.Array:

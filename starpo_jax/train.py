@@ -49,11 +49,13 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -133,15 +135,75 @@ def apply_update(tx, params, opt_state, grads, lr, live=True):
 # ---- forward passes over whole trajectories ----------------------------------------------------
 
 
-def _positions_and_segments(tokens, length):
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    segments = (positions < length[:, None]).astype(jnp.int32)
-    return positions, segments
+class UpdateLayout(NamedTuple):
+    """Which positions of the update batch's rows the forward passes compute (static).
+
+    Each row is computed from its ``split`` on, ``width`` positions. With ``prefix`` > 0 the tokens
+    before the split, the row's first prompt, are computed once per block of rows that share it
+    (``share_rows``: a group's rows start from the same level, so their first prompts are the same
+    tokens) and the rows continue from its keys and values. ``update_layout`` picks the smallest
+    layout that holds a rollout batch; ``full_layout`` is every position of every row."""
+
+    prefix: int  # positions of the shared first prompts (0: nothing shared, every split is 0)
+    width: int  # positions per row from its split on
 
 
-def _shift_to_targets(hidden):
-    """Hidden state that predicts token t is at t - 1: [B, L, D] -> [B, L, D] (row 0 is padding)."""
-    return jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
+def full_layout(max_len: int) -> UpdateLayout:
+    return UpdateLayout(prefix=0, width=max_len)
+
+
+def share_rows(settings: TrainSettings, group_size: int) -> int:
+    """Rows per shared first prompt: consecutive blocks of this many rows lie within one group and
+    one micro-batch (the kept batch is whole groups, in order)."""
+    return math.gcd(settings.micro_batch_size, group_size)
+
+
+def first_prompt_split(traj: Trajectories):
+    """int32[B]: where each row's computed part starts when its first prompt is shared: the first
+    prompt's last token, whose hidden state predicts the first response token (0: never played)."""
+    return jnp.maximum(traj.turn_start[:, 0] - 1, 0).astype(jnp.int32)
+
+
+def size_bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``: at most
+    half of a computed width is padding, and a run compiles the update for few widths."""
+    size = 16
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
+    """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
+    picked on the host between rollout and update, so the update computes only what is there."""
+    length = np.asarray(jax.device_get(traj.length))
+    if share == 1:
+        return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
+    split = np.asarray(jax.device_get(first_prompt_split(traj)))
+    width = min(size_bucket(int((length - split).max())), max_len)
+    return UpdateLayout(prefix=min(size_bucket(int(split.max())), max_len), width=width)
+
+
+def hidden_predicting(model, tokens, length, index, split, layout: UpdateLayout, share: int):
+    """Final hidden states [B, K, D] that predict ``tokens[b, index[b, k]]`` (the state at position
+    ``index - 1``; every index is past the row's split, or is padding whose result no one reads).
+
+    Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
+    first prompts (tokens before the split) are computed once per block of ``share`` rows, and the
+    rows continue from their keys and values: exactly the same attention as over the whole rows."""
+    B, L = tokens.shape
+    start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
+    positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
+    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
+    if layout.prefix:
+        leaders = slice(None, None, share)
+        k, v = model.prefix_keys_values(tokens[leaders, : layout.prefix], split[leaders])
+        k, v = (jnp.repeat(x, share, axis=1) for x in (k, v))
+        hidden = model.hidden_states_after(row_tokens, positions, k, v, start)
+    else:
+        hidden = model.hidden_states(row_tokens, positions, (positions < length[:, None]).astype(jnp.int32))
+    at = jnp.clip(index - 1 - start[:, None], 0, layout.width - 1)
+    return jnp.take_along_axis(hidden, at[..., None], axis=1)
 
 
 def _chunked(fn, hidden, targets, chunk: int):
@@ -163,31 +225,43 @@ def policy_positions(mask, max_tokens: int):
     return index, index < mask.shape[1]
 
 
-def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int):
+def _scatter_rows(values, index, shape):
+    """[B, K] values at positions ``index`` [B, K] of a zero [B, L] array (out-of-range dropped)."""
+    rows = jnp.arange(shape[0])[:, None]
+    return jnp.zeros(shape, jnp.float32).at[rows, index].set(values, mode="drop")
+
+
+def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int,
+                   layout: UpdateLayout | None = None, split=None, share: int = 1):
     """(logp, entropy) [B, L]: log p(token_t | tokens_<t) under the policy, and its entropy.
 
     Only positions where ``needed`` (the loss mask, at most ``max_tokens`` per row) is set are
     computed: their hidden states are gathered first, so the vocabulary projection — the largest
-    cost of a small model — is paid only where the loss looks. Other positions are 0."""
+    cost of a small model — is paid only where the loss looks. Other positions are 0. ``layout``,
+    ``split`` and ``share``: which positions the forward pass computes (``hidden_predicting``;
+    default every position of every row)."""
     model = nnx.merge(graphdef, params)
-    positions, segments = _positions_and_segments(tokens, length)
-    hidden = _shift_to_targets(model.hidden_states(tokens, positions, segments))
     index, real = policy_positions(needed, max_tokens)
     safe = jnp.where(real, index, 0)
-    h = jnp.take_along_axis(hidden, safe[..., None], axis=1)
+    layout = layout or full_layout(tokens.shape[1])
+    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
+    h = hidden_predicting(model, tokens, length, safe, split, layout, share)
     t = jnp.take_along_axis(tokens, safe, axis=1)
     logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, temperature), h, t, chunk)
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    scatter = lambda x: jnp.zeros(tokens.shape, jnp.float32).at[rows, index].set(x, mode="drop")  # noqa: E731
-    return scatter(logp), scatter(entropy)
+    return _scatter_rows(logp, index, tokens.shape), _scatter_rows(entropy, index, tokens.shape)
 
 
-def token_values(graphdef, critic: Critic, tokens, length):
-    """V[B, L]: the critic's value of the state before token t (aligned like the log-probs)."""
+def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: int,
+                 layout: UpdateLayout | None = None, split=None, share: int = 1):
+    """V[B, L]: the critic's value of the state before token t (aligned like the log-probs), where
+    ``needed`` is set (0 elsewhere); ``layout``, ``split``, ``share`` as in ``token_logprobs``."""
     model = nnx.merge(graphdef, critic.backbone)
-    positions, segments = _positions_and_segments(tokens, length)
-    hidden = _shift_to_targets(model.hidden_states(tokens, positions, segments))
-    return jnp.einsum("bld,d->bl", hidden.astype(jnp.float32), critic.head_w) + critic.head_b
+    index, real = policy_positions(needed, max_tokens)
+    layout = layout or full_layout(tokens.shape[1])
+    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
+    h = hidden_predicting(model, tokens, length, jnp.where(real, index, 0), split, layout, share)
+    values = jnp.einsum("bkd,d->bk", h.astype(jnp.float32), critic.head_w) + critic.head_b
+    return _scatter_rows(values, index, tokens.shape)
 
 
 # ---- state -------------------------------------------------------------------------------------
@@ -276,36 +350,55 @@ def _map_micro(fn, batch, micro: int):
     return jax.tree.map(lambda x: x.reshape((M,) + x.shape[2:]), out)
 
 
-def _sequences(kept: Trajectories, mask):
-    return {"tokens": kept.tokens, "length": kept.length, "mask": mask > 0}
+class Rows(NamedTuple):
+    """What a forward pass over the update batch reads of each row, and how much of it to compute."""
+
+    tokens: jax.Array  # int32 [M, L]
+    length: jax.Array  # int32 [M]
+    split: jax.Array  # int32 [M]: ``first_prompt_split``
+    needed: jax.Array  # bool [M, L]: the positions a loss reads (policy tokens of kept rows)
 
 
-def _batch_logprobs(settings: TrainSettings, graphdef, max_tokens: int, params, seqs):
-    """(logp, entropy) [M, L] of the policy tokens, one micro-batch at a time."""
-    return _map_micro(
-        lambda b: token_logprobs(
-            graphdef, params, b["tokens"], b["length"], b["mask"], settings.rollout_temperature,
-            settings.logprob_chunk, max_tokens,
-        ),
-        seqs,
-        settings.micro_batch_size,
+def _rows(kept: Trajectories, mask) -> Rows:
+    return Rows(kept.tokens, kept.length, first_prompt_split(kept), mask > 0)
+
+
+def _row_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, params, r: Rows):
+    """(logp, entropy) [m, L] of one micro-batch's policy tokens."""
+    return token_logprobs(
+        graphdef, params, r.tokens, r.length, r.needed, settings.rollout_temperature, settings.logprob_chunk,
+        policy_tokens_per_row(plan), layout, r.split, share_rows(settings, plan.group_size),
     )
 
 
-def old_logprobs(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, kept: Trajectories, mask):
+def _row_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, critic: Critic, r: Rows):
+    """V [m, L] of one micro-batch at its policy tokens (0 elsewhere)."""
+    return token_values(
+        graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), layout, r.split,
+        share_rows(settings, plan.group_size),
+    )
+
+
+def old_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                 kept: Trajectories, mask):
     """3a. log π_old [M, L] of the policy tokens: recomputed by the policy that sampled them, or
     the sampler's own (``use_sampler_logprobs``). A constant of the update."""
     if settings.use_sampler_logprobs:
         return jax.lax.stop_gradient(kept.sampler_logprobs)
-    logp, _ = _batch_logprobs(settings, graphdef, max_tokens, policy_weights(settings, state), _sequences(kept, mask))
+    params = policy_weights(settings, state)
+    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, params),
+                         _rows(kept, mask), settings.micro_batch_size)
     return jax.lax.stop_gradient(logp)
 
 
-def ref_logprobs(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, kept: Trajectories, mask):
+def ref_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                 kept: Trajectories, mask):
     """3b. log π_ref [M, L] under the frozen reference; zeros when no KL term reads them."""
     if not settings.uses_ref:
         return jnp.zeros(kept.tokens.shape, jnp.float32)
-    return _batch_logprobs(settings, graphdef, max_tokens, reference_weights(state), _sequences(kept, mask))[0]
+    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, reference_weights(state)),
+                         _rows(kept, mask), settings.micro_batch_size)
+    return logp
 
 
 def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
@@ -313,15 +406,14 @@ def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
     return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
 
 
-def old_values(settings: TrainSettings, graphdef, state: TrainState, kept: Trajectories, mask):
+def old_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+               kept: Trajectories, mask):
     """3c. V_old [M, L] on the policy tokens (0 elsewhere); zeros when the estimator has no critic."""
     if not settings.uses_critic:
         return jnp.zeros(kept.tokens.shape, jnp.float32)
     critic = critic_weights(settings, state.critic, state.base)
-    values = _map_micro(
-        lambda b: token_values(graphdef, critic, b["tokens"], b["length"]), _sequences(kept, mask),
-        settings.micro_batch_size,
-    )
+    values = _map_micro(functools.partial(_row_values, settings, graphdef, plan, layout, critic),
+                        _rows(kept, mask), settings.micro_batch_size)
     return values * mask
 
 
@@ -363,6 +455,7 @@ def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewar
 class UpdateBatch:
     tokens: jax.Array
     length: jax.Array
+    split: jax.Array  # int32 [M]: ``first_prompt_split``
     mask: jax.Array  # float32 [M, L]: policy tokens of kept trajectories
     old_logp: jax.Array
     ref_logp: jax.Array
@@ -389,7 +482,8 @@ def batch_metrics(settings: TrainSettings, batch: UpdateBatch, score, token_rewa
     return metrics
 
 
-def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams):
+def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                   traj: Trajectories, hyper: Hyperparams):
     """Steps 2–5: filter, then everything the update needs: (UpdateBatch, metrics)."""
     # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
     score = rewards.trajectory_score(
@@ -398,22 +492,24 @@ def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, state: 
     )
     kept, score, valid, metrics = filter_groups(settings, plan.group_size, traj, score, hyper.filter_ratio)
     mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
-    max_tokens = policy_tokens_per_row(plan)
-    old_logp = old_logprobs(settings, graphdef, max_tokens, state, kept, mask)
-    ref_logp = ref_logprobs(settings, graphdef, max_tokens, state, kept, mask)
-    values = old_values(settings, graphdef, state, kept, mask)
+    old_logp = old_logprobs(settings, graphdef, plan, layout, state, kept, mask)
+    ref_logp = ref_logprobs(settings, graphdef, plan, layout, state, kept, mask)
+    values = old_values(settings, graphdef, plan, layout, state, kept, mask)
     token_rewards, score, kl_metrics = token_level_rewards(settings, kept, score, mask, old_logp, ref_logp, hyper)
     advantages, returns = estimate_advantages(settings, kept, token_rewards, values, mask, valid, hyper)
-    batch = UpdateBatch(kept.tokens, kept.length, mask, old_logp, ref_logp, values, advantages, returns)
+    batch = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, old_logp, ref_logp, values, advantages, returns)
     return batch, metrics | kl_metrics | batch_metrics(settings, batch, score, token_rewards, valid)
 
 
-def actor_loss_fn(settings: TrainSettings, graphdef, max_tokens: int, base, horizon, trained, b: UpdateBatch, hyper: Hyperparams):
+def _batch_rows(b: UpdateBatch) -> Rows:
+    return Rows(b.tokens, b.length, b.split, b.mask > 0)
+
+
+def actor_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, horizon, trained,
+                  b: UpdateBatch, hyper: Hyperparams):
     """6a. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
     params = with_adapters(settings, base, trained)
-    logp, entropy = token_logprobs(
-        graphdef, params, b.tokens, b.length, b.mask > 0, settings.rollout_temperature, settings.logprob_chunk, max_tokens
-    )
+    logp, entropy = _row_logprobs(settings, graphdef, plan, layout, params, _batch_rows(b))
     return losses.actor_loss(
         logp, entropy, b.old_logp, b.advantages, b.mask,
         clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
@@ -423,9 +519,10 @@ def actor_loss_fn(settings: TrainSettings, graphdef, max_tokens: int, base, hori
     )
 
 
-def critic_loss_fn(settings: TrainSettings, graphdef, base, critic: Critic, b: UpdateBatch, hyper: Hyperparams):
+def critic_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, critic: Critic,
+                   b: UpdateBatch, hyper: Hyperparams):
     """6b. The clipped value loss of a micro-batch, a function of what the critic trains."""
-    values = token_values(graphdef, critic_weights(settings, critic, base), b.tokens, b.length)
+    values = _row_values(settings, graphdef, plan, layout, critic_weights(settings, critic, base), _batch_rows(b))
     return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
 
 
@@ -471,12 +568,13 @@ def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: U
     return carry, jax.tree.map(lambda m: masked_mean(m, live), metrics)
 
 
-def update_critic(settings: TrainSettings, graphdef, state: TrainState, batch: UpdateBatch, hyper: Hyperparams):
+def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                  batch: UpdateBatch, hyper: Hyperparams):
     """Step 8 for the critic: (critic, critic_opt, skipped steps, metrics); unchanged without one."""
     if not settings.uses_critic:
         return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
     tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
-    loss_fn = functools.partial(critic_loss_fn, settings, graphdef, state.base)
+    loss_fn = functools.partial(critic_loss_fn, settings, graphdef, plan, layout, state.base)
     (critic, critic_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.critic, state.critic_opt, batch, hyper.critic_lr, hyper, "critic"
     )
@@ -484,11 +582,12 @@ def update_critic(settings: TrainSettings, graphdef, state: TrainState, batch: U
     return critic, critic_opt, skipped, metrics
 
 
-def update_actor(settings: TrainSettings, graphdef, max_tokens: int, state: TrainState, batch: UpdateBatch, hyper: Hyperparams, horizon):
+def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                 batch: UpdateBatch, hyper: Hyperparams, horizon):
     """Step 8 for the actor: (actor, actor_opt, skipped steps, metrics); unchanged for the
     first ``critic_warmup`` steps (RAGEN: the actor waits while the critic warms up)."""
     tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
-    loss_fn = functools.partial(actor_loss_fn, settings, graphdef, max_tokens, state.base, horizon)
+    loss_fn = functools.partial(actor_loss_fn, settings, graphdef, plan, layout, state.base, horizon)
     (actor, actor_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
     )
@@ -501,17 +600,18 @@ def update_actor(settings: TrainSettings, graphdef, max_tokens: int, state: Trai
     return actor, actor_opt, skipped, metrics
 
 
-def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams):
-    """Steps 2–8 on a rollout batch: (new state, metrics)."""
+def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams,
+          layout: UpdateLayout | None = None):
+    """Steps 2–8 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
+    forward passes compute (``update_layout``; default every position of every row)."""
+    layout = layout or full_layout(plan.max_len)
     metrics = rollout_metrics(traj, plan, "train")
-    batch, prepared_metrics = prepare_update(settings, graphdef, plan, state, traj, hyper)
+    batch, prepared_metrics = prepare_update(settings, graphdef, plan, layout, state, traj, hyper)
     # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, i.e. the rollout batch's
     # longest sequence minus its first token
     horizon = (traj.length.max() - 1).astype(jnp.float32)
-    critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, state, batch, hyper)
-    actor, actor_opt, skipped, actor_metrics = update_actor(
-        settings, graphdef, policy_tokens_per_row(plan), state, batch, hyper, horizon
-    )
+    critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, plan, layout, state, batch, hyper)
+    actor, actor_opt, skipped, actor_metrics = update_actor(settings, graphdef, plan, layout, state, batch, hyper, horizon)
     new_state = state.replace(
         step=state.step + 1,
         actor=actor,
@@ -534,7 +634,7 @@ class TrainStep(NamedTuple):
     ``learn`` (donating the state) instead."""
 
     collect: Callable  # (state, tables, key) -> Trajectories
-    learn: Callable  # (state, traj, hyper) -> (state, metrics)
+    learn: Callable  # (state, traj, hyper, layout=None) -> (state, metrics); layout static
     step: Callable  # (state, tables, hyper, key) -> (state, metrics): learn ∘ collect
 
 

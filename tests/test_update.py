@@ -22,8 +22,9 @@ from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import RolloutPlan, TagPlan, Trajectories
 from starpo_jax.train import (
     Hyperparams, TrainSettings, UpdateBatch, accumulate_gradients, actor_loss_fn, batch_metrics, critic_loss_fn,
-    estimate_advantages, filter_groups, init_train_state, make_train_step, old_logprobs, old_values, policy_tokens_per_row,
-    ppo_update, prepare_update, ref_logprobs, token_level_rewards, token_logprobs, token_values,
+    estimate_advantages, filter_groups, first_prompt_split, full_layout, init_train_state, make_train_step, old_logprobs,
+    old_values, policy_tokens_per_row, ppo_update, prepare_update, ref_logprobs, share_rows, token_level_rewards,
+    token_logprobs, token_values, update_layout,
 )
 
 G, N, L = 4, 8, 48
@@ -92,7 +93,7 @@ def program(model, **overrides):
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
         "micro_batch_size": N, "logprob_chunk": 8, **overrides,
     })
-    prepare = functools.partial(prepare_update, settings, model.graphdef, PLAN)
+    prepare = functools.partial(prepare_update, settings, model.graphdef, PLAN, full_layout(L))
     learn = make_train_step(settings, model.graphdef, PLAN).learn
     return jax.jit(prepare), jax.jit(learn), init_train_state(settings, model, jax.random.PRNGKey(0))
 
@@ -261,26 +262,75 @@ def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     term; values are the critic's on the mask, zeros without a critic."""
     settings, kept, _, _, mask = kept_batch(adv_estimator="gae", use_kl_loss=True, micro_batch_size=4)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
-    max_tokens = policy_tokens_per_row(PLAN)
-    old = old_logprobs(settings, model.graphdef, max_tokens, state, kept, mask)
+    max_tokens, full = policy_tokens_per_row(PLAN), full_layout(L)
+    old = old_logprobs(settings, model.graphdef, PLAN, full, state, kept, mask)
     whole, _ = token_logprobs(model.graphdef, state.actor, kept.tokens, kept.length, mask > 0, 1.0, 8, max_tokens)
     # micro-batches of 4 rows against one call on 32: the same math, matmuls of another shape
     np.testing.assert_allclose(old, whole, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(old).min(where=mask > 0, initial=np.inf)) > 0 and not np.any(np.asarray(old)[mask == 0])
     # the reference starts as a copy of the policy: the same program on equal weights
-    np.testing.assert_array_equal(ref_logprobs(settings, model.graphdef, max_tokens, state, kept, mask), old)
+    np.testing.assert_array_equal(ref_logprobs(settings, model.graphdef, PLAN, full, state, kept, mask), old)
     moved = state.replace(ref=jax.tree.map(lambda x: x * 1.5, state.ref))
-    assert not np.allclose(ref_logprobs(settings, model.graphdef, max_tokens, moved, kept, mask), old)
+    assert not np.allclose(ref_logprobs(settings, model.graphdef, PLAN, full, moved, kept, mask), old)
 
-    values = old_values(settings, model.graphdef, state, kept, mask)
-    critic = token_values(model.graphdef, state.critic, kept.tokens, kept.length)
+    values = old_values(settings, model.graphdef, PLAN, full, state, kept, mask)
+    critic = token_values(model.graphdef, state.critic, kept.tokens, kept.length, mask > 0, max_tokens)
     np.testing.assert_allclose(values, critic * mask, rtol=1e-5, atol=1e-6)
     assert np.count_nonzero(values) == np.count_nonzero(mask)
 
     sampler = settings_for(use_sampler_logprobs=True)
-    np.testing.assert_array_equal(old_logprobs(sampler, model.graphdef, max_tokens, state, kept, mask), kept.sampler_logprobs)
-    assert not np.any(ref_logprobs(sampler, model.graphdef, max_tokens, state, kept, mask))
-    assert not np.any(old_values(sampler, model.graphdef, state, kept, mask))
+    np.testing.assert_array_equal(old_logprobs(sampler, model.graphdef, PLAN, full, state, kept, mask), kept.sampler_logprobs)
+    assert not np.any(ref_logprobs(sampler, model.graphdef, PLAN, full, state, kept, mask))
+    assert not np.any(old_values(sampler, model.graphdef, PLAN, full, state, kept, mask))
+
+
+def shared_prompt_batch(seed=0) -> Trajectories:
+    """``rollout_batch`` as a rollout makes it: the rows of a group read the same first prompt."""
+    traj = rollout_batch(seed=seed)
+    prompt = np.repeat(np.asarray(traj.tokens)[::N, :PROMPT], N, axis=0)
+    return traj.replace(tokens=traj.tokens.at[:, :PROMPT].set(prompt))
+
+
+def test_update_layout_holds_the_batch_in_few_widths():
+    """The prefix holds every first prompt up to its last token, the width every row after it."""
+    traj = shared_prompt_batch()
+    split = np.asarray(first_prompt_split(traj))
+    assert set(split) == {PROMPT - 1}
+    layout = update_layout(traj, L, share=N)
+    assert layout.prefix == 24 and layout.width >= int((np.asarray(traj.length) - split).max())
+    assert layout.width == 16  # rows hold at most 8 response + 2 closing tokens after the split
+    assert update_layout(traj, L, share=1) == (0, 32)  # nothing shared: every row from 0, to 30 tokens
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
+    """Computing each group's first prompt once (and only the rows' used width) gives the same
+    log-probs, values and update as every position of every row: the same attention, in matmuls of
+    other shapes (float32 rounding). Shares of 4 rows (micro-batches of 4 within groups of 8) and 8."""
+    traj = shared_prompt_batch()
+    for micro in (4, 8):
+        settings = settings_for(adv_estimator=estimator, micro_batch_size=micro, ppo_mini_batch_size=16)
+        share = share_rows(settings, N)
+        assert share == micro
+        layout = update_layout(traj, L, share)
+        state = init_train_state(settings, model, jax.random.PRNGKey(0))
+        learn = jax.jit(make_train_step(settings, model.graphdef, PLAN).learn, static_argnums=3)
+        full_state, full_metrics = learn(state, traj, HYPER, full_layout(L))
+        new_state, metrics = learn(state, traj, HYPER, layout)
+        for key in ("rollout/old_log_prob", "actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"):
+            np.testing.assert_allclose(metrics[key], full_metrics[key], rtol=2e-5, atol=1e-6, err_msg=key)
+        # Adam's step is lr·m/√v per weight: where a gradient is near 0 its rounding moves the step,
+        # so weights are compared to 1 % of the step size (lr = 1e-3)
+        for new, old in zip(jax.tree.leaves(new_state.actor), jax.tree.leaves(full_state.actor)):
+            np.testing.assert_allclose(new, old, rtol=1e-4, atol=1e-5)
+        if estimator == "gae":
+            np.testing.assert_allclose(metrics["critic/values/mean"], full_metrics["critic/values/mean"], rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(metrics["critic/grad_norm"], full_metrics["critic/grad_norm"], rtol=2e-5)
+    # the first prompts really are shared: rows whose prompts differ get other log-probs
+    mixed = traj.replace(tokens=traj.tokens.at[1, 0].set(traj.tokens[1, 0] + 1))
+    _, wrong = learn(state, mixed, HYPER, layout)
+    _, right = learn(state, mixed, HYPER, full_layout(L))
+    assert not np.isclose(wrong["rollout/old_log_prob"], right["rollout/old_log_prob"], rtol=1e-6, atol=0)
 
 
 def test_token_level_rewards_put_scores_or_turn_rewards_on_tokens_less_the_kl():
@@ -323,7 +373,7 @@ def test_batch_metrics_see_only_real_rows():
     valid = jnp.arange(G * N) < N  # only group 0 is real
     mask = mask * valid[:, None]
     zeros = jnp.zeros_like(mask)
-    batch = UpdateBatch(kept.tokens, kept.length, mask, -mask, zeros, zeros, 2 * mask, 3 * mask)
+    batch = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, -mask, zeros, zeros, 2 * mask, 3 * mask)
     metrics = batch_metrics(settings, batch, score, rewards.scores_to_token_rewards(score, mask), valid)
     assert float(metrics["critic/score/mean"]) == pytest.approx(float(score[:N].mean()), abs=1e-6)
     assert (float(metrics["critic/advantages/mean"]), float(metrics["critic/returns/mean"])) == (2.0, 3.0)
@@ -338,17 +388,17 @@ def test_losses_at_the_old_policy_and_values(model):
     actor's loss is minus the mean advantage; the critic's loss is ½(V − R)² where V = V_old."""
     settings, kept, _, _, mask = kept_batch(adv_estimator="gae")
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
-    max_tokens = policy_tokens_per_row(PLAN)
-    old = old_logprobs(settings, model.graphdef, max_tokens, state, kept, mask)
-    values = old_values(settings, model.graphdef, state, kept, mask)
+    full = full_layout(L)
+    old = old_logprobs(settings, model.graphdef, PLAN, full, state, kept, mask)
+    values = old_values(settings, model.graphdef, PLAN, full, state, kept, mask)
     adv = jnp.where(mask > 0, jnp.arange(G * N, dtype=jnp.float32)[:, None] / (G * N) - 0.5, 0.0)
-    b = UpdateBatch(kept.tokens, kept.length, mask, old, jnp.zeros_like(old), values, adv, values + 0.5 * mask)
+    b = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, old, jnp.zeros_like(old), values, adv, values + 0.5 * mask)
     horizon = jnp.float32(L - 1)
-    loss, metrics = actor_loss_fn(settings, model.graphdef, max_tokens, None, horizon, state.actor, b, HYPER)
+    loss, metrics = actor_loss_fn(settings, model.graphdef, PLAN, full, None, horizon, state.actor, b, HYPER)
     per_row = (adv * mask).sum(axis=1) / mask.sum(axis=1)
     assert float(loss) == pytest.approx(-float(per_row.mean()), abs=1e-5)
     assert float(metrics["actor/ppo_kl"]) == pytest.approx(0.0, abs=1e-5) and float(metrics["actor/pg_clipfrac"]) == 0.0
-    loss, _ = critic_loss_fn(settings, model.graphdef, None, state.critic, b, HYPER)
+    loss, _ = critic_loss_fn(settings, model.graphdef, PLAN, full, None, state.critic, b, HYPER)
     assert float(loss) == pytest.approx(0.5 * 0.5**2, rel=1e-4)
 
 

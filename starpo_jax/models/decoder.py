@@ -392,6 +392,40 @@ class Decoder(nnx.Module):
         """float32 logits [B, T, V] of full sequences (see ``hidden_states``)."""
         return self.logits(self.hidden_states(tokens, positions, segment_ids))
 
+    def prefix_keys_values(self, tokens: Array, length: Array) -> tuple[Array, Array]:
+        """Each layer's keys and values of full sequences tokens [B, P] whose first ``length[b]``
+        tokens are real, in the cache's layout [layers, B, kv_heads, P, d]: a prefix that
+        ``hidden_states_after`` continues (rematerialised under ``jax.grad`` as ``hidden_states``)."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        segments = (positions < length[:, None]).astype(jnp.int32)
+        allowed = sequence_mask(segments)
+        attention = lambda q, k, v, _: self_attention(q, k, v, allowed)  # noqa: E731
+        _, (k, v) = self._scan_blocks(self._embed(tokens), positions, attention, remat=self.config.remat)
+        return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
+
+    def _continue(self, tokens: Array, positions: Array, prefix_k: Array, prefix_v: Array, visible: Array,
+                  remat: str) -> tuple[Array, tuple[Array, Array]]:
+        """Tokens [B, T] at ``positions`` after a prefix of keys/values [layers, B, kv_heads, S, d]
+        whose slots are ``visible`` [B, 1, S]; causal among themselves. Returns (x, each layer's k, v)."""
+        causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))[None]  # [1, T, T]
+
+        def attention(q, k, v, layer_prefix):
+            k_prefix, v_prefix = layer_prefix  # [B, kv_heads, S, d]
+            new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
+            return attend(q, [(k_prefix, v_prefix, visible), new])
+
+        return self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v), remat=remat)
+
+    def hidden_states_after(self, tokens: Array, positions: Array, prefix_k: Array, prefix_v: Array,
+                            prefix_length: Array) -> Array:
+        """Final-normed hidden states [B, T, D] of tokens [B, T] at ``positions`` that follow each
+        row's prefix (``prefix_keys_values``; its first ``prefix_length[b]`` slots are real): the
+        same values as ``hidden_states`` of the whole sequences at those positions, without
+        recomputing the prefix. Rematerialised under ``jax.grad`` as ``hidden_states``."""
+        visible = (jnp.arange(prefix_k.shape[3]) < prefix_length[:, None])[:, None, :]  # [B, 1, S]
+        x, _ = self._continue(tokens, positions, prefix_k, prefix_v, visible, self.config.remat)
+        return x
+
     def extend(self, tokens: Array, num_new: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Append a block of tokens [B, T] to each row of the cache; row b's real tokens are the first
         ``num_new[b]`` (right padding). Returns the block's hidden states [B, T, D] and the cache with
@@ -400,14 +434,7 @@ class Decoder(nnx.Module):
         T = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
-        causal = jnp.tril(jnp.ones((T, T), bool))[None]  # [1, T, T]
-
-        def attention(q, k, v, layer_cache):
-            k_cache, v_cache = layer_cache  # [B, kv_heads, S, d]
-            new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
-            return attend(q, [(k_cache, v_cache, cached), new])
-
-        x, (k_new, v_new) = self._scan_blocks(self._embed(tokens), positions, attention, (cache.k, cache.v))
+        x, (k_new, v_new) = self._continue(tokens, positions, cache.k, cache.v, cached, remat="none")
         return x, cache.write(k_new, v_new, positions, num_new.astype(jnp.int32))
 
 
