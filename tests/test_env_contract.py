@@ -97,12 +97,21 @@ class TooNarrow(GuessDigit):
         return super().observation_pieces(state)[:2]
 
 
+class Leaky(GuessDigit):
+    """Charges -0.1 for a wrong guess, a reward its step_reward_values (0.0, 1.0) do not list."""
+
+    def step(self, state, action):
+        state, ts = super().step(state, action)
+        return state, ts.replace(reward=jnp.where(ts.reward > 0, ts.reward, -0.1))
+
+
 @pytest.mark.parametrize(
     "cls,message",
     [
         (NoPieces, "piece_texts, the table of observation pieces, is empty"),
         (Clash, "action names clash .*UP, Up"),
         (TooNarrow, "an observation wider than its 2 pieces"),
+        (Leaky, r"'Broken' .* paid a step reward of -0\.1, which its step_reward_values \(0\.0, 1\.0\) do not list"),
     ],
 )
 def test_contract_violations_are_one_clear_error(cls, message):
