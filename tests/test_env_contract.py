@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "docs" / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as a user's own package on the path
 
-from guess_digit import GuessDigit, GuessState  # noqa: E402
+from guess_digit import PIECES, GuessDigit, GuessState  # noqa: E402
 
 
 @pytest.fixture
@@ -117,6 +117,34 @@ class Leaky(GuessDigit):
 def test_contract_violations_are_one_clear_error(cls, message):
     with pytest.raises(EnvContractError, match=message):
         check_env(cls(), "Broken")
+
+
+class BadCut(GuessDigit):
+    """Spells the same text as GuessDigit, but cut between " 5 " and "is too low.": " is" is one token."""
+
+    piece_texts = (PIECES[0], "Your guess", *(f" {d} " for d in range(10)), "is too low.\n", "is too high.\n")
+
+
+def test_a_bad_piece_cut_stops_the_run_in_one_sentence(registry):
+    """The tables' cut check names the env, both pieces and the token; the run reports it as a
+    config error (exit status 2 in experiments.run)."""
+    from configs import base
+    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.planning import abstract_policy
+
+    envs_jax.register("BadCut", BadCut)
+    check_env(envs_jax.make("BadCut"))  # its pieces spell its text: only the tokenizer sees the cut
+    config = base.with_overrides(base.get_config(), {
+        "model.source": "smollm2-135m-instruct", "model.random_init_preset": "tiny-llama",
+        "envs.train.tags": ("BadCut",), "envs.train.n_groups": (2,), "envs.train.group_size": 2,
+        "envs.val.tags": ("BadCut",), "envs.val.n_groups": (2,), "rollout.max_turn": 2, "filter.ratio": 1.0,
+        "actor.ppo_mini_batch_size": 4, "actor.micro_batch_size": 2,
+    })
+    with pytest.raises(ConfigError, match=(
+        r"^envs\.train\.tags: The prompt pieces ' \d ' and '\w[^']*' of env 'BadCut' do not tokenize apart: the "
+        r"tokenizer encodes ' \w+' across the cut between them, .* for example ' \d' \+ ' \w[^']*'\.$"
+    )):
+        build_experiment(config, load=abstract_policy)
 
 
 def test_missing_declarations_are_named_when_made(registry):
