@@ -45,25 +45,25 @@ COMMANDS = {
     ".venv/bin/python -m pytest -q": (SKIP, "this test suite itself", False),
     ".venv/bin/python -m pytest -q -m slow": (SKIP, "this test suite's slow part", False),
     ".venv/bin/python -m experiments.run --config configs/quickstart.py": (TINY_QUICKSTART, "tiny model, 1 step", False),
-    "python -m experiments.run --config configs/sokoban.py": (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.run --config configs/presets.py:starpo_grpo": (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
+    ".venv/bin/python -m experiments.run --config configs/sokoban.py": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    ".venv/bin/python -m experiments.run --config configs/presets.py:starpo_grpo": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
         (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
+    ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
         ((*TINY_SOKOBAN[:-1], "--config.trainer.total_steps=2"), "continues the tiny configs/sokoban.py run", True),
-    "python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
+    ".venv/bin/python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    ".venv/bin/python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
         ((*TINY_MODEL, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
-    "python -m experiments.evaluate --model runs/quickstart --suite bandit":
+    ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit":
         (("--levels", "2", "--batch", "2", "--response-length", "8"), "the tiny quick start's run folder, 2 levels", False),
-    "python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
+    ".venv/bin/python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
         (("--levels", "1", "--batch", "1", "--max-turn", "1", "--response-length", "8"), "1 level per env", True),
-    "JAX_NUM_CPU_DEVICES=2 python -m experiments.bench_envs": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
-    "python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
+    "JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.bench_envs": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
+    ".venv/bin/python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
         ((), "compiles the quick start's programs for abstract shapes (tests/test_plan.py checks the figures)", True),
     ".venv/bin/python -m experiments.report runs/quickstart": ((), "on the tiny quick start's run folder", False),
     "bash setup.sh --download-wheels wheelhouse --python 3.12":
@@ -86,6 +86,11 @@ def readme_commands() -> list[str]:
 def test_every_readme_command_is_listed():
     shown = readme_commands()
     assert sorted(set(shown)) == sorted(COMMANDS), "review the README's commands against COMMANDS"
+
+
+def test_readme_commands_run_as_written_after_setup():
+    """No bare ``python``: it is not the .venv's interpreter unless the venv is activated."""
+    assert re.findall(r"(?<![/\w])python -m [\w.]+", README) == []
 
 
 def run_command(command: str, tmp: Path, extra=(), replace=None) -> subprocess.CompletedProcess:
@@ -123,9 +128,9 @@ def short(command: str) -> str:
 
 
 QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py"
-EVAL_QUICKSTART = "python -m experiments.evaluate --model runs/quickstart --suite bandit"
+EVAL_QUICKSTART = ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit"
 REPORT_QUICKSTART = ".venv/bin/python -m experiments.report runs/quickstart"
-RESUME = "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
+RESUME = ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +156,7 @@ def test_readme_command(command, tmp_path):
 @pytest.mark.parametrize("command", [c for c in cases(slow=True) if c.values[0] != RESUME])
 def test_readme_command_slow(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
-    if command == "python -m experiments.run --config configs/sokoban.py":
+    if command == ".venv/bin/python -m experiments.run --config configs/sokoban.py":
         run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run for a second step
         steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert steps[-1] == 2 and steps.count(1) == steps.count(2), steps  # step 2 added, step 1 kept
