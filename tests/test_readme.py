@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,23 @@ def test_readme_command_slow(command, tmp_path):
 @pytest.mark.parametrize("block", readme_blocks("python"))
 def test_readme_python_block(block):
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_setup_installs_quietly(tmp_path):
+    """setup.sh's pip calls drop pip's notices about this machine's pip.conf index folders, keep
+    errors and exit statuses; the project builds without setuptools' deprecation banner."""
+    pip_ = re.search(r"^export PYTHONWARNINGS=.*?^}\n", (REPO / "setup.sh").read_text(), re.M | re.S).group(0)
+    fake = tmp_path / "fakepython"  # a python whose pip prints the notice, then fails
+    fake.write_text("#!/bin/sh\necho \"WARNING: Location 'file:///opt/x/simple/pip/' is ignored: it is neither a file "
+                    "nor a directory.\" >&2\necho 'ERROR: no matching distribution' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", "-c", f"set -euo pipefail\n{pip_}\npip_ {fake} install x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == "ERROR: no matching distribution\n"
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    for package in ("starpo_jax", "envs_jax", "experiments", "configs"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "wheel"), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0 and "deprecated" not in build.stderr, build.stderr
