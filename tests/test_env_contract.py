@@ -200,3 +200,18 @@ def test_the_documented_code_is_the_tested_file():
     source = set((EXAMPLES / "guess_digit.py").read_text().splitlines())
     example = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "class GuessDigit" in b)
     assert [line for line in example.splitlines() if line.strip() and line not in source] == []
+
+
+def test_the_documented_launcher_gives_the_env_a_short_name():
+    """docs/examples/train_guess_digit.py registers "GuessDigit" before experiments.run reads the
+    config: the tag resolves (the run then stops at a later check, costing no model load)."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_guess_digit.py"), "--config=configs/base.py",
+         "--config.envs.train.tags=('GuessDigit',)", "--config.envs.val.tags=('GuessDigit',)",
+         "--config.trainer.resume=True", "--config.trainer.overwrite=True"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+             "PYTHONPATH": f"{REPO}:{EXAMPLES}"},
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: trainer.resume and trainer.overwrite exclude each other; set one of them."), proc.stderr
