@@ -194,7 +194,8 @@ def test_broken_metrics_lines_are_told_apart_on_stderr(tmp_path, capsys):
     """A line cut short at the end (a run still writing) vs a broken line among complete ones (lost):
     each named on stderr with its line and why, and the curves break where the lost line was."""
     rows = [json.dumps({"step": s, "train/reward/mean": 0.1 * s}) for s in (1, 2)]
-    rows += ['{"step": 3, "train/reward/mean" 0.3}', json.dumps({"step": 4, "train/reward/mean": 0.4}), '{"step": 5, "tr']
+    rows += ['{"step": 3, "train/reward/mean" 0.3}', json.dumps({"step": 4, "train/reward/mean": 0.4})]
+    rows += ['{"step": 5, "tr']
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
     assert report.main([str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
     err = capsys.readouterr().err
