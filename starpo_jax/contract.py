@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jumanji.types import StepType
 
 from envs_jax.base import TextEnv
 from starpo_jax.parsing import ACTION_SEP
@@ -23,7 +24,9 @@ def check_env(env, tag: str = "") -> None:
     Checks the declarations (action names distinct and parseable, step rewards, a piece table),
     their shapes (``action_name_ids``, ``observation_pieces``), and on a few states (the level of
     ``reset_from_seed(0)`` and one step of each of its first 8 actions from it, or of an empty
-    answer for a language-action env) that the pieces spell ``render_text(state) + "\\n"``.
+    answer for a language-action env) that the pieces spell ``render_text(state) + "\\n"``. Then
+    plays ``REWARD_EPISODES`` seeded random episodes from that level and checks that every reward a
+    step pays is one of ``step_reward_values`` (the reward message shows the nearest one otherwise).
     """
     what = f"Env {tag or getattr(env, 'name', '') or type(env).__name__!r}"
 
@@ -78,3 +81,38 @@ def check_env(env, tag: str = "") -> None:
                 f"the observation pieces {after} spell {spelled!r}, not render_text + newline {expected!r} "
                 f"(an observation wider than its {len(pieces)} pieces, or a piece table out of step)."
             )
+
+    check_step_rewards(env, state, step, fail)
+
+
+REWARD_EPISODES = 4  # random episodes from the seed-0 level whose step rewards check_env compares
+
+
+def check_step_rewards(env, state, step, fail, episodes: int = REWARD_EPISODES, seed: int = 0) -> None:
+    """Play ``episodes`` random episodes from ``state`` (each within the env's default action
+    budget) and ``fail`` at the first reward a step pays that ``step_reward_values`` does not list."""
+    declared = np.float32(env.step_reward_values)
+    rng = np.random.default_rng(seed)
+    for _ in range(episodes):
+        seen = state
+        for _ in range(max(int(env.default_max_actions_per_traj), 1)):
+            seen, ts = step(seen, random_action(env, rng))
+            paid = np.float32(ts.reward)
+            if not np.any(np.isclose(paid, declared, rtol=1e-6, atol=1e-7)):
+                fail(
+                    f"a random episode from seed 0 paid a step reward of {float(paid):g}, which its "
+                    f"step_reward_values {tuple(env.step_reward_values)!r} do not list (the reward "
+                    "message shown to the model would say the nearest listed value)."
+                )
+            if int(ts.step_type) == StepType.LAST:
+                break
+
+
+def random_action(env, rng):
+    """A random action as ``step`` takes it: an action id, or a language env's answer bytes and length
+    (the same types as ``check_env``'s steps, so the jitted ``step`` is not compiled again)."""
+    if not env.answer_width:
+        return int(rng.integers(env.num_actions))
+    length = int(rng.integers(env.answer_width + 1))
+    text = rng.integers(32, 127, env.answer_width).astype(np.uint8)
+    return text * (np.arange(env.answer_width) < length), np.int32(length)

@@ -19,6 +19,7 @@ from starpo_jax import bundled
 from starpo_jax.contract import check_env
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
+from starpo_jax.prompts import PieceCutError
 from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
 from starpo_jax.settings import ConfigError, Hyperparams, TrainSettings, check_settings, read_settings
 
@@ -201,14 +202,16 @@ def build_experiment(config: ConfigDict | CheckedConfig, load=load_policy) -> Ex
         "train": dataclasses.replace(checked.train_plan, pad_id=_pad_id(tokenizer)),
         "val": dataclasses.replace(checked.val_plan, pad_id=_pad_id(tokenizer)),
     }
-    tables = {
-        name: build_tables(
-            tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
-            legend_from_env_symbols=config.envs.legend_from_env_symbols, chat_template=chat_template,
-            vocab_size=model.merge().config.vocab_size,
-        )
-        for name, plan in plans.items()
-    }
+    tables = {}
+    for name, plan in plans.items():
+        try:
+            tables[name] = build_tables(
+                tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
+                legend_from_env_symbols=config.envs.legend_from_env_symbols, chat_template=chat_template,
+                vocab_size=model.merge().config.vocab_size,
+            )
+        except PieceCutError as err:  # an env's pieces cut where this tokenizer merges: one sentence
+            raise ConfigError(f"envs.{name}.tags: {err}") from err
     stops = stop_tokens_for(tokenizer, tables["train"])
     return Experiment(
         config=config,

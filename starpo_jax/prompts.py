@@ -338,7 +338,7 @@ class PromptTables:
                 "a special stop token; the rollout cannot tell a finished response from a cut one."
             )
         observation = PieceTable.build(tokenizer, env.piece_texts, observation_budget(env), TAIL_START)
-        check_cuts(tokenizer, texts.sample_prompts(env), env.piece_texts, observation)
+        check_cuts(tokenizer, texts.sample_prompts(env), env.piece_texts, observation, getattr(env, "name", ""))
 
         head = TokenRuns.from_texts(tokenizer, [texts.head])
         tail = TokenRuns.from_texts(tokenizer, texts.tails)
@@ -416,24 +416,60 @@ class PromptPieces:
         return prompts
 
 
-def check_cuts(tokenizer, prompts: Sequence[Sequence], piece_texts: Sequence[str] = (), pieces=None) -> None:
-    """Refuse a tokenizer that merges tokens across a piece boundary of any of ``prompts``.
+class PieceCutError(ValueError):
+    """Two prompt pieces whose tokens merge across their cut, so the in-graph prompts, joined from
+    each piece's tokens, would not be the tokenizer's encoding."""
+
+
+def check_cuts(
+    tokenizer, prompts: Sequence[Sequence], piece_texts: Sequence[str] = (), pieces=None, env_name: str = ""
+) -> None:
+    """Raise ``PieceCutError`` naming the first cut of ``prompts`` (of env ``env_name``) that a token spans.
 
     A prompt is a list of pieces: texts, or ints standing for observation pieces (``piece_texts``
-    and their token ids in the ``PieceTable`` ``pieces``). Its pre-tokenizer would differ from
-    Qwen2.5's and SmolLM2's; tables would give non-canonical tokens.
+    and their token ids in the ``PieceTable`` ``pieces``). The env's pieces are cut in the wrong
+    place, or the tokenizer's pre-tokenizer differs from Qwen2.5's and SmolLM2's.
     """
     text = lambda p: p if isinstance(p, str) else piece_texts[p]  # noqa: E731
+    prompts = [[p for p in prompt if text(p)] for prompt in prompts]  # an empty piece has no cut
     whole = tokenize_texts(tokenizer, ["".join(map(text, prompt)) for prompt in prompts])
     for prompt, ids in zip(prompts, whole):
-        joined = []
-        for p in prompt:
-            joined += tokenize_texts(tokenizer, [p])[0] if isinstance(p, str) else pieces.piece_ids(p)
-        if joined != ids:
-            raise ValueError(
-                "This tokenizer merges tokens across a prompt piece boundary, so prompt tokens cannot "
-                f"be assembled from tables; offending prompt: {''.join(map(text, prompt))!r}."
-            )
+        parts = [tokenize_texts(tokenizer, [p])[0] if isinstance(p, str) else pieces.piece_ids(p) for p in prompt]
+        if sum(parts, []) != ids:
+            raise PieceCutError(cut_message(tokenizer, [text(p) for p in prompt], parts, ids, env_name))
+
+
+def cut_message(
+    tokenizer, texts: Sequence[str], parts: Sequence[Sequence[int]], ids: Sequence[int], env_name: str = ""
+) -> str:
+    """One sentence on the first cut between ``texts`` (tokenized apart: ``parts``) that a token of
+    the whole text's encoding ``ids`` spans: the two pieces, the token, and where to cut instead."""
+    joined = [t for part in parts for t in part]
+    first = next((j for j, (a, b) in enumerate(zip(joined, ids)) if a != b), min(len(joined), len(ids)))
+    ends = np.cumsum([len(part) for part in parts])
+    k = int(np.searchsorted(ends, first, side="right"))  # the piece whose tokens first differ
+    if k > 0 and (k >= len(parts) or first == ends[k] - len(parts[k])):
+        k -= 1  # they differ from a piece's first token on: the cut before it
+    k = min(k, len(texts) - 2)
+    before, after = texts[k], texts[k + 1]
+    token = tokenizer.decode([ids[min(first, len(ids) - 1)]])
+    spans = [n for n in range(len(token) - 1, 0, -1) if before.endswith(token[:n]) and after.startswith(token[n:])]
+    instead = f", for example {_tail(before[: -spans[0]])!r} + {_head(token[: spans[0]] + after)!r}" if spans else ""
+    return (
+        f"The prompt pieces {_tail(before)!r} and {_head(after)!r}{f' of env {env_name!r}' if env_name else ''} "
+        "do not tokenize apart: the tokenizer "
+        f"encodes {token!r} across the cut between them, so prompts joined from each piece's tokens would "
+        "not be its encoding; cut after a newline that no other newline follows, or before a space-led "
+        f"word or number (docs/environments.md){instead}."
+    )
+
+
+def _tail(text: str, width: int = 30) -> str:
+    return text if len(text) <= width else "…" + text[-width:]
+
+
+def _head(text: str, width: int = 30) -> str:
+    return text if len(text) <= width else text[:width] + "…"
 
 
 def _observation_runs(tables: PromptTables, pieces, actions_left):

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "docs" / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as a user's own package on the path
 
-from guess_digit import GuessDigit, GuessState  # noqa: E402
+from guess_digit import PIECES, GuessDigit, GuessState  # noqa: E402
 
 
 @pytest.fixture
@@ -97,17 +97,54 @@ class TooNarrow(GuessDigit):
         return super().observation_pieces(state)[:2]
 
 
+class Leaky(GuessDigit):
+    """Charges -0.1 for a wrong guess, a reward its step_reward_values (0.0, 1.0) do not list."""
+
+    def step(self, state, action):
+        state, ts = super().step(state, action)
+        return state, ts.replace(reward=jnp.where(ts.reward > 0, ts.reward, -0.1))
+
+
 @pytest.mark.parametrize(
     "cls,message",
     [
         (NoPieces, "piece_texts, the table of observation pieces, is empty"),
         (Clash, "action names clash .*UP, Up"),
         (TooNarrow, "an observation wider than its 2 pieces"),
+        (Leaky, r"'Broken' .* paid a step reward of -0\.1, which its step_reward_values \(0\.0, 1\.0\) do not list"),
     ],
 )
 def test_contract_violations_are_one_clear_error(cls, message):
     with pytest.raises(EnvContractError, match=message):
         check_env(cls(), "Broken")
+
+
+class BadCut(GuessDigit):
+    """Spells the same text as GuessDigit, but cut between " 5 " and "is too low.": " is" is one token."""
+
+    piece_texts = (PIECES[0], "Your guess", *(f" {d} " for d in range(10)), "is too low.\n", "is too high.\n")
+
+
+def test_a_bad_piece_cut_stops_the_run_in_one_sentence(registry):
+    """The tables' cut check names the env, both pieces and the token; the run reports it as a
+    config error (exit status 2 in experiments.run)."""
+    from configs import base
+    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.planning import abstract_policy
+
+    envs_jax.register("BadCut", BadCut)
+    check_env(envs_jax.make("BadCut"))  # its pieces spell its text: only the tokenizer sees the cut
+    config = base.with_overrides(base.get_config(), {
+        "model.source": "smollm2-135m-instruct", "model.random_init_preset": "tiny-llama",
+        "envs.train.tags": ("BadCut",), "envs.train.n_groups": (2,), "envs.train.group_size": 2,
+        "envs.val.tags": ("BadCut",), "envs.val.n_groups": (2,), "rollout.max_turn": 2, "filter.ratio": 1.0,
+        "actor.ppo_mini_batch_size": 4, "actor.micro_batch_size": 2,
+    })
+    with pytest.raises(ConfigError, match=(
+        r"^envs\.train\.tags: The prompt pieces ' \d ' and '\w[^']*' of env 'BadCut' do not tokenize apart: the "
+        r"tokenizer encodes ' \w+' across the cut between them, .* for example ' \d' \+ ' \w[^']*'\.$"
+    )):
+        build_experiment(config, load=abstract_policy)
 
 
 def test_missing_declarations_are_named_when_made(registry):
@@ -163,3 +200,18 @@ def test_the_documented_code_is_the_tested_file():
     source = set((EXAMPLES / "guess_digit.py").read_text().splitlines())
     example = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "class GuessDigit" in b)
     assert [line for line in example.splitlines() if line.strip() and line not in source] == []
+
+
+def test_the_documented_launcher_gives_the_env_a_short_name():
+    """docs/examples/train_guess_digit.py registers "GuessDigit" before experiments.run reads the
+    config: the tag resolves (the run then stops at a later check, costing no model load)."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_guess_digit.py"), "--config=configs/base.py",
+         "--config.envs.train.tags=('GuessDigit',)", "--config.envs.val.tags=('GuessDigit',)",
+         "--config.trainer.resume=True", "--config.trainer.overwrite=True"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+             "PYTHONPATH": f"{REPO}:{EXAMPLES}"},
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: trainer.resume and trainer.overwrite exclude each other; set one of them."), proc.stderr

@@ -1,6 +1,7 @@
 """The memory planner: its figures for a tiny config are those of the programs that really run, it
 names the knob to turn when a run does not fit, and its command line fails with one sentence."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,12 @@ def test_cli_help_and_bad_input():
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --device-memory 'lots' is not a size; write e.g. 80GiB, 24GB or 16e9."
     ]
+
+
+def test_a_config_error_is_the_only_line_on_stderr():
+    """No jax log line about backends it looked for (absl shows INFO): the error alone."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "experiments.plan", "--config.envs.train.tags=('Nope',)"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: envs.train.tags: unknown env 'Nope'.")

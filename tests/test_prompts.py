@@ -276,5 +276,18 @@ def test_assembled_turns_equal_tokenized_chat(name, which, think, request):
 
 def test_check_cuts_refuses_a_boundary_inside_a_chunk(qwen_tokenizer):
     P.check_cuts(qwen_tokenizer, [["State:\n", "#_P#\n", "You have"]])
-    with pytest.raises(ValueError, match="piece boundary"):  # Qwen keeps ".\n\n" in one token
+    with pytest.raises(P.PieceCutError, match=r"'>\.\\n\\n' across the cut"):  # Qwen keeps ">.\n\n" in one token
         P.check_cuts(qwen_tokenizer, [["</answer>.\n", "\nYou have"]])
+
+
+def test_a_bad_piece_cut_is_one_sentence_naming_both_pieces(smollm2_tokenizer):
+    """The two pieces, the token spanning their cut, and where to cut instead (docs/environments.md)."""
+    P.check_cuts(smollm2_tokenizer, [["State:\n", "Your guess", " five", " is too low.\n", "You have"]])
+    with pytest.raises(P.PieceCutError) as err:
+        P.check_cuts(smollm2_tokenizer, [["State:\n", "Your guess ", "five", " is too low.\n", "You have"]])
+    assert str(err.value) == (
+        "The prompt pieces 'Your guess ' and 'five' do not tokenize apart: the tokenizer encodes ' five' across "
+        "the cut between them, so prompts joined from each piece's tokens would not be its encoding; cut after "
+        "a newline that no other newline follows, or before a space-led word or number (docs/environments.md), "
+        "for example 'Your guess' + ' five'."
+    )

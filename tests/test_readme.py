@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,25 +46,25 @@ COMMANDS = {
     ".venv/bin/python -m pytest -q": (SKIP, "this test suite itself", False),
     ".venv/bin/python -m pytest -q -m slow": (SKIP, "this test suite's slow part", False),
     ".venv/bin/python -m experiments.run --config configs/quickstart.py": (TINY_QUICKSTART, "tiny model, 1 step", False),
-    "python -m experiments.run --config configs/sokoban.py": (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.run --config configs/presets.py:starpo_grpo": (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
+    ".venv/bin/python -m experiments.run --config configs/sokoban.py": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    ".venv/bin/python -m experiments.run --config configs/presets.py:starpo_grpo": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3 --config.actor.lr=3e-6":
         (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
+    ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True":
         ((*TINY_SOKOBAN[:-1], "--config.trainer.total_steps=2"), "continues the tiny configs/sokoban.py run", True),
-    "python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
-    "python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
+    ".venv/bin/python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
+    ".venv/bin/python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
         ((*TINY_MODEL, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
-    "python -m experiments.evaluate --model runs/quickstart --suite bandit":
+    ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit":
         (("--levels", "2", "--batch", "2", "--response-length", "8"), "the tiny quick start's run folder, 2 levels", False),
-    "python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
+    ".venv/bin/python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
         (("--levels", "1", "--batch", "1", "--max-turn", "1", "--response-length", "8"), "1 level per env", True),
-    "JAX_NUM_CPU_DEVICES=2 python -m experiments.bench_envs": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
-    "python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
-    "python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
+    "JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.bench_envs": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
+    ".venv/bin/python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
         ((), "compiles the quick start's programs for abstract shapes (tests/test_plan.py checks the figures)", True),
     ".venv/bin/python -m experiments.report runs/quickstart": ((), "on the tiny quick start's run folder", False),
     "bash setup.sh --download-wheels wheelhouse --python 3.12":
@@ -86,6 +87,11 @@ def readme_commands() -> list[str]:
 def test_every_readme_command_is_listed():
     shown = readme_commands()
     assert sorted(set(shown)) == sorted(COMMANDS), "review the README's commands against COMMANDS"
+
+
+def test_readme_commands_run_as_written_after_setup():
+    """No bare ``python``: it is not the .venv's interpreter unless the venv is activated."""
+    assert re.findall(r"(?<![/\w])python -m [\w.]+", README) == []
 
 
 def run_command(command: str, tmp: Path, extra=(), replace=None) -> subprocess.CompletedProcess:
@@ -123,9 +129,9 @@ def short(command: str) -> str:
 
 
 QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py"
-EVAL_QUICKSTART = "python -m experiments.evaluate --model runs/quickstart --suite bandit"
+EVAL_QUICKSTART = ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit"
 REPORT_QUICKSTART = ".venv/bin/python -m experiments.report runs/quickstart"
-RESUME = "python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
+RESUME = ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +157,7 @@ def test_readme_command(command, tmp_path):
 @pytest.mark.parametrize("command", [c for c in cases(slow=True) if c.values[0] != RESUME])
 def test_readme_command_slow(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
-    if command == "python -m experiments.run --config configs/sokoban.py":
+    if command == ".venv/bin/python -m experiments.run --config configs/sokoban.py":
         run_command(RESUME, tmp_path, shrunk(RESUME))  # continues this run for a second step
         steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert steps[-1] == 2 and steps.count(1) == steps.count(2), steps  # step 2 added, step 1 kept
@@ -160,3 +166,23 @@ def test_readme_command_slow(command, tmp_path):
 @pytest.mark.parametrize("block", readme_blocks("python"))
 def test_readme_python_block(block):
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_setup_installs_quietly(tmp_path):
+    """setup.sh's pip calls drop pip's notices about this machine's pip.conf index folders, keep
+    errors and exit statuses; the project builds without setuptools' deprecation banner."""
+    pip_ = re.search(r"^export PYTHONWARNINGS=.*?^}\n", (REPO / "setup.sh").read_text(), re.M | re.S).group(0)
+    fake = tmp_path / "fakepython"  # a python whose pip prints the notice, then fails
+    fake.write_text("#!/bin/sh\necho \"WARNING: Location 'file:///opt/x/simple/pip/' is ignored: it is neither a file "
+                    "nor a directory.\" >&2\necho 'ERROR: no matching distribution' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", "-c", f"set -euo pipefail\n{pip_}\npip_ {fake} install x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == "ERROR: no matching distribution\n"
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    for package in ("starpo_jax", "envs_jax", "experiments", "configs"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "wheel"), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0 and "deprecated" not in build.stderr, build.stderr

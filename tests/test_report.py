@@ -156,6 +156,7 @@ def test_partial_and_malformed_runs_give_a_report_with_notes(tiny_run, browser, 
     writing = tmp_path / "writing"  # a run still writing: truncated last lines, a temporary dump
     shutil.copytree(tiny_run, writing, ignore=shutil.ignore_patterns("checkpoints", "tb"))
     with (writing / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2.5, "train/rew\n')  # a broken line among complete ones: a gap in the curves
         f.write(json.dumps({"step": 3, "train/reward/mean": 0.1, "collapse/warning": 1.0}) + "\n")
         f.write('{"step": 4, "train/reward/me')
     with (writing / "val" / "step_2.jsonl").open("a") as f:
@@ -172,7 +173,9 @@ def test_partial_and_malformed_runs_give_a_report_with_notes(tiny_run, browser, 
     assert report.main([str(writing), str(no_val), str(empty), "-o", str(out)]) == 0
     page = Page(browser, out.as_uri())
     notes = page.page.locator("#notes").inner_text()
-    assert "metrics.jsonl: skipped 1 line(s)" in notes and "step_2.jsonl: skipped 1 line(s)" in notes
+    assert "metrics.jsonl: skipped the last line" in notes and "step_2.jsonl: skipped the last line" in notes
+    assert "metrics.jsonl: skipped broken line" in notes
+    assert "1 broken metrics line(s) missing" in page.page.locator("header").inner_text()
     assert "config.json is not valid JSON" in notes
     assert "no_val: No validation dumps" in notes
     assert "empty: No metrics.jsonl" in notes
@@ -181,8 +184,27 @@ def test_partial_and_malformed_runs_give_a_report_with_notes(tiny_run, browser, 
     assert marks.count() > 0 and marks.first.locator("title").text_content() == "collapse warning at step 3 (writing)"
     # What exists is still drawn: the complete lines of each run.
     assert page.page.locator('#curves path.series[data-key="train/reward/mean"]').count() == 2
+    curve = page.page.locator('#curves path.series[data-key="train/reward/mean"][data-run="writing"]')
+    assert curve.get_attribute("d").count("M") == 2  # not drawn across the broken line
     assert page.articles().count() == 9
     assert page.errors == []
+
+
+def test_broken_metrics_lines_are_told_apart_on_stderr(tmp_path, capsys):
+    """A line cut short at the end (a run still writing) vs a broken line among complete ones (lost):
+    each named on stderr with its line and why, and the curves break where the lost line was."""
+    rows = [json.dumps({"step": s, "train/reward/mean": 0.1 * s}) for s in (1, 2)]
+    rows += ['{"step": 3, "train/reward/mean" 0.3}', json.dumps({"step": 4, "train/reward/mean": 0.4})]
+    rows += ['{"step": 5, "tr']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
+    assert report.main([str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
+    err = capsys.readouterr().err
+    assert (f"note: {tmp_path / 'metrics.jsonl'}: skipped broken line 3 (column 33: Expecting ':' delimiter) among "
+            "complete ones, so not a line still being written: what it logged is missing, a gap in the curves.") in err
+    assert (f"note: {tmp_path / 'metrics.jsonl'}: skipped the last line 5 (column 13: Unterminated string), "
+            "cut short: the run may still be writing it.") in err
+    (run,) = report.build_data([tmp_path])["runs"]
+    assert run["gaps"] == [[2, 4]] and [r["step"] for r in run["metrics"]] == [1, 2, 4]
 
 
 def test_cli_errors_and_help(tmp_path):

@@ -213,6 +213,21 @@ def test_evaluate_the_bundled_model_on_bandit(tmp_path):
         assert r["success"] <= r["num_actions"] == r["action_is_effective"] <= 1
 
 
+def test_evaluate_writes_beside_the_model_and_says_when_it_replaces(tmp_path):
+    from experiments.evaluate import default_out, out_note
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}")
+    assert default_out(str(run_dir), "bandit") == run_dir / "evaluate_bandit.json"
+    assert default_out("Qwen/Qwen2.5-0.5B-Instruct", "guess_digit:GuessDigit") == Path(
+        "bench_results/evaluate_Qwen_Qwen2.5-0.5B-Instruct_guess_digit_GuessDigit.json")
+    out = run_dir / "evaluate_bandit.json"
+    assert out_note(out) == f"results go to {out}"
+    out.write_text("{}")
+    assert out_note(out) == f"results go to {out} (replacing the earlier evaluation there)"
+
+
 def test_evaluate_errors():
     proc = evaluate("--model", "smollm2-135m-instruct", "--suite", "chess")
     assert proc.returncode == 2 and "Unknown suite 'chess'" in proc.stderr

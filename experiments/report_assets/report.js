@@ -122,6 +122,11 @@ function points(run, s) {
   return pts.sort((a, b) => a[0] - b[0]);
 }
 
+// Whether a broken metrics line lies between steps a < b: the curve is not drawn across it.
+function brokenBetween(run, a, b) {
+  return (run.gaps || []).some(([before, after]) => a <= before && after <= b);
+}
+
 function niceTicks(lo, hi, n = 5, integer = false) {
   const scale = Math.max(Math.abs(lo), Math.abs(hi), 1e-12);
   if (hi - lo <= scale * 1e-6) { const pad = Math.abs(lo) * 0.1 || 0.5; lo -= pad; hi += pad; } // a flat line
@@ -174,7 +179,7 @@ function chart(panel) {
   for (const l of lines) {
     const color = PALETTE[(RUNS.length > 1 ? l.r : l.i) % PALETTE.length];
     const dash = RUNS.length > 1 ? DASHES[l.i % DASHES.length] : (l.s.val ? "6 4" : "");
-    const d = l.pts.map((p, j) => `${j ? "L" : "M"}${x(p[0]).toFixed(1)} ${y(p[1]).toFixed(1)}`).join("");
+    const d = l.pts.map((p, j) => `${j && !brokenBetween(l.run, l.pts[j - 1][0], p[0]) ? "L" : "M"}${x(p[0]).toFixed(1)} ${y(p[1]).toFixed(1)}`).join("");
     plot.append(svg("path", { d, class: "series", stroke: color, "stroke-dasharray": dash, "data-key": l.s.key, "data-run": l.run.name }));
     const name = (RUNS.length > 1 ? l.run.name + " · " : "") + l.s.label;
     if (l.pts.length <= 400) {
@@ -462,8 +467,9 @@ function header() {
   const runs = el("ul", { class: "runs" });
   RUNS.forEach((run, i) => {
     const steps = run.metrics.length ? Math.max(...run.metrics.map((r) => r.step)) : 0;
+    const broken = (run.gaps || []).length ? ` (${run.gaps.length} broken metrics line(s) missing, see the notes)` : "";
     runs.append(el("li", {}, el("span", { class: "run-swatch", style: `background:${PALETTE[i % PALETTE.length]}` }),
-      el("b", { text: run.name }), el("span", { class: "muted", text: ` ${run.path} · ${steps} step(s) logged · ${run.trajectories.length} validation trajectories` })));
+      el("b", { text: run.name }), el("span", { class: "muted", text: ` ${run.path} · ${steps} step(s) logged${broken} · ${run.trajectories.length} validation trajectories` })));
   });
   h.append(runs, el("p", { class: "muted", text: `generated ${DATA.generated}` + (DATA.live ? ` · live: checks for new data every ${DATA.live.interval} s` : "") }));
   const notes = RUNS.flatMap((r) => r.notes.map((n) => (RUNS.length > 1 ? `${r.name}: ` : "") + n));
