@@ -106,6 +106,9 @@ def get_config() -> ConfigDict:
             # A fresh run refuses a folder that holds an earlier run; True deletes that run's files first.
             overwrite=False,
             log_trajectories=20,
+            # Validation runs as this many rollouts, each on 1/val_chunks of every tag's groups: the
+            # same levels and metrics in a fraction of the memory (the KV cache is the largest buffer).
+            val_chunks=1,
             export_hf=True,  # save the final policy as a Hugging Face folder (hf_policy/)
         )
     )

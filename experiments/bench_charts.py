@@ -110,7 +110,7 @@ def draw_rollout(report: dict):
 
 
 def draw_train(report: dict):
-    """Memory (MB) and wall time of one update: full fine-tuning against LoRA."""
+    """Memory (MB) and wall time of one update: full fine-tuning (whole rows, the batch's layout) against LoRA."""
     results = report["results"]
     fig, (mem, wall) = _figure(2)
     parts = [("trained", lambda r: r["state_bytes"]["trained"]), ("frozen", lambda r: r["state_bytes"]["frozen"]),
@@ -123,7 +123,7 @@ def draw_train(report: dict):
     mem.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(parts))], [p for p, _ in parts], fontsize=7)
     mem.set(ylabel="MB", title="memory of one update")
     mem.legend(fontsize=7)
-    wall.bar(modes, [results[m]["wall_s"] for m in modes], color=["C0", "C1"][: len(modes)])
+    wall.bar(modes, [results[m]["wall_s"] for m in modes], color=[f"C{i}" for i in range(len(modes))])
     wall.set(ylabel="seconds", title="wall time of one update")
     return fig
 

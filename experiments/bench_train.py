@@ -1,4 +1,5 @@
-"""Memory and time of one update (the learn phase), full fine-tuning next to LoRA.
+"""Memory and time of one update (the learn phase): full fine-tuning over whole rows, over the
+batch's layout (each group's first prompt once, rows cut to their used width), and LoRA.
 
     python -m experiments.bench_train                  # SmolLM2-135M shape (random weights), PPO + KL loss
     python -m experiments.bench_train --quick          # seconds: tiny model, smoke test
@@ -13,7 +14,7 @@ actor and critic; LoRA keeps one frozen base and small adapters (spec §5, paper
 Reported per mode: bytes of the train state (trained weights, frozen weights, optimizer moments),
 XLA's compiled memory analysis of ``learn`` (arguments, outputs and temporaries: what the device
 must hold while it runs), compile time apart, and the median wall time of ``--repeats`` runs.
-Ratios are LoRA over full fine-tuning, measured in the same process.
+Ratios are LoRA, and the layout, over full fine-tuning on whole rows, measured in the same process.
 """
 
 from __future__ import annotations
@@ -64,23 +65,25 @@ def experiment_config(args):
     })  # fmt: skip
 
 
-def bench_mode(exp, traj, lora_rank: int, repeats: int) -> dict:
+def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
+    """``layout``: the update's ``UpdateLayout`` (None: every position of every row)."""
     from starpo_jax.train import init_train_state, make_train_step
 
     settings = dataclasses.replace(exp.settings, lora_rank=lora_rank)
     state = init_train_state(settings, exp.model, jax.random.PRNGKey(0))
-    learn = jax.jit(make_train_step(settings, exp.model.graphdef, exp.train_plan).learn)
+    learn = jax.jit(make_train_step(settings, exp.model.graphdef, exp.train_plan).learn, static_argnums=3)
     start = time.perf_counter()
-    compiled = learn.lower(state, traj, exp.hyper).compile()
+    compiled = learn.lower(state, traj, exp.hyper, layout).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     times = []
-    for _ in tqdm(range(repeats), desc=f"learn lora_rank={lora_rank}", unit="run", leave=False):
+    for _ in tqdm(range(repeats), desc=f"learn lora_rank={lora_rank} layout={tuple(layout or ())}", unit="run", leave=False):
         start = time.perf_counter()
         jax.block_until_ready(compiled(state, traj, exp.hyper))
         times.append(time.perf_counter() - start)
     return {
         "lora_rank": lora_rank,
+        "layout": None if layout is None else layout._asdict(),
         "state_bytes": state_bytes(state),
         "learn_bytes": {
             "arguments": memory.argument_size_in_bytes,
@@ -116,13 +119,15 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from starpo_jax.experiment import build_experiment
-    from starpo_jax.train import init_train_state, make_train_step
+    from starpo_jax.train import init_train_state, make_train_step, share_rows, update_layout
 
     exp = build_experiment(experiment_config(args))
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))
     collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).collect)
     traj = jax.block_until_ready(collect(state, exp.train_tables, jax.random.PRNGKey(1)))
     full = bench_mode(exp, traj, 0, args.repeats)
+    layout = update_layout(traj, exp.train_plan.max_len, share_rows(exp.settings, exp.train_plan.group_size))
+    laid_out = bench_mode(exp, traj, 0, args.repeats, layout)
     lora = bench_mode(exp, traj, args.lora_rank, args.repeats)
     held = lambda r: r["learn_bytes"]["arguments"] + r["learn_bytes"]["temporaries"]  # noqa: E731
     report = {
@@ -131,12 +136,13 @@ def main(argv=None) -> dict:
                      "response_length": args.response_length, "micro_batch_size": args.micro_batch_size,
                      "estimator": "gae + KL loss", "env": "Bandit"},
         "machine": machine(args.note),
-        "results": {"full": full, "lora": lora},
+        "results": {"full": full, "layout": laid_out, "lora": lora},
         "lora_over_full": {
             "state_bytes": sum(lora["state_bytes"].values()) / sum(full["state_bytes"].values()),
             "learn_held_bytes": held(lora) / held(full),
             "wall_s": lora["wall_s"] / full["wall_s"],
         },
+        "layout_over_full": {"learn_held_bytes": held(laid_out) / held(full), "wall_s": laid_out["wall_s"] / full["wall_s"]},
     }  # fmt: skip
     mb = lambda n: f"{n / 2**20:9.1f}"  # noqa: E731
     print(f"{'mode':<10} {'trained MB':>10} {'frozen MB':>10} {'optim MB':>10} {'learn args+temp MB':>19} "
@@ -148,6 +154,8 @@ def main(argv=None) -> dict:
     ratios = report["lora_over_full"]
     print(f"LoRA / full: state {ratios['state_bytes']:.2f}x, learn memory {ratios['learn_held_bytes']:.2f}x, "
           f"wall time {ratios['wall_s']:.2f}x")
+    ratios = report["layout_over_full"]
+    print(f"layout {tuple(layout)} / whole rows: learn memory {ratios['learn_held_bytes']:.2f}x, wall time {ratios['wall_s']:.2f}x")
     write_report(report, args.out)
     return report
 

@@ -169,6 +169,7 @@ def check_config(config: ConfigDict) -> CheckedConfig:
     check_settings(config)
     model_compute(config)
     train_plan, val_plan = rollout_plan(config, "train"), rollout_plan(config, "val")
+    check_val_chunks(config.trainer.val_chunks, val_plan)
     return CheckedConfig(
         config=config,
         train_plan=train_plan,
@@ -179,11 +180,21 @@ def check_config(config: ConfigDict) -> CheckedConfig:
     )
 
 
+def check_val_chunks(chunks, val_plan: RolloutPlan) -> None:
+    """``trainer.val_chunks`` splits every validation tag's groups evenly (``rollout.chunked_rollout``)."""
+    counts = [t.n_groups for t in val_plan.tags]
+    if not isinstance(chunks, int) or chunks < 1 or any(n % chunks for n in counts):
+        raise ConfigError(
+            f"trainer.val_chunks must be a whole number >= 1 that divides every envs.val.n_groups {tuple(counts)}, "
+            f"not {chunks!r}."
+        )
+
+
 def _mesh_batches(config: ConfigDict, train_plan: RolloutPlan, val_plan: RolloutPlan) -> dict[str, int]:
     """The batches split over the mesh's ``data`` axis, named as the user sets them."""
     return {
         "the training batch (n_groups × group_size)": train_plan.batch_size,
-        "the validation batch (n_groups × group_size)": val_plan.batch_size,
+        "the validation batch (n_groups × group_size / trainer.val_chunks)": val_plan.batch_size // config.trainer.val_chunks,
         "actor.micro_batch_size": config.actor.micro_batch_size,
     }
 

@@ -555,3 +555,31 @@ def make_rollout(plan: RolloutPlan, responder=None):
     from its KV cache); tests pass a scripted one.
     """
     return jax.jit(functools.partial(rollout, plan, responder or LLMResponder(plan)))
+
+
+def chunked_rollout(plan: RolloutPlan, chunks: int, responder=None):
+    """``make_rollout(plan)``'s function, run as ``chunks`` calls of one compiled program, each on
+    1/chunks of every tag's groups (validation on many levels in a fraction of the memory: the KV
+    cache is the rollout's largest buffer). Returns the same batch, rows in the plan's order; chunk
+    ``i`` samples with ``fold_in(key, i)``."""
+    if chunks == 1:
+        return make_rollout(plan, responder)
+    if any(t.n_groups % chunks for t in plan.tags):
+        raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
+    part = dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
+    run_part = make_rollout(part, responder)
+    rows = [sl.stop - sl.start for sl in part.row_slices()]
+
+    def chunk_states(init_states, i):
+        return tuple(jax.tree.map(lambda x, n=n: x[i * n:(i + 1) * n], s) for s, n in zip(init_states, rows))
+
+    def run(model, tables, init_states, key, temperature) -> Trajectories:
+        parts = [run_part(model, tables, chunk_states(init_states, i), jax.random.fold_in(key, i), temperature)
+                 for i in range(chunks)]
+        # tag by tag, each tag's rows from every chunk in order: the plan's row order
+        pieces = [jax.tree.map(lambda x, sl=sl: x[sl], p) for sl in part.row_slices() for p in parts]
+        merged = jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)
+        return merged.replace(group_id=jnp.arange(plan.batch_size, dtype=jnp.int32) // plan.group_size)
+
+    return run
+

@@ -21,3 +21,8 @@ def test_quick_benchmark_compares_full_and_lora(tmp_path):
     assert full["state_bytes"]["optimizer"] == pytest.approx(2 * full["state_bytes"]["trained"], rel=1e-6)  # Adam: 2 moments
     assert report["lora_over_full"]["wall_s"] == pytest.approx(lora["wall_s"] / full["wall_s"])
     assert all(r["learn_bytes"]["temporaries"] > 0 and r["compile_s"] > 0 for r in (full, lora))
+    # The batch's layout: the pair's first prompt once, rows cut from 320 positions to their width
+    layout = report["results"]["layout"]
+    assert layout["layout"]["prefix"] > 0 and layout["layout"]["width"] < 320
+    assert layout["state_bytes"] == full["state_bytes"]
+    assert layout["learn_bytes"]["temporaries"] < full["learn_bytes"]["temporaries"]

@@ -397,3 +397,40 @@ def test_countdown_answers_are_scored_in_the_graph_as_ragen_does(smollm2_tokeniz
     ]
     assert records[1]["turns"][0]["answer"] == right[0] and records[1]["success"]
     assert records[5]["turns"][0]["format_error"] and records[5]["format_penalty_sum"] == pytest.approx(-0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoResponder:
+    """Answers each row with the first tokens of its own prompt and a stop token: what it says
+    depends only on the row, never on the batch it is played in."""
+
+    stop: int
+
+    def init(self, model, batch_size):
+        return jnp.zeros((), jnp.int32)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        tokens = jnp.concatenate([prompt_ids[:, 30:34], jnp.full((prompt_ids.shape[0], 1), self.stop)], axis=1)
+        lengths = jnp.where(active, 5, 0)
+        logprobs = -jnp.ones(tokens.shape, jnp.float32)
+        return DecodeOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, cache=cache, last_logits=None)
+
+
+def test_a_chunked_rollout_plays_the_same_rows_in_the_same_order(smollm2_tokenizer):
+    """Validation in chunks (``trainer.val_chunks``): each tag's groups split evenly over calls of
+    one smaller program, merged back tag by tag: the same batch as one call."""
+    envs = {"Bandit": envs_jax.make("Bandit"), "BanditTest": envs_jax.make("Bandit", lo_arm_name="Trader", hi_arm_name="Librarian")}
+    plan = RolloutPlan(
+        tags=tuple(TagPlan(name, env, 4, 1) for name, env in envs.items()), group_size=2, max_turn=1,
+        max_actions_per_turn=1, response_length=8, max_len=320, enable_think=False,
+    )
+    tables = build_tables(smollm2_tokenizer, plan)
+    responder = EchoResponder(tables.tags[0].prompts.stop_token_id)
+    init = initial_states_from_seeds(plan, 123)
+    whole = jax.device_get(make_rollout(plan, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))
+    chunked = jax.device_get(R_.chunked_rollout(plan, 2, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))
+    for name, a, b in zip(R_.Trajectories.__dataclass_fields__, jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert len(set(map(tuple, np.asarray(whole.tokens)[::2]))) > 2  # the rows really differ (arm orders, tags)
+    with pytest.raises(ValueError, match="must split into 3 chunks"):
+        R_.chunked_rollout(plan, 3, responder)
