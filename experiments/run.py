@@ -143,7 +143,7 @@ def train(exp) -> int:
     from starpo_jax.metrics import CollapseWatch, write_scalars
     from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
-    from starpo_jax.rollout import chunked_rollout, initial_states_from_seeds
+    from starpo_jax.rollout import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.sampling import sampling_policy
     from starpo_jax.train import init_train_state, make_train_step, policy_weights, share_rows, update_layout
 
@@ -158,8 +158,9 @@ def train(exp) -> int:
     # argument picked per batch on the host: a few compiled widths per run.
     collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0, static_argnums=3)
     share = share_rows(exp.settings, exp.train_plan.group_size)
-    val_rollout = chunked_rollout(exp.val_plan, cfg.trainer.val_chunks)
     val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
+    val_rollout = chunked_rollout(exp.val_plan, cfg.trainer.val_chunks,
+                                  first_prompts=distinct_first_prompts(exp.val_plan, exp.val_tables, val_init))
     state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)

@@ -39,6 +39,7 @@ from typing import Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from envs_jax.base import TextEnv
 from starpo_jax import parsing, prompts
@@ -287,10 +288,14 @@ class LLMResponder:
     ``fixed_length`` (benchmarks): every response is exactly that many sampled tokens, stop tokens
     ignored, as if each turn ended there; the plan's ``response_length`` still sizes the context
     budget and the update. A fixed workload for random weights, which never stop on their own.
+
+    ``first_prompts``: at most this many distinct first prompts in a batch (default: one per group,
+    since a group's rows start from the same level); the first turn prefills each once.
     """
 
     plan: RolloutPlan
     fixed_length: int | None = None
+    first_prompts: int | None = None
 
     def init(self, model: ModelState, batch_size: int):
         return init_cache(model.merge().config, batch_size, self.plan.max_len)
@@ -299,8 +304,8 @@ class LLMResponder:
         """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
         plan = self.plan
         stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
-        if isinstance(turn, int) and turn == 0 and plan.group_size > 1:
-            cache, logits = self.prefill_groups(model, prompt_ids, num_new, cache.max_len)
+        if isinstance(turn, int) and turn == 0:
+            cache, logits = self.prefill_first_prompts(model, prompt_ids, num_new, cache)
         else:
             cache, logits = append(model, cache, prompt_ids, num_new)
         return decode(
@@ -310,17 +315,31 @@ class LLMResponder:
         )
 
 
-    def prefill_groups(self, model, prompt_ids, num_new, max_len: int):
-        """The first turn's prefill, once per group: a group's rows start from the same level, so
-        they read the same first prompt (``first_prompts``). Its keys, values and logits are
-        computed for the first row of each group and repeated over the group's rows."""
-        group = self.plan.group_size
-        leaders = slice(None, None, group)
-        empty = init_cache(model.merge().config, prompt_ids.shape[0] // group, max_len)
-        cache, logits = append(model, empty, prompt_ids[leaders], num_new[leaders])
-        repeat = functools.partial(jnp.repeat, repeats=group)
-        cache = cache.replace(k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), lengths=repeat(cache.lengths, axis=0))
-        return cache, repeat(logits, axis=0)
+    def prefill_first_prompts(self, model, prompt_ids, num_new, cache):
+        """The first turn's prefill, once per distinct first prompt: each is computed for one of its
+        rows and its keys, values and logits gathered to every row that reads it. A group's rows read
+        the same prompt (the same level), and fixed validation levels often repeat one (the
+        Bandit's levels show two), so this is most of the first turn's compute saved."""
+        count = self.first_prompts or self.plan.num_groups
+        if count >= prompt_ids.shape[0]:
+            return append(model, cache, prompt_ids, num_new)
+        real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
+        _, leaders, inverse = jnp.unique(
+            jnp.where(real, prompt_ids, -1), axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1
+        )
+        inverse = inverse.reshape(-1)
+        distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
+                                  prompt_ids[leaders], num_new[leaders])
+        cache = distinct.replace(k=distinct.k[:, inverse], v=distinct.v[:, inverse], lengths=distinct.lengths[inverse])
+        return cache, logits[inverse]
+
+
+def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:
+    """How many distinct first prompts a batch of fixed levels shows (host; validation): the
+    ``first_prompts`` of an ``LLMResponder`` that plays them."""
+    ids, lengths = jax.device_get(jax.jit(functools.partial(first_prompts, plan))(tables, init_states))
+    rows = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
+    return len(np.unique(rows, axis=0))
 
 
 def action_name_ids(plan: RolloutPlan, tag: TagPlan, states, pad: int) -> jax.Array:
@@ -557,17 +576,18 @@ def make_rollout(plan: RolloutPlan, responder=None):
     return jax.jit(functools.partial(rollout, plan, responder or LLMResponder(plan)))
 
 
-def chunked_rollout(plan: RolloutPlan, chunks: int, responder=None):
+def chunked_rollout(plan: RolloutPlan, chunks: int, responder=None, first_prompts: int | None = None):
     """``make_rollout(plan)``'s function, run as ``chunks`` calls of one compiled program, each on
     1/chunks of every tag's groups (validation on many levels in a fraction of the memory: the KV
     cache is the rollout's largest buffer). Returns the same batch, rows in the plan's order; chunk
-    ``i`` samples with ``fold_in(key, i)``."""
+    ``i`` samples with ``fold_in(key, i)``. ``first_prompts``: distinct first prompts in the whole
+    batch, at most (``distinct_first_prompts``; default one per group)."""
     if chunks == 1:
-        return make_rollout(plan, responder)
+        return make_rollout(plan, responder or LLMResponder(plan, first_prompts=first_prompts))
     if any(t.n_groups % chunks for t in plan.tags):
         raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
     part = dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
-    run_part = make_rollout(part, responder)
+    run_part = make_rollout(part, responder or LLMResponder(part, first_prompts=first_prompts))
     rows = [sl.stop - sl.start for sl in part.row_slices()]
 
     def chunk_states(init_states, i):

@@ -20,6 +20,7 @@ from starpo_jax import prompts
 from starpo_jax import rollout as R_
 from starpo_jax.parsing import parse_response_text
 from starpo_jax.rollout import (
+    LLMResponder,
     RolloutPlan,
     TagPlan,
     build_tables,
@@ -434,3 +435,39 @@ def test_a_chunked_rollout_plays_the_same_rows_in_the_same_order(smollm2_tokeniz
     assert len(set(map(tuple, np.asarray(whole.tokens)[::2]))) > 2  # the rows really differ (arm orders, tags)
     with pytest.raises(ValueError, match="must split into 3 chunks"):
         R_.chunked_rollout(plan, 3, responder)
+
+
+def test_the_first_turn_prefills_each_distinct_first_prompt_once():
+    """Rows that read the same first prompt (a group; validation levels that repeat one) share one
+    prefill: the same cache and logits as prefilling every row, computed in a batch of another
+    shape (float32 rounding), and rows with a prompt of their own keep it."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.sampling import append, init_cache
+
+    model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+    plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 3, 1),), group_size=2, max_len=32)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, 200, (3, 12))
+    ids = jnp.asarray(prompts[[0, 0, 1, 1, 2, 2]], jnp.int32)  # one prompt per group ...
+    num_new = jnp.asarray([12, 12, 9, 9, 12, 12], jnp.int32)
+    ids = ids.at[3, 9:].set(7)  # ... padding past a row's length is not part of its prompt
+    cache = init_cache(model.merge().config, 6, plan.max_len)
+    every_row, every_logits = append(model, cache, ids, num_new)
+    for count in (3, 4):  # one per group (the default), or more than there are
+        shared, logits = LLMResponder(plan, first_prompts=count).prefill_first_prompts(model, ids, num_new, cache)
+        np.testing.assert_allclose(logits, every_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(shared.lengths, num_new)
+        np.testing.assert_allclose(shared.k, every_row.k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(shared.v, every_row.v, rtol=1e-5, atol=1e-6)
+
+
+def test_distinct_first_prompts_counts_the_bandits_two_arm_orders(smollm2_tokenizer):
+    """Validation's count: 8 Bandit levels show at most two first prompts (the arms' two orders)."""
+    plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 8, 1),), group_size=1, max_turn=1,
+                       max_actions_per_turn=1, response_length=8, max_len=320, enable_think=False)
+    tables = build_tables(smollm2_tokenizer, plan)
+    init = initial_states_from_seeds(plan, 123)
+    orders = {bool(x) for x in np.asarray(init[0].hi_first)}
+    assert R_.distinct_first_prompts(plan, tables, init) == len(orders) == 2
