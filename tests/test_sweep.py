@@ -18,9 +18,7 @@ def fake_compile(per_setting: float, shared: float = 0.0):
     def compile_for(size):
         sizes.append(size)
         need = int((shared + size * per_setting) * GIB)
-        stats = types.SimpleNamespace(argument_size_in_bytes=need, output_size_in_bytes=0, alias_size_in_bytes=0,
-                                      temp_size_in_bytes=0)
-        return types.SimpleNamespace(memory_analysis=lambda: stats), None
+        return types.SimpleNamespace(need=need)
 
     return compile_for, sizes
 
