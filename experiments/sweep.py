@@ -1,4 +1,4 @@
-"""Train several hyperparameter settings at once: one program, ``jax.vmap`` over the settings.
+"""Train several hyperparameter settings at once: ``jax.vmap`` over the settings.
 
     python -m experiments.sweep --config configs/quickstart.py \\
         --sweep actor.lr=1e-6,3e-6 --sweep actor.clip_ratio_high=0.2,0.28
