@@ -145,7 +145,7 @@ def train(exp) -> int:
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.sampling import sampling_policy
-    from starpo_jax.train import init_train_state, make_train_step, policy_weights, share_rows, update_layout
+    from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)
@@ -153,11 +153,10 @@ def train(exp) -> int:
     writer = distributed.is_writer()
     log = (lambda message: tqdm.write(distributed.tag() + message)) if writer else (lambda message: None)
 
-    step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
-    # The update computes only the positions the batch holds (train.update_layout), a static
-    # argument picked per batch on the host: a few compiled widths per run.
-    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0, static_argnums=3)
-    share = share_rows(exp.settings, exp.train_plan.group_size)
+    # Rollout and update jitted apart (timed apart); the update computes only the positions the
+    # batch holds (train.update_layout), a static argument picked per batch on the host.
+    iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
+                              exp.train_plan)
     val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
     val_rollout = chunked_rollout(exp.val_plan, cfg.trainer.val_chunks,
                                   first_prompts=distinct_first_prompts(exp.val_plan, exp.val_tables, val_init))
@@ -202,9 +201,9 @@ def train(exp) -> int:
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     for step in bar:
         t0 = time.perf_counter()
-        traj = jax.block_until_ready(collect(state, exp.train_tables, key))
+        traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
         t1 = time.perf_counter()
-        state, metrics = learn(state, traj, exp.hyper, update_layout(traj, exp.train_plan.max_len, share))
+        state, metrics = iteration.learn(state, traj, exp.hyper, iteration.layout(traj))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         t2 = time.perf_counter()
         metrics |= {

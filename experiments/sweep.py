@@ -1,19 +1,22 @@
-"""Train several hyperparameter settings at once: one program, ``jax.vmap`` over the settings.
+"""Train several hyperparameter settings at once: ``jax.vmap`` over the settings.
 
     python -m experiments.sweep --config configs/quickstart.py \\
         --sweep actor.lr=1e-6,3e-6 --sweep actor.clip_ratio_high=0.2,0.28
 
 Every combination of the ``--sweep`` values (a grid) trains side by side from the same initial
-weights and the same levels, so differences come from the hyperparameters alone. Before anything
-runs, the step is compiled from abstract shapes and XLA's memory estimate decides how many
-settings train at a time: all of them if they fit in the free memory (a fifth kept spare), else
-as many as fit, group after group (the same results, in more time); if one setting does not fit,
-the sweep stops with one sentence naming what to reduce. Sweepable keys are those that enter the
-compiled step as arrays (``SWEEPABLE``: the ``Hyperparams`` rows of ``starpo_jax/settings.py``);
-anything else changes the program and needs separate runs. Metrics go to
-``<output_dir>/sweep.jsonl``, one line per setting and step, and a summary table is printed at the
-end; an earlier sweep's log in that folder is kept (the sweep refuses to start) unless
-``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
+weights and the same levels, so differences come from the hyperparameters alone. Each step runs
+as ``experiments.run``'s does (``train.jit_iteration``): the rollout vmapped over the settings,
+then one layout picked on the host that holds every setting's rows, then the update vmapped with
+it, so the update computes only what the batch holds (a few compiled widths per sweep). Before
+anything runs, the rollout and the largest update (``full_layout``) are compiled from abstract
+shapes and XLA's memory estimate decides how many settings train at a time: all of them if they
+fit in the free memory (a fifth kept spare), else as many as fit, group after group (the same
+results, in more time); if one setting does not fit, the sweep stops with one sentence naming
+what to reduce. Sweepable keys are those that enter the compiled step as arrays (``SWEEPABLE``:
+the ``Hyperparams`` rows of ``starpo_jax/settings.py``); anything else changes the program and
+needs separate runs. Metrics go to ``<output_dir>/sweep.jsonl``, one line per setting and step,
+and a summary table is printed at the end; an earlier sweep's log in that folder is kept (the
+sweep refuses to start) unless ``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 from absl import flags
 from ml_collections import config_flags
@@ -114,9 +118,9 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     n = len(settings_grid)
     state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
     key = jax.random.PRNGKey(cfg.trainer.seed)
-    compile_for = lambda size: compile_sweep_step(exp, state, size)  # noqa: E731
+    compile_for = lambda size: compile_sweep(exp, state, size)  # noqa: E731
     try:
-        size, (compiled, make_states) = fit_in_memory(compile_for, n, free_memory_bytes(exp.mesh))
+        size, programs = fit_in_memory(compile_for, n, free_memory_bytes(exp.mesh))
     except MemoryError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -129,11 +133,11 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     with log_path.open("w") as f, tqdm(total=cfg.trainer.total_steps * len(chunks), desc=f"sweep x{n}", unit="step") as bar:
         for chunk in chunks:
             if len(chunk) != size:  # the last, smaller chunk
-                compiled, make_states = compile_for(len(chunk))
+                programs = compile_for(len(chunk))
             hyper = swept_hyper(exp.hyper, [settings_grid[i] for i in chunk])
-            states = make_states(state)
+            states = programs.make_states(state)
             for t in range(cfg.trainer.total_steps):
-                states, metrics = compiled(states, exp.train_tables, hyper, key)
+                states, metrics = programs.iteration(states, exp.train_tables, hyper, key)
                 metrics = jax.device_get(metrics)
                 for j, i in enumerate(chunk):
                     last[i] = {k: float(v[j]) for k, v in metrics.items()}
@@ -157,12 +161,22 @@ def swept_hyper(hyper, settings: list[dict[str, float]]):
     return stacked.replace(**{SWEEPABLE[k]: jnp.asarray([s[k] for s in settings], jnp.float32) for k in settings[0]})
 
 
-def compile_sweep_step(exp, state, size: int):
-    """The step vmapped over ``size`` settings, compiled from abstract shapes (no copy of the state
-    is made to compile it), and the jitted function that makes the ``size`` copies to feed it."""
+class SweepPrograms(NamedTuple):
+    iteration: Any  # train.JittedIteration vmapped over the settings, its rollout already compiled
+    make_states: Callable  # jitted: the state -> its copies, one per setting
+    need: int  # peak bytes per device while a step runs, by XLA's estimate (``program_bytes``)
+
+
+def compile_sweep(exp, state, size: int) -> SweepPrograms:
+    """The iteration vmapped over ``size`` settings, and its memory estimate: the rollout and the
+    update with ``full_layout`` (the largest the update ever runs: every other layout computes a
+    part of its positions) compiled from abstract shapes, no copy of the state made to compile
+    them. The two run one after the other, so the peak is the larger of the rollout's program and
+    the update's plus the rollout tables, which stay on the device beside it (the update's own
+    arguments hold the states and the rollout batch)."""
     import jax
 
-    from starpo_jax.train import make_train_step, replicate
+    from starpo_jax.train import full_layout, jit_iteration, make_train_step, replicate
 
     traced_axes = []
 
@@ -172,12 +186,16 @@ def compile_sweep_step(exp, state, size: int):
         return states
 
     abstract_states = jax.eval_shape(copies, state)
-    axes = traced_axes[0]
-    step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).step
-    vmapped = jax.jit(jax.vmap(step, in_axes=(axes, None, 0, None), out_axes=(axes, 0)), donate_argnums=0)
+    step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
+    iteration = jit_iteration(step, exp.settings, exp.train_plan, traced_axes[0])
+    key = jax.random.PRNGKey(0)
+    collect = iteration.collect.lower(abstract_states, exp.train_tables, key).compile()
+    traj = jax.eval_shape(iteration.collect, abstract_states, exp.train_tables, key)
     hyper = jax.eval_shape(lambda h: swept_hyper(h, [{}] * size), exp.hyper)
-    compiled = vmapped.lower(abstract_states, exp.train_tables, hyper, jax.random.PRNGKey(0)).compile()
-    return compiled, jax.jit(copies)
+    learn = iteration.learn.lower(abstract_states, traj, hyper, full_layout(exp.train_plan.max_len)).compile()
+    tables = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(exp.train_tables))
+    need = max(program_bytes(collect), program_bytes(learn) + tables)
+    return SweepPrograms(iteration._replace(collect=collect), jax.jit(copies), need)
 
 
 def program_bytes(compiled) -> int:
@@ -205,16 +223,16 @@ HEADROOM = 0.8
 
 def fit_in_memory(compile_for, n: int, free: int):
     """(chunk size, compile_for(chunk size)) for the most settings at a time, up to ``n``, whose
-    compiled step fits in ``HEADROOM`` of ``free`` bytes per device; MemoryError naming what to
-    reduce if one setting does not."""
+    compiled programs' estimate (``.need`` bytes) fits in ``HEADROOM`` of ``free`` bytes per
+    device; MemoryError naming what to reduce if one setting does not."""
     size, budget = n, int(HEADROOM * free)
     while True:
-        compiled = compile_for(size)
-        need = program_bytes(compiled[0])
+        programs = compile_for(size)
+        need = programs.need
         if need <= budget:
             print(f"sweep: {size} of {n} settings at a time, about {need / 2**30:.1f} GiB "
                   f"({free / 2**30:.1f} GiB free)", file=sys.stderr)
-            return size, compiled
+            return size, programs
         if size == 1:
             raise MemoryError(
                 f"One sweep setting needs about {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is free "

@@ -18,6 +18,9 @@ needs them, then arrays):
 (state, metrics)`` is ``learn ∘ collect``. ``Hyperparams`` are arrays, so ``jax.vmap`` of ``step``
 over a stacked ``Hyperparams`` (and a stacked ``TrainState``) trains several configurations in one
 program.
+``jit_iteration`` is how the drivers run it: ``collect`` and ``learn`` jitted apart, and between
+them, on the host, the smallest ``update_layout`` that holds the batch (vmapped over the settings
+for a sweep).
 
 Choices (each a departure from, or a decision about, the original; see docs/design.md):
 
@@ -159,9 +162,10 @@ def share_rows(settings: TrainSettings, group_size: int) -> int:
 
 
 def first_prompt_split(traj: Trajectories):
-    """int32[B]: where each row's computed part starts when its first prompt is shared: the first
-    prompt's last token, whose hidden state predicts the first response token (0: never played)."""
-    return jnp.maximum(traj.turn_start[:, 0] - 1, 0).astype(jnp.int32)
+    """int32[..., B]: where each row's computed part starts when its first prompt is shared: the
+    first prompt's last token, whose hidden state predicts the first response token (0: never
+    played). Leading axes (a sweep's settings) pass through."""
+    return jnp.maximum(traj.turn_start[..., 0] - 1, 0).astype(jnp.int32)
 
 
 def size_bucket(n: int) -> int:
@@ -175,7 +179,8 @@ def size_bucket(n: int) -> int:
 
 def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
     """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
-    picked on the host between rollout and update, so the update computes only what is there."""
+    picked on the host between rollout and update, so the update computes only what is there.
+    With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
     length = np.asarray(jax.device_get(traj.length))
     if share == 1:
         return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
@@ -635,7 +640,7 @@ class TrainStep(NamedTuple):
 
     collect: Callable  # (state, tables, key) -> Trajectories
     learn: Callable  # (state, traj, hyper, layout=None) -> (state, metrics); layout static
-    step: Callable  # (state, tables, hyper, key) -> (state, metrics): learn ∘ collect
+    step: Callable  # (state, tables, hyper, key) -> (state, metrics): learn ∘ collect, full layout
 
 
 def check_batch_split(settings: TrainSettings, group_size: int) -> None:
@@ -661,3 +666,37 @@ def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, respon
         return learn_fn(state, collect_fn(state, tables, key), hyper)
 
     return TrainStep(collect_fn, learn_fn, step)
+
+
+class JittedIteration(NamedTuple):
+    """The iteration as the drivers run it (``experiments.run``, ``experiments.sweep``): ``collect``
+    and ``learn`` jitted apart, and between them, on the host, the smallest ``update_layout`` that
+    holds the rollout batch, so the update computes only what the batch holds (static: a few
+    compiled widths per run). Calling it runs the three in turn."""
+
+    collect: Callable  # jitted (state, tables, key) -> Trajectories
+    learn: Callable  # jitted (state, traj, hyper, layout) -> (state, metrics); state donated, layout static
+    layout: Callable  # (traj) -> UpdateLayout, on the host
+
+    def __call__(self, state, tables, hyper, key):
+        traj = self.collect(state, tables, key)
+        return self.learn(state, traj, hyper, self.layout(traj))
+
+
+def jit_iteration(step: TrainStep, settings: TrainSettings, plan: RolloutPlan, axes=None) -> JittedIteration:
+    """``step``'s collect and learn jitted for a driver. With ``axes`` (``replicate``'s), both are
+    vmapped over stacked states and hyperparameters, as ``jax.vmap(step.step, in_axes=(axes, None,
+    0, None))``: every setting's rollout uses the same key, and one layout holds every setting's rows."""
+    collect, learn = step.collect, step.learn
+    if axes is not None:
+        collect = jax.vmap(step.collect, in_axes=(axes, None, None))
+
+        def learn(state, traj, hyper, layout):
+            one = functools.partial(step.learn, layout=layout)
+            return jax.vmap(one, in_axes=(axes, 0, 0), out_axes=(axes, 0))(state, traj, hyper)
+
+    share = share_rows(settings, plan.group_size)
+    return JittedIteration(
+        jax.jit(collect), jax.jit(learn, donate_argnums=0, static_argnums=3),
+        lambda traj: update_layout(traj, plan.max_len, share),
+    )

@@ -4,6 +4,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import sweep
@@ -18,9 +19,7 @@ def fake_compile(per_setting: float, shared: float = 0.0):
     def compile_for(size):
         sizes.append(size)
         need = int((shared + size * per_setting) * GIB)
-        stats = types.SimpleNamespace(argument_size_in_bytes=need, output_size_in_bytes=0, alias_size_in_bytes=0,
-                                      temp_size_in_bytes=0)
-        return types.SimpleNamespace(memory_analysis=lambda: stats), None
+        return types.SimpleNamespace(need=need)
 
     return compile_for, sizes
 
@@ -61,3 +60,57 @@ def test_an_earlier_sweep_log_is_kept_unless_overwrite(tmp_path):
         sweep.check_sweep_log(tmp_path, overwrite=False)
     sweep.check_sweep_log(tmp_path, overwrite=True)
     assert (tmp_path / "sweep.jsonl").read_text() == '{"step": 1}\n'  # the check itself deletes nothing
+
+
+def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smollm2_tokenizer):
+    """The sweep's iteration (rollout vmapped over the settings, one layout for all of them picked
+    on the host, update vmapped with it) gives each setting the metrics of the vmapped full-layout
+    step, today's ``step`` on the same key: the same rollout, and the same attention in matmuls of
+    other shapes. Their float32 rounding (ε = 1.2e-7) over sums of a few hundred terms (attention
+    over ≤ 320 positions, 64-wide hidden states, a 49k vocabulary's softmax) is ~100 ulps relative:
+    rtol 2e-5; atol 1e-6 where a metric is a mean that cancels to ~0 (the KL at the old policy).
+    Compared on the second step, when the two learning rates have moved the settings apart."""
+    import dataclasses
+
+    from flax import nnx
+
+    import envs_jax
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout import RolloutPlan, TagPlan, build_tables, stop_tokens_for
+    from starpo_jax.train import (
+        Hyperparams, TrainSettings, init_train_state, jit_iteration, make_train_step, replicate,
+    )
+
+    plan = RolloutPlan(
+        tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 2, 1),), group_size=4, max_turn=1,
+        max_actions_per_turn=1, response_length=8, max_len=320, enable_think=False,
+    )
+    tables = build_tables(smollm2_tokenizer, plan)
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(smollm2_tokenizer, tables))
+    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(smollm2_tokenizer))
+    model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+    # GAE with a KL loss: the old log-probs, the reference's and the critic's values all computed
+    settings = TrainSettings(adv_estimator="gae", use_kl_loss=True, reward_method="mean_std", kept_groups=2,
+                             ppo_mini_batch_size=8, micro_batch_size=4, logprob_chunk=16)
+    hyper = Hyperparams.create(
+        actor_lr=1e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+        entropy_coeff=0.0, kl_loss_coef=0.1, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0, lam=1.0,
+        high_level_gamma=0.95,
+    )
+    hypers = sweep.swept_hyper(hyper, [{"actor.lr": 0.0, "filter.ratio": 0.5}, {"actor.lr": 3e-2, "filter.ratio": 1.0}])
+    step = make_train_step(settings, model.graphdef, plan)
+    states, axes = replicate(init_train_state(settings, model, jax.random.PRNGKey(0)), 2)
+    iteration = jit_iteration(step, settings, plan, axes)
+    key = jax.random.PRNGKey(3)
+    states, _ = iteration(states, tables, hypers, key)
+
+    fused = jax.jit(jax.vmap(step.step, in_axes=(axes, None, 0, None), out_axes=(axes, 0)))
+    _, full = fused(states, tables, hypers, key)
+    traj = iteration.collect(states, tables, key)
+    layout = iteration.layout(traj)
+    assert 0 < layout.prefix and layout.prefix + layout.width < plan.max_len  # less than every position
+    _, metrics = iteration.learn(states, traj, hypers, layout)  # donates states: last
+    assert set(metrics) == set(full)
+    for name in full:
+        np.testing.assert_allclose(metrics[name], full[name], rtol=2e-5, atol=1e-6, err_msg=name)
+    assert float(full["rollout/filter_kept_groups"][0]) == 1 and float(full["rollout/filter_kept_groups"][1]) == 2

@@ -302,6 +302,21 @@ def test_update_layout_holds_the_batch_in_few_widths():
     assert update_layout(traj, L, share=1) == (0, 32)  # nothing shared: every row from 0, to 30 tokens
 
 
+def test_update_layout_of_stacked_batches_holds_every_setting():
+    """A sweep's rollout batch has a leading settings axis: each setting's rows keep their own
+    splits, and one layout holds every row of every setting (the layout of all rows side by side)."""
+    a = shared_prompt_batch()
+    b = a.replace(turn_start=a.turn_start + 10)  # longer first prompts: splits at 29, not 19
+    stacked = jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
+    np.testing.assert_array_equal(first_prompt_split(stacked), np.stack([first_prompt_split(a), first_prompt_split(b)]))
+    rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
+    for share in (1, N):
+        one, other = update_layout(a, L, share), update_layout(b, L, share)
+        expected = (max(one.prefix, other.prefix), max(one.width, other.width))
+        assert update_layout(stacked, L, share) == update_layout(rows, L, share) == expected
+    assert update_layout(a, L, N) == (24, 16) and update_layout(stacked, L, N) == (32, 16)
+
+
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
     """Computing each group's first prompt once (and only the rows' used width) gives the same
