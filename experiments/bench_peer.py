@@ -159,6 +159,7 @@ def trl_settings(config) -> tuple[dict, list[str]]:
         entropy_coef=float(a.entropy_coeff),                     # actor.entropy_coeff
         mask_truncated_completions=False,                        # starpo-jax trains cut responses too
         importance_sampling_level="token",
+        gradient_checkpointing=config.model.remat != "none",   # model.remat: layers recomputed in the backward
         seed=int(config.trainer.seed),
     )
     notes = [
@@ -178,6 +179,8 @@ def trl_settings(config) -> tuple[dict, list[str]]:
         "micro-batch's tokens (token-mean), starpo-jax with actor.loss_agg_mode",
         "optimizer: AdamW on every weight in both (TRL is handed a torch.optim.AdamW over all parameters; HF Trainer's "
         "own would exempt biases and norms from weight decay), constant learning rate, grad clip by global norm",
+        f"memory: model.remat={config.model.remat!r} -> gradient_checkpointing={kwargs['gradient_checkpointing']} "
+        "(TRL recomputes each decoder layer; starpo-jax's 'dots' also keeps the projections)",
         "sampling: the same stop tokens (chat end-of-turn and EOS); responses cut at max_completion_length are trained "
         "on both sides",
     ]

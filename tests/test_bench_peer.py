@@ -45,6 +45,7 @@ def test_trl_settings_of_other_maths_and_refusals():
     assert settings("--config.actor.use_kl_loss=True", "--config.actor.kl_loss_type=low_var_kl",
                     "--config.actor.kl_loss_coef=0.01")["beta"] == 0.01
     assert settings("--config.rollout.top_k=20")["top_k"] == 20
+    assert settings()["gradient_checkpointing"] and not settings("--config.model.remat=none")["gradient_checkpointing"]
     from starpo_jax.experiment import ConfigError
 
     for bad in ("--config.actor.loss_agg_mode=seq-mean-token-sum", "--config.algorithm.adv_estimator=gae",
