@@ -272,6 +272,7 @@ def reward_function(config, seed: int):
     env = _bandit_tag(plan).env
     rng = np.random.default_rng(seed)
     successes: list[bool] = []
+    rewards: list[float] = []
 
     def bandit_reward(completions, hi_first, **_):
         out = []
@@ -279,9 +280,10 @@ def reward_function(config, seed: int):
             reward, success = score_completion(text, bool(h), env, plan, float(rng.random()))
             out.append(reward)
             successes.append(success)
+        rewards.extend(out)
         return out
 
-    bandit_reward.successes = successes
+    bandit_reward.successes, bandit_reward.rewards = successes, rewards  # every completion scored, in order
     return bandit_reward
 
 
@@ -304,9 +306,17 @@ def run_starpo(config_path: str, overrides: list[str], log) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def starpo_step_seconds(run_dir: Path) -> list[float]:
+def starpo_steps(run_dir: Path, tag: str) -> dict:
+    """Per training step of the run's ``metrics.jsonl``: seconds, train success and reward mean."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [m["timing_s/step"] for m in sorted(lines, key=lambda m: m["step"]) if "timing_s/step" in m]
+    steps = [m for m in sorted(lines, key=lambda m: m["step"]) if "timing_s/step" in m]
+    return {"step_s": [m["timing_s/step"] for m in steps],
+            "train_success": [m[f"train/{tag}/success"] for m in steps],
+            "train_reward": [m["train/reward/mean"] for m in steps]}
+
+
+def per_step_means(values: list, batch: int) -> list[float]:
+    return [float(sum(values[i: i + batch]) / len(values[i: i + batch])) for i in range(0, len(values), batch)]
 
 
 def export_starpo_checkpoints(run_dir: Path) -> dict[int, Path]:
@@ -407,7 +417,9 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
         if folder.is_dir():
             folders[step] = folder
     folders[steps] = final
-    return {"step_seconds": seconds, "folders": folders, "train_success": float(np.mean(reward.successes or [0]))}
+    batch = iteration_batch(config)  # the reward function scores each rollout once
+    return {"step_s": seconds, "folders": folders, "train_success": per_step_means(reward.successes, batch),
+            "train_reward": per_step_means(reward.rewards, batch)}
 
 
 # ---- evaluation -------------------------------------------------------------------------------------
@@ -443,6 +455,12 @@ def step_summary(seconds: list[float]) -> dict:
         "warm_steps": len(warm),
         "step_s": seconds,
     }
+
+
+def side_report(label: str, run: dict, scored: dict, folders: dict) -> dict:
+    return {"label": label, **step_summary(run["step_s"]), "wall_s": run["wall_s"],
+            "train_success": run["train_success"], "train_reward": run["train_reward"],
+            "curve": curve(run["step_s"], scored), "folders": {s: str(f) for s, f in folders.items()}}
 
 
 def curve(seconds: list[float], successes: dict[int, dict]) -> list[dict]:
@@ -514,10 +532,14 @@ def main(argv=None) -> int:
     base, tokenizer = export_base(config, out / "base_hf")
     prompts = bandit_prompts(config, tokenizer)
 
+    t0 = time.perf_counter()
     run_starpo(args.config, overrides, log)
-    starpo_seconds = starpo_step_seconds(out / "starpo")
+    starpo_run = {**starpo_steps(out / "starpo", _bandit_tag(check_config(config).train_plan).name),
+                  "wall_s": time.perf_counter() - t0}  # the process: start, model load, steps, saves, export
     starpo_folders = export_starpo_checkpoints(out / "starpo")
+    t0 = time.perf_counter()
     trl_run = run_trl(config, base, prompts, steps, out, log)
+    trl_run["wall_s"] = time.perf_counter() - t0  # model load, trainer set-up, steps, saves
 
     jobs = [("base", 0, base)] + [("starpo_jax", s, f) for s, f in sorted(starpo_folders.items())] \
         + [("trl", s, f) for s, f in sorted(trl_run["folders"].items())]
@@ -544,13 +566,8 @@ def main(argv=None) -> int:
         "trl_settings": trl_kwargs,
         "mapping_notes": notes,
         "versions": {"trl": trl_module.__version__, "jax": jax.__version__},
-        "starpo_jax": {"label": "starpo-jax", **step_summary(starpo_seconds),
-                       "curve": curve(starpo_seconds, scored["starpo_jax"]),
-                       "folders": {s: str(f) for s, f in starpo_folders.items()}},
-        "trl": {"label": f"TRL {trl_module.__version__} GRPOTrainer", **step_summary(trl_run["step_seconds"]),
-                "curve": curve(trl_run["step_seconds"], scored["trl"]),
-                "train_success": trl_run["train_success"],
-                "folders": {s: str(f) for s, f in trl_run["folders"].items()}},
+        "starpo_jax": side_report("starpo-jax", starpo_run, scored["starpo_jax"], starpo_folders),
+        "trl": side_report(f"TRL {trl_module.__version__} GRPOTrainer", trl_run, scored["trl"], trl_run["folders"]),
         "wall_s": time.perf_counter() - t_start,
         "machine": bench_report.machine(),
     }

@@ -97,7 +97,7 @@ def test_reward_function_reads_the_arm_order_per_row():
     texts = [" Phoenix </answer>", " Dragon</answer>", "nonsense"]
     values = reward(prompts=["p"] * 3, completions=texts, hi_first=[True, False, True])
     assert values[0] == pytest.approx(0.1) and values[1] in (0.0, 1.0) and values[2] == pytest.approx(-0.1)
-    assert reward.successes == [False, True, False]
+    assert reward.successes == [False, True, False] and reward.rewards == values
 
 
 def test_prompts_are_the_rollouts_first_turn():
@@ -144,6 +144,7 @@ def test_two_steps_of_both_sides(tmp_path):
     for side in ("starpo_jax", "trl"):
         r = report[side]
         assert len(r["step_s"]) == 2 and r["first_step_s"] > 0 and r["median_warm_step_s"] > 0
+        assert len(r["train_success"]) == len(r["train_reward"]) == 2 and r["wall_s"] > sum(r["step_s"])
         assert [row["step"] for row in r["curve"]] == [0, 1, 2]
         assert r["curve"][0]["success"] == report["trl"]["curve"][0]["success"]  # one base model, scored once
     assert report["trl_settings"]["loss_type"] == "grpo" and report["filter"]["filter.ratio"] == 1.0
