@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LEARN_CONFIG = "configs/learn_bandit.py"
 QUICKSTART_CONFIG = "configs/quickstart.py"
 DEFAULT_CONFIG = LEARN_CONFIG if (ROOT / LEARN_CONFIG).is_file() else QUICKSTART_CONFIG
+EVAL_BATCH = 64  # levels per compiled validation rollout (experiments.evaluate's --batch default)
 NO_TRL = "bench_peer needs trl, which is not installed: pip install -e '.[peer]'"
 
 
@@ -61,6 +62,8 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unrecognised arguments: {' '.join(bad)}")
     args.overrides = rest
+    if args.val_levels < 1 or args.val_levels % min(args.val_levels, EVAL_BATCH):
+        p.error(f"--val-levels must be positive and, above {EVAL_BATCH}, a multiple of {EVAL_BATCH}")
     if not 1 <= args.points <= 3:  # run.py keeps the last 3 orbax checkpoints
         p.error("--points must be 1, 2 or 3")
     return args
@@ -440,10 +443,11 @@ def evaluate_folder(config, folder: Path, levels: int) -> dict:
     tags = tuple(config.envs.val.tags)
     args = argparse.Namespace(levels=levels, seed=int(config.envs.val.seed),
                               temperature=float(config.rollout.val_temperature))
-    mesh = device_mesh(config, **{"--val-levels": levels})
+    batch = min(levels, EVAL_BATCH)
+    mesh = device_mesh(config, **{"--val-levels": batch})
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
-        results = evaluate_tags(args, tags, config, policy, tokenizer, levels)
+        results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
     return {tag: r["success"] for tag, r in results.items()}
 
 
