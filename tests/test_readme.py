@@ -70,6 +70,8 @@ COMMANDS = {
     "bash setup.sh --download-wheels wheelhouse --python 3.12":
         (SKIP, "downloads ~5 GB of wheels for another machine; its pip resolution was checked with --dry-run", False),
     "bash setup.sh --wheelhouse wheelhouse": (SKIP, "needs the wheelhouse the command above builds", False),
+    "pip install -e '.[peer]'": (SKIP, "installs trl, which CI does not (it installs .[test])", False),
+    "python -m experiments.bench_peer": (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
 }
 
 
