@@ -1,0 +1,152 @@
+"""Learning curves of finished or running runs as one PNG, drawn from their own ``metrics.jsonl``.
+
+    .venv/bin/python -m experiments.curves runs/learn_bandit runs/learn_bandit_seed1 --out curves.png
+    .venv/bin/python -m experiments.curves runs/a runs/b --labels StarPO-S StarPO --out echo.png
+
+Panels: validation success per env tag with its 95 % Wilson interval (the levels per tag come from
+the run's ``config.json``), the validation format (``action_is_valid``), and the training signals
+the paper reads for collapse: success and reward of the training rollouts, in-group reward std,
+entropy and the actor's gradient norm. Prints a table of validation success with intervals, first
+and last validation side by side, and writes it as JSON beside the PNG (``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+TRAIN_PANELS = (
+    ("train/success", "training success (rollouts)"),
+    ("train/reward/mean", "training reward (mean)"),
+    ("rollout/in_group_std", "in-group reward std"),
+    ("actor/entropy_loss", "entropy"),
+    ("actor/grad_norm", "actor gradient norm"),
+)
+
+
+def wilson(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a success rate ``successes / n``."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def val_levels(run: Path) -> dict[str, int]:
+    """Episodes per validation tag: n_groups × group_size from the run's config."""
+    val = json.loads((run / "config.json").read_text())["envs"]["val"]
+    return {tag: int(n) * int(val["group_size"]) for tag, n in zip(val["tags"], val["n_groups"])}
+
+
+def read_run(run: Path) -> list[dict]:
+    from experiments.report import read_jsonl
+
+    notes: list[str] = []
+    rows = read_jsonl(run / "metrics.jsonl", notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def validation_table(run: Path, rows: list[dict]) -> dict[str, list[dict]]:
+    """Per tag: every validation's step, success, its interval and the format rate."""
+    table = {}
+    for tag, n in val_levels(run).items():
+        steps, success = series(rows, f"val-env/{tag}/success")
+        _, valid = series(rows, f"val-env/{tag}/action_is_valid")
+        table[tag] = [
+            {"step": s, "success": p, "interval": wilson(p * n, n), "levels": n, "action_is_valid": v}
+            for s, p, v in zip(steps, success, valid)
+        ]
+    return table
+
+
+def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = {label: (run, read_run(run)) for label, run in zip(labels, runs)}
+    tags = list(dict.fromkeys(t for run, _ in data.values() for t in val_levels(run)))
+    panels = [f"val-env/{t}/success" for t in tags] + ["format"] + [k for k, _ in TRAIN_PANELS]
+    cols = 3
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4.2 * cols, 3.0 * -(-len(panels) // cols)))
+    axes = axes.ravel()
+    summary = {}
+    for i, (label, (run, rows)) in enumerate(data.items()):
+        colour = f"C{i}"
+        table = validation_table(run, rows)
+        summary[label] = {"run": str(run), "validation": table}
+        for ax, tag in zip(axes, tags):
+            points = table.get(tag, [])
+            steps = [p["step"] for p in points]
+            ax.plot(steps, [p["success"] for p in points], "o-", color=colour, label=label)
+            ax.fill_between(steps, [p["interval"][0] for p in points], [p["interval"][1] for p in points],
+                            color=colour, alpha=0.15)
+            ax.set(title=f"validation success, {tag} (95 % Wilson)", xlabel="step", ylim=(-0.02, 1.02))
+        fmt = axes[len(tags)]
+        for j, tag in enumerate(tags):
+            points = table.get(tag, [])
+            fmt.plot([p["step"] for p in points], [p["action_is_valid"] for p in points], "os^v"[j % 4] + "-",
+                     color=colour, label=f"{label} {tag}")
+        fmt.set(title="validation: valid answers (format)", xlabel="step", ylim=(-0.02, 1.02))
+        for ax, (key, title) in zip(axes[len(tags) + 1:], TRAIN_PANELS):
+            ax.plot(*series(rows, key), "-", color=colour, label=label, lw=1.2)
+            ax.set(title=title, xlabel="step")
+    for ax in axes[: len(panels)]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def print_table(summary: dict) -> None:
+    for label, run in summary.items():
+        for tag, points in run["validation"].items():
+            if not points:
+                continue
+            first, last = points[0], points[-1]
+            ci = lambda p: f"{p['success']:.3f} [{p['interval'][0]:.3f}, {p['interval'][1]:.3f}]"  # noqa: E731
+            print(f"{label:<24} {tag:<12} step {first['step']:>3}: {ci(first)}  →  step {last['step']:>3}: {ci(last)}"
+                  f"  (valid {first['action_is_valid']:.3f} → {last['action_is_valid']:.3f}, n = {last['levels']})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl and config.json)")
+    p.add_argument("--labels", nargs="+", help="one name per run (default: the folder names)")
+    p.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write (JSON beside it)")
+    args = p.parse_args(argv)
+    labels = args.labels or [r.name for r in args.runs]
+    if len(labels) != len(args.runs):
+        print(f"error: {len(labels)} labels for {len(args.runs)} runs; give one per run.", file=sys.stderr)
+        return 2
+    for run in args.runs:
+        missing = [f for f in ("metrics.jsonl", "config.json") if not (run / f).exists()]
+        if missing:
+            print(f"error: {run} is not a run folder: it has no {' or '.join(missing)}.", file=sys.stderr)
+            return 2
+    summary = draw(args.runs, labels, args.out)
+    print_table(summary)
+    print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
