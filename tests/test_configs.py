@@ -12,7 +12,8 @@ from configs import base, presets
 from starpo_jax import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_FILES = ["base.py", "sokoban.py", "frozen_lake.py", "bandit.py", "countdown.py", "quickstart.py"]
+CONFIG_FILES = ["base.py", "sokoban.py", "frozen_lake.py", "bandit.py", "countdown.py", "quickstart.py", "learn_bandit.py",
+                "learn_frozen_lake.py"]
 ENVS = ["sokoban", "frozen_lake", "bandit"]
 ALGORITHMS = ["starpo_s", "starpo_ppo", "starpo_grpo", "starpo_s_grpo", "base_ppo_cliphigh", "base_ppo_nokl"]
 
@@ -233,6 +234,31 @@ def test_quickstart_is_small_and_validates_before_and_after_training():
     assert config.trainer.total_steps == 3
     assert config.trainer.val_before_train and config.trainer.total_steps % config.trainer.test_freq == 0
     assert config.trainer.output_dir == "runs/quickstart"
+
+
+@pytest.mark.parametrize("spec, env, val_groups", [("learn_bandit.py", "Bandit", [256, 256]),
+                                                  ("learn_frozen_lake.py", "FrozenLake", [128])])
+def test_learning_presets_are_starpo_s_grpo_on_mean_centred_rewards(spec, env, val_groups):
+    """The presets that learn on a CPU: StarPO-S (filter 0.5, clip 0.2 / 0.28, no KL) with GRPO on
+    rewards minus the group mean (no std: docs/results.md), the bundled model in float32, one group
+    per micro-batch (its first prompt computed once) and log-probs from the sampler."""
+    config = load(spec)
+    train, val, settings = plans(config)
+    assert (config.model.source, config.model.dtype, config.model.remat) == ("smollm2-135m-instruct", "float32", "none")
+    assert [t.name for t in train.tags] == [env] and (train.num_groups, train.group_size) == (8, 8)
+    assert settings.kept_groups == 4 and settings.filter_type == "std"
+    assert (settings.adv_estimator, settings.reward_method, settings.grpo_norm_by_std) == ("grpo", "mean", False)
+    assert not (settings.use_kl_loss or settings.kl_in_reward or settings.uses_critic)
+    assert (config.actor.clip_ratio_low, config.actor.clip_ratio_high) == (0.2, 0.28)
+    assert settings.micro_batch_size == train.group_size and settings.use_sampler_logprobs
+    assert [t.n_groups for t in val.tags] == val_groups and val.group_size == 1
+    assert all(n % config.trainer.val_chunks == 0 for n in val_groups)
+    assert config.trainer.total_steps % config.trainer.test_freq == 0 and config.trainer.val_before_train
+
+
+def test_val_chunks_must_split_every_validation_tag():
+    with pytest.raises(experiment.ConfigError, match="trainer.val_chunks must be a whole number >= 1 that divides"):
+        plans(load("learn_bandit.py", "--config.trainer.val_chunks=3"))
 
 
 def test_presets_compose_left_to_right():
