@@ -20,8 +20,10 @@ Choices, each for the budget or for what the probe runs showed (docs/results.md)
   group where the risky arm did not pay (rewards 0 and 0.1, a tiny std) pushes the safe arm as hard
   as a group where it paid pushes the risky one, and since it does not pay three times in four the
   expected update favours the safe arm, which is what a probe with the std converged to;
-- answer-only turns (``enable_think=False``), 48 new tokens per turn: the 135M model does not close
-  a ``<think>`` block within a few dozen tokens;
+- answer-only turns (``enable_think=False``): the 135M model does not close a ``<think>`` block
+  within a few dozen tokens; 16 new tokens per turn: it names an arm in its first few tokens
+  (`` Phoenix </answer>``) and then rambles on until the budget cuts it, so a longer budget only
+  costs decode steps and update width;
 - full weights in float32 (CPUs gain nothing from bfloat16), no rematerialisation (the update's
   memory is small), log-probs from the sampler (no recomputation pass), micro-batches of 8 rows:
   one group per micro-batch, so its first prompt is computed once (``train.UpdateLayout``);
@@ -43,10 +45,10 @@ CHANGES = {
     "reward.method": "mean",
     "algorithm.grpo_norm_by_std": False,
     "rollout.enable_think": False,
-    "rollout.response_length": 48,
-    "rollout.max_model_len": 320,
+    "rollout.response_length": 16,
+    "rollout.max_model_len": 256,
     "rollout.use_sampler_logprobs": True,
-    "actor.lr": 2e-5,
+    "actor.lr": 3e-5,
     "actor.ppo_mini_batch_size": 32,
     "actor.micro_batch_size": 8,
     "trainer.total_steps": 40,

@@ -34,10 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The learning preset; until it exists, the quick start (switch DEFAULT_CONFIG when it lands).
-LEARN_CONFIG = "configs/learn_bandit.py"
-QUICKSTART_CONFIG = "configs/quickstart.py"
-DEFAULT_CONFIG = LEARN_CONFIG if (ROOT / LEARN_CONFIG).is_file() else QUICKSTART_CONFIG
+DEFAULT_CONFIG = "configs/learn_bandit.py"  # the learning preset
 EVAL_BATCH = 64  # levels per compiled validation rollout (experiments.evaluate's --batch default)
 NO_TRL = "bench_peer needs trl, which is not installed: pip install -e '.[peer]'"
 

@@ -39,6 +39,12 @@ TINY_SOKOBAN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs
 TINY_QUICKSTART = (*TINY_MODEL, "--config.trainer.total_steps=1", "--config.trainer.test_freq=0")
 QUICK_BENCH = ("--quick",)
 
+# configs/learn_bandit.py: 2 groups (one kept), 4 + 4 validation levels (its 4 chunks of one), 2 steps.
+TINY_LEARN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(4,4)",
+              "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=2", "--config.trainer.test_freq=2")
+LEARN = ".venv/bin/python -m experiments.run --config configs/learn_bandit.py"
+CURVES = ".venv/bin/python -m experiments.curves runs/learn_bandit --out runs/learn_bandit/curves.png"
+
 SKIP = "skip"
 # README command (comments stripped) -> (flags appended to shrink it, () as written, or SKIP; why; slow).
 COMMANDS = {
@@ -70,8 +76,11 @@ COMMANDS = {
     "bash setup.sh --download-wheels wheelhouse --python 3.12":
         (SKIP, "downloads ~5 GB of wheels for another machine; its pip resolution was checked with --dry-run", False),
     "bash setup.sh --wheelhouse wheelhouse": (SKIP, "needs the wheelhouse the command above builds", False),
-    "pip install -e '.[peer]'": (SKIP, "installs trl, which CI does not (it installs .[test])", False),
-    "python -m experiments.bench_peer": (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
+    ".venv/bin/pip install -e '.[peer]'": (SKIP, "installs trl, which CI does not (it installs .[test])", False),
+    ".venv/bin/python -m experiments.bench_peer":
+        (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
+    LEARN: (TINY_LEARN, "tiny model, 2 groups, 2 steps", False),
+    CURVES: ((), "on the tiny learning run's folder", False),
 }
 
 
@@ -151,7 +160,19 @@ def test_quickstart_and_evaluating_its_run_folder(quickstart_run, tmp_path):
     assert "train/Bandit/success" in (quickstart_run / "report.html").read_text()  # the run's curves embedded
 
 
-@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART, REPORT_QUICKSTART)])
+def test_learning_preset_and_its_curves(tmp_path):
+    """The learning preset's two tiny steps validate before and after, and its curves draw."""
+    run_command(LEARN, tmp_path, shrunk(LEARN))
+    run = tmp_path / "run"
+    proc = run_command(CURVES, tmp_path, replace={"runs/learn_bandit": str(run),
+                                                   "runs/learn_bandit/curves.png": str(tmp_path / "curves.png")})
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "curves.json").read_text())["run"]["validation"]
+    assert [p["step"] for p in summary["Bandit"]] == [0, 2] and summary["BanditTest"][0]["levels"] == 4
+    assert "Bandit" in proc.stdout and "step   0" in proc.stdout
+
+
+@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES)])
 def test_readme_command(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
 

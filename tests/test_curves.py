@@ -1,0 +1,17 @@
+"""experiments.curves: the Wilson interval its tables and bands use, and its one-line errors."""
+
+import pytest
+
+from experiments import curves
+
+
+@pytest.mark.parametrize("k, n, low, high", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (230, 256, 0.8553, 0.9297)])
+def test_wilson_interval_is_the_score_intervals_roots(k, n, low, high):
+    """The roots of (p̂ − p)² = z² p(1 − p) / n, the score interval's definition."""
+    assert curves.wilson(k, n) == pytest.approx((low, high), abs=1e-4)
+
+
+def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
+    assert curves.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path} is not a run folder: it has no metrics.jsonl or config.json.\n"
+    assert curves.main([str(tmp_path), "--labels", "a", "b"]) == 2
