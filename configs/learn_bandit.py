@@ -51,8 +51,8 @@ CHANGES = {
     "actor.lr": 3e-5,
     "actor.ppo_mini_batch_size": 32,
     "actor.micro_batch_size": 8,
-    "trainer.total_steps": 40,
-    "trainer.test_freq": 20,
+    "trainer.total_steps": 20,
+    "trainer.test_freq": 10,
     "trainer.log_trajectories": 8,
     "trainer.val_chunks": 4,  # 128 levels per rollout: 1.9 GB of KV cache instead of 7.5
     "trainer.output_dir": "runs/learn_bandit",
