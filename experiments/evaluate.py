@@ -172,9 +172,11 @@ def format_table(report: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from starpo_jax.checkpoint import CheckpointError
+    from starpo_jax.compilation_cache import setup_compilation_cache
     from starpo_jax.experiment import ConfigError
     from starpo_jax.models.loading import ModelLoadError
 
+    setup_compilation_cache()  # before the first compile
     try:
         report = evaluate(args)
     except (ValueError, ConfigError, ModelLoadError, CheckpointError, FileNotFoundError) as err:
