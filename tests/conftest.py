@@ -40,3 +40,14 @@ def qwen_tokenizer():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     return bundled.smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory):
+    """``helpers.TINY``'s run (two steps, validation at 0 and 2, checkpoints, export), started once
+    for every test that only reads its folder; tests that change a run copy it first."""
+    from helpers import run
+
+    out = tmp_path_factory.mktemp("full")
+    run(f"--config.trainer.output_dir={out}")
+    return out
