@@ -68,6 +68,9 @@ def main(argv) -> int:
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
     from starpo_jax import distributed
+    from starpo_jax.compilation_cache import setup_compilation_cache
+
+    setup_compilation_cache()  # before the first compile
 
     try:  # before anything else touches JAX (importing the env modules builds arrays)
         distributed.initialize(_CONFIG.value.distributed)

@@ -86,6 +86,9 @@ def main(argv) -> int:
 
     logging.set_verbosity(logging.WARNING)
     from starpo_jax import sharding
+    from starpo_jax.compilation_cache import setup_compilation_cache
+
+    setup_compilation_cache()  # before the first compile
     from starpo_jax.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
 

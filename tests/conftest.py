@@ -1,8 +1,26 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # Tests run on CPU with deterministic float32 math; keep XLA from grabbing every core per process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+# One persistent compilation cache for the session (starpo_jax/compilation_cache.py): a program one
+# test process compiled is loaded, not compiled again, by the next. The suite's own folder, removed
+# at exit, unless STARPO_JAX_COMPILATION_CACHE names one already. jax's own variables too, so that
+# `python -c` scripts and the pytest process itself use it (set before jax is imported).
+from starpo_jax import compilation_cache  # noqa: E402 (imports no jax)
+
+if not os.environ.get(compilation_cache.ENV):
+    _cache = tempfile.mkdtemp(prefix="starpo-jax-test-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ[compilation_cache.ENV] = _cache
+if compilation_cache.cache_dir() is not None:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache.cache_dir()))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest
 import torch
@@ -22,3 +40,14 @@ def qwen_tokenizer():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     return bundled.smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory):
+    """``helpers.TINY``'s run (two steps, validation at 0 and 2, checkpoints, export), started once
+    for every test that only reads its folder; tests that change a run copy it first."""
+    from helpers import run
+
+    out = tmp_path_factory.mktemp("full")
+    run(f"--config.trainer.output_dir={out}")
+    return out

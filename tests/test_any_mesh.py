@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from test_run import read_metrics, run, train_lines
+from helpers import REPO, TINY, command_env, read_metrics, run, train_lines
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +60,10 @@ def test_distributed_config_errors(tmp_path):
 def _two_processes(out, port: int, *args):
     """The tiny run as two processes of one CPU device each (localhost coordinator, gloo collectives);
     ``args`` are further flags for both."""
-    import os
     import subprocess
     import sys
 
-    from test_run import REPO, TINY
-
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = command_env(devices=1)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "experiments.run", *TINY, f"--config.trainer.output_dir={out}",

@@ -1,9 +1,13 @@
-"""bench_step --tiny end to end: the report's structure, and figures that must add up."""
+"""bench_step --tiny end to end: the report's structure, the workload it fixes, and the ``learn``
+variants its phase split is built on. (Figures the report derives from others by its own division,
+such as ``critic_update`` as the remainder or a speed-up as a ratio, are not re-checked: such a test
+cannot fail.)"""
 
 import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import bench_step
@@ -12,10 +16,24 @@ ROWS, TURNS, N = 4 * 2, 2, 8  # bench_step.TINY: 4 groups x 2, 2 turns; --tiny f
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def timed_update():
+    """What ``split_update`` timed in the fixture below: (programs, state, trajectories, hyper)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, timed_update):
     out = tmp_path_factory.mktemp("bench") / "bench_step.json"
+    split_update = bench_step.split_update
+
+    def recording(programs, state, traj, hyper, steps, bar):
+        timed_update.append((programs, state, traj, hyper))
+        return split_update(programs, state, traj, hyper, steps, bar)
+
     # a declared bandwidth gives the CPU a roofline, so that part of the report is exercised too
-    report = bench_step.main(["--tiny", "--bandwidth", "1e10", "--out", str(out)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_step, "split_update", recording)
+        report = bench_step.main(["--tiny", "--bandwidth", "1e10", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert f"| {N} |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").is_file()  # the phases drawn beside the JSON
@@ -38,13 +56,11 @@ def test_forced_length_fixes_the_workload(report):
     assert r["turns_played"] == ROWS * TURNS
     assert r["train_metrics"]["train/generated_tokens"] == ROWS * TURNS * N
     assert r["host_loop"]["generated_tokens"] == ROWS * TURNS * N
-    assert r["rollout_tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["phases_s"]["rollout"])
 
 
-def test_phases_add_up_to_the_step(report):
+def test_step_is_timed_as_rollout_plus_update(report):
     (r,) = report["results"]
     p = r["phases_s"]
-    assert p["logprobs_values"] + p["critic_update"] + p["actor_update"] == pytest.approx(p["update"])
     # step is timed around collect + learn in the same iterations: medians of the parts come close
     assert p["rollout"] + p["update"] == pytest.approx(p["step"], rel=0.25)
     assert all(len(runs) == 3 for runs in r["runs_s"].values())
@@ -52,15 +68,31 @@ def test_phases_add_up_to_the_step(report):
     assert r["memory"]["learn"]["temporaries"] > 0 and r["memory"]["collect"]["arguments"] > 0
 
 
+def test_update_variants_do_what_the_phases_name(report, timed_update):
+    """The phase split times ``learn`` variants: with ``ppo_epochs = 0`` no optimiser step (log-probs,
+    values and advantages only), with GRPO the actor's passes and no critic update. Each run again
+    on the batch the benchmark timed them on."""
+    (programs, state, traj, hyper), = timed_update
+    assert set(programs.variants) == {"forward_only", "grpo", "grpo_forward_only"}
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+    for name in ("forward_only", "grpo_forward_only"):
+        after, _ = programs.variants[name](state, traj, hyper)
+        assert same(after.actor, state.actor) and same(after.critic, state.critic), name
+    after, _ = programs.variants["grpo"](state, traj, hyper)
+    assert not same(after.actor, state.actor) and same(after.critic, state.critic)
+
+
 def test_side_by_side_and_roofline(report):
     (r,) = report["results"]
-    assert r["speedup_vs_host_loop"] == pytest.approx(r["rollout_tokens_per_s"] / r["host_loop"]["tokens_per_s"])
+    assert r["host_loop"]["tokens_per_s"] > 0 and "speedup_vs_host_loop" in r
     gen = r["generate"]
     assert (gen["batch"], gen["new_tokens"], gen["cache_size"]) == (ROWS, N, report["workload"]["max_model_len"])
-    assert gen["speedup"] == pytest.approx(gen["starpo_jax"]["tokens_per_s"] / gen["transformers"]["tokens_per_s"])
+    assert gen["starpo_jax"]["tokens_per_s"] > 0 and gen["transformers"]["tokens_per_s"] > 0
     roof = r["roofline"]
     assert roof["hbm_bytes_per_s"] == 1e10 and roof["decode_steps"] == TURNS * N
-    assert roof["fraction"] == pytest.approx(roof["ideal_s"] / r["phases_s"]["rollout"])
 
 
 def _scan_of_matmuls(layers: int) -> str:

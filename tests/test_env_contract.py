@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import envs_jax
+from helpers import command_env
 from starpo_jax import prompts as P
 from starpo_jax.contract import EnvContractError, check_env
 
@@ -184,8 +185,7 @@ def test_documented_run_trains_the_example_env_for_a_step(tmp_path):
             f"--config.trainer.output_dir={tmp_path}",
         ],
         cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-             "PYTHONPATH": f"{REPO}:{EXAMPLES}"},
+        env=command_env(PYTHONPATH=f"{REPO}:{EXAMPLES}"),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = (tmp_path / "metrics.jsonl").read_text()

@@ -11,12 +11,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_run import TINY
+from helpers import REPO, TINY, command_env
 
 from experiments import report
 from starpo_jax.diversity import distinct_ngrams, think_diversity_metrics
 
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -36,7 +35,7 @@ def tiny_run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.run", *TINY_RUN, f"--config.trainer.output_dir={out}"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env=command_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out

@@ -4,69 +4,9 @@ exact resume, the exported Hugging Face folder, and clear errors for bad config 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-TINY = [
-    "--config=configs/base.py",
-    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
-    "--config.model.random_init_preset=tiny-llama",
-    "--config.model.dtype=float32",
-    "--config.envs.train.tags=('SimpleSokoban','FrozenLake','Bandit')",
-    "--config.envs.train.n_groups=(1,1,1)",
-    "--config.envs.train.group_size=2",
-    "--config.envs.val.tags=('FrozenLake',)",
-    "--config.envs.val.n_groups=(2,)",
-    "--config.rollout.max_turn=2",
-    "--config.rollout.response_length=6",
-    "--config.rollout.max_model_len=640",
-    "--config.filter.ratio=0.5",
-    "--config.actor.ppo_mini_batch_size=2",
-    "--config.actor.micro_batch_size=2",
-    "--config.trainer.total_steps=2",
-    "--config.trainer.test_freq=2",
-    "--config.trainer.save_freq=1",
-    "--config.trainer.log_trajectories=1",
-]
-
-
-def run(*args, check=True, devices=1):
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", *TINY, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(proc.stderr[-4000:])
-    return proc
-
-
-def read_metrics(path):
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_lines(rows):
-    return [r for r in rows if "train/reward/mean" in r]
-
-
-def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} as TensorBoard shows them (it honours purge_step)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out / "tb"))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("full")
-    run(f"--config.trainer.output_dir={out}")
-    return out
+from helpers import REPO, TINY, command_env, evaluate, read_metrics, run, tensorboard_scalars, train_lines
 
 
 def test_outputs(full_run):
@@ -148,7 +88,7 @@ def one_line_error(proc) -> str:
 def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     """Errors that need no model are reported before it loads: a model source that does not exist
     is named in none of them. A failed start writes nothing."""
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    env = command_env()
     for module in ("experiments.run", "experiments.sweep"):
         proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
                               timeout=300, env=env)
@@ -179,14 +119,6 @@ def test_run_on_two_devices_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in train_lines(rows)] == [1, 2]
     assert [r["step"] for r in rows if "val-env/FrozenLake/success" in r] == [2]
     assert (tmp_path / "hf_policy" / "model.safetensors").exists()
-
-
-def evaluate(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "experiments.evaluate", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-    )
 
 
 def test_evaluate_a_run_folder(full_run, tmp_path):
@@ -242,7 +174,7 @@ def test_sweep_trains_a_grid_in_one_program(tmp_path):
         [sys.executable, "-m", "experiments.sweep", *TINY, f"--config.trainer.output_dir={tmp_path}",
          "--config.trainer.total_steps=1", "--sweep", "actor.lr=0,1e-3", "--sweep", "filter.ratio=0.5,1.0"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env=command_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
@@ -254,7 +186,7 @@ def test_sweep_trains_a_grid_in_one_program(tmp_path):
     assert [r["rollout/filter_kept_groups"] for r in rows] == [1, 3, 1, 3]
     bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--sweep", "rollout.max_turn=1,2"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+                         env=command_env())
     assert bad.returncode == 2 and "cannot be swept" in bad.stderr
 
 
@@ -280,5 +212,5 @@ def test_lora_run_exports_adapters_and_evaluates(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--config.lora.rank=2",
                           "--sweep", "actor.lr=0,1e-3"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+                         env=command_env())
     assert bad.returncode == 2 and "sweep lora.actor_lr instead" in bad.stderr

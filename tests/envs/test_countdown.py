@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import command_env
+
 from envs_jax.countdown import Countdown, has_solution
 from envs_jax.countdown_score import ragen_score
 from starpo_jax import prompts as P
@@ -164,8 +166,7 @@ def test_a_training_step_on_countdown_through_the_run_entry_point(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = command_env(devices=1)
     proc = subprocess.run([sys.executable, "-m", "experiments.run", *TINY_RUN, f"--config.trainer.output_dir={tmp_path}"],
                           cwd=repo, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -189,7 +190,7 @@ def test_evaluate_the_bundled_model_on_countdown(tmp_path):
         [sys.executable, "-m", "experiments.evaluate", "--model", "smollm2-135m-instruct", "--suite", "countdown",
          "--levels", "2", "--batch", "2", "--max-turn", "1", "--response-length", "16", "--out", str(out)],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env=command_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]

@@ -1,0 +1,59 @@
+"""JAX's persistent compilation cache, on by default for the user commands.
+
+A process that compiles a program XLA has compiled before (same program, shapes, devices, flags
+and jax version; jax's cache key) loads the executable from disk instead of compiling it again:
+the second ``python -m experiments.run --config configs/quickstart.py`` skips most of its compile
+time. Every program is cached, however small or quick to compile.
+
+One setting, the environment variable ``STARPO_JAX_COMPILATION_CACHE``:
+
+- unset or empty: the cache lives in ``$XDG_CACHE_HOME/starpo-jax/jax`` (``~/.cache/starpo-jax/jax``);
+- a path: the cache lives there;
+- ``off`` (or ``0``, ``false``, ``no``): no persistent cache; every process compiles its programs.
+
+An environment variable rather than a config key because ``evaluate`` has no config and the cache
+must be set before the first compile. ``setup_compilation_cache`` is called by every command that
+compiles (``experiments.run``, ``sweep``, ``evaluate``) before anything compiles. The benchmarks
+and ``experiments.plan`` do not call it: they report compile seconds or read compiled programs,
+which a cache hit would turn into the cost of loading a file.
+
+A cached executable runs the same machine code as the freshly compiled one, so results are bit for
+bit the same (``tests/test_compilation_cache.py``). jax keys entries by platform and its version;
+XLA:CPU refuses (and recompiles) an entry compiled for CPU features the host lacks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV = "STARPO_JAX_COMPILATION_CACHE"
+OFF = {"off", "0", "false", "no"}
+
+
+def cache_dir(environ=None) -> Path | None:
+    """The folder the cache uses under ``environ`` (default ``os.environ``), or None when it is off."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(ENV, "").strip()
+    if value.lower() in OFF:
+        return None
+    if value:
+        return Path(value).expanduser()
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "starpo-jax" / "jax"
+
+
+def setup_compilation_cache(environ=None) -> Path | None:
+    """Point JAX's persistent compilation cache at ``cache_dir`` (or turn it off); call before the
+    first compile. Returns the folder, or None when off."""
+    import jax
+
+    path = cache_dir(environ)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # Cache every program: the tiny ones of a CPU run too (jax's defaults skip those under 1 s).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no minimum size, and no override
+    return path

@@ -1,0 +1,78 @@
+"""What several test modules share: the tiny run's flags, starting a command in a subprocess with
+the suite's environment, and reading a run folder. (Fixtures live in conftest.py.)"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = [
+    "--config=configs/base.py",
+    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
+    "--config.model.random_init_preset=tiny-llama",
+    "--config.model.dtype=float32",
+    "--config.envs.train.tags=('SimpleSokoban','FrozenLake','Bandit')",
+    "--config.envs.train.n_groups=(1,1,1)",
+    "--config.envs.train.group_size=2",
+    "--config.envs.val.tags=('FrozenLake',)",
+    "--config.envs.val.n_groups=(2,)",
+    "--config.rollout.max_turn=2",
+    "--config.rollout.response_length=6",
+    "--config.rollout.max_model_len=640",
+    "--config.filter.ratio=0.5",
+    "--config.actor.ppo_mini_batch_size=2",
+    "--config.actor.micro_batch_size=2",
+    "--config.trainer.total_steps=2",
+    "--config.trainer.test_freq=2",
+    "--config.trainer.save_freq=1",
+    "--config.trainer.log_trajectories=1",
+]
+
+# The compilation cache's settings (conftest.py points them at the session's cache folder).
+CACHE_VARS = ("STARPO_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+def command_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+    """A clean environment for a command (CPU, no inherited XLA flags), with the suite's
+    compilation cache; ``devices`` simulated CPU devices."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    env |= {k: os.environ[k] for k in CACHE_VARS if k in os.environ}
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env | extra
+
+
+def run(*args, check=True, devices=1, module="experiments.run", tiny=True, timeout=900):
+    """``python -m experiments.run`` (or ``module``) with the tiny run's flags, then ``args``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *(TINY if tiny else ()), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=command_env(devices),
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    return proc
+
+
+def evaluate(*args):
+    return run(*args, check=False, devices=None, module="experiments.evaluate", tiny=False)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_lines(rows):
+    return [r for r in rows if "train/reward/mean" in r]
+
+
+def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} as TensorBoard shows them (it honours purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
