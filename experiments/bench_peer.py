@@ -525,8 +525,9 @@ def main(argv=None) -> int:
         return 2
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))  # evaluations reuse compilations
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    from starpo_jax.compilation_cache import setup_compilation_cache
+
+    setup_compilation_cache()  # the checkpoints' evaluations reuse one compilation
     steps = int(config.trainer.total_steps)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
