@@ -2,12 +2,14 @@
 
     .venv/bin/python -m experiments.curves runs/learn_bandit runs/learn_bandit_seed1 --out curves.png
     .venv/bin/python -m experiments.curves runs/a runs/b --labels StarPO-S StarPO --out echo.png
+    .venv/bin/python -m experiments.curves runs/lr_sweep --out sweep.png      # one series per setting
 
 Panels: validation success per env tag with its 95 % Wilson interval (the levels per tag come from
 the run's ``config.json``), the validation format (``action_is_valid``), and the training signals
 the paper reads for collapse: success and reward of the training rollouts, in-group reward std,
-entropy and the actor's gradient norm. Prints a table of validation success with intervals, first
-and last validation side by side, and writes it as JSON beside the PNG (``.json``).
+entropy and the actor's gradient norm. A sweep's folder (``sweep.jsonl``, no validation) gives
+one series per setting. Prints a table of validation success with intervals, first and last
+validation side by side, and writes it as JSON beside the PNG (``.json``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 TRAIN_PANELS = (
-    ("train/success", "training success (rollouts)"),
+    ("train/*/success", "training success (rollouts, per env tag)"),
     ("train/reward/mean", "training reward (mean)"),
     ("rollout/in_group_std", "in-group reward std"),
     ("actor/entropy_loss", "entropy"),
@@ -38,19 +40,39 @@ def wilson(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]
 
 
 def val_levels(run: Path) -> dict[str, int]:
-    """Episodes per validation tag: n_groups × group_size from the run's config."""
+    """Episodes per validation tag: n_groups × group_size from the run's config (a sweep: none)."""
+    if not (run / "config.json").exists():
+        return {}
     val = json.loads((run / "config.json").read_text())["envs"]["val"]
     return {tag: int(n) * int(val["group_size"]) for tag, n in zip(val["tags"], val["n_groups"])}
 
 
-def read_run(run: Path) -> list[dict]:
+def read_rows(path: Path) -> list[dict]:
     from experiments.report import read_jsonl
 
     notes: list[str] = []
-    rows = read_jsonl(run / "metrics.jsonl", notes)
+    rows = read_jsonl(path, notes)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     return rows
+
+
+def read_runs(run: Path, label: str) -> dict[str, tuple[Path, list[dict]]]:
+    """{label: (folder, metric rows)}: a run's, or one per setting of a sweep's folder."""
+    if (run / "metrics.jsonl").exists():
+        return {label: (run, read_rows(run / "metrics.jsonl"))}
+    settings: dict[str, list[dict]] = {}
+    for row in read_rows(run / "sweep.jsonl"):
+        name = " ".join(f"{k}={v:g}" for k, v in row.get("setting", {}).items())
+        settings.setdefault(f"{label} {name}", []).append(row)
+    return {name: (run, rows) for name, rows in settings.items()}
+
+
+def keys_like(rows: list[dict], pattern: str) -> list[str]:
+    """The metric names matching ``pattern`` (``*``: one name part, e.g. an env tag), in first-seen order."""
+    import fnmatch
+
+    return list(dict.fromkeys(k for r in rows for k in r if fnmatch.fnmatchcase(k, pattern) and "/non-zero/" not in k))
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -77,9 +99,9 @@ def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = {label: (run, read_run(run)) for label, run in zip(labels, runs)}
+    data = {name: pair for label, run in zip(labels, runs) for name, pair in read_runs(run, label).items()}
     tags = list(dict.fromkeys(t for run, _ in data.values() for t in val_levels(run)))
-    panels = [f"val-env/{t}/success" for t in tags] + ["format"] + [k for k, _ in TRAIN_PANELS]
+    panels = [f"val-env/{t}/success" for t in tags] + (["format"] if tags else []) + [k for k, _ in TRAIN_PANELS]
     cols = 3
     fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4.2 * cols, 3.0 * -(-len(panels) // cols)))
     axes = axes.ravel()
@@ -95,18 +117,23 @@ def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
             ax.fill_between(steps, [p["interval"][0] for p in points], [p["interval"][1] for p in points],
                             color=colour, alpha=0.15)
             ax.set(title=f"validation success, {tag} (95 % Wilson)", xlabel="step", ylim=(-0.02, 1.02))
-        fmt = axes[len(tags)]
-        for j, tag in enumerate(tags):
-            points = table.get(tag, [])
-            fmt.plot([p["step"] for p in points], [p["action_is_valid"] for p in points], "os^v"[j % 4] + "-",
-                     color=colour, label=f"{label} {tag}")
-        fmt.set(title="validation: valid answers (format)", xlabel="step", ylim=(-0.02, 1.02))
-        for ax, (key, title) in zip(axes[len(tags) + 1:], TRAIN_PANELS):
-            ax.plot(*series(rows, key), "-", color=colour, label=label, lw=1.2)
+        if tags:
+            fmt = axes[len(tags)]
+            for j, tag in enumerate(tags):
+                points = table.get(tag, [])
+                fmt.plot([p["step"] for p in points], [p["action_is_valid"] for p in points], "os^v"[j % 4] + "-",
+                         color=colour, label=f"{label} {tag}")
+            fmt.set(title="validation: valid answers (format)", xlabel="step", ylim=(-0.02, 1.02))
+        for ax, (pattern, title) in zip(axes[len(tags) + bool(tags):], TRAIN_PANELS):
+            keys = keys_like(rows, pattern)
+            for j, key in enumerate(keys):
+                name = label if len(keys) == 1 else f"{label} {key.split('/')[1]}"
+                ax.plot(*series(rows, key), "-:"[j % 2], color=colour, label=name, lw=1.2)
             ax.set(title=title, xlabel="step")
     for ax in axes[: len(panels)]:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     for ax in axes[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
@@ -138,9 +165,9 @@ def main(argv=None) -> int:
         print(f"error: {len(labels)} labels for {len(args.runs)} runs; give one per run.", file=sys.stderr)
         return 2
     for run in args.runs:
-        missing = [f for f in ("metrics.jsonl", "config.json") if not (run / f).exists()]
-        if missing:
-            print(f"error: {run} is not a run folder: it has no {' or '.join(missing)}.", file=sys.stderr)
+        if not ((run / "metrics.jsonl").exists() and (run / "config.json").exists()) and not (run / "sweep.jsonl").exists():
+            print(f"error: {run} is neither a run folder (metrics.jsonl, config.json) nor a sweep's (sweep.jsonl).",
+                  file=sys.stderr)
             return 2
     summary = draw(args.runs, labels, args.out)
     print_table(summary)

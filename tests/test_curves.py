@@ -1,5 +1,7 @@
 """experiments.curves: the Wilson interval its tables and bands use, and its one-line errors."""
 
+import json
+
 import pytest
 
 from experiments import curves
@@ -13,5 +15,14 @@ def test_wilson_interval_is_the_score_intervals_roots(k, n, low, high):
 
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 2
-    assert capsys.readouterr().err == f"error: {tmp_path} is not a run folder: it has no metrics.jsonl or config.json.\n"
+    assert capsys.readouterr().err == (f"error: {tmp_path} is neither a run folder (metrics.jsonl, config.json) nor a "
+                                       "sweep's (sweep.jsonl).\n")
     assert curves.main([str(tmp_path), "--labels", "a", "b"]) == 2
+
+
+def test_a_sweep_folder_draws_one_series_per_setting(tmp_path):
+    rows = [{"step": t, "setting": {"actor.lr": lr}, "train/reward/mean": lr * t} for lr in (1e-5, 3e-5) for t in (1, 2)]
+    (tmp_path / "sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert curves.main([str(tmp_path), "--labels", "lr", "--out", str(tmp_path / "s.png")]) == 0
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert list(summary) == ["lr actor.lr=1e-05", "lr actor.lr=3e-05"] and (tmp_path / "s.png").stat().st_size > 0
