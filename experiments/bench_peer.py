@@ -128,7 +128,9 @@ def trl_settings(config) -> tuple[dict, list[str]]:
     need(not alg.kl_in_reward, "algorithm.kl_in_reward=True (KL in the reward)")
     need(not a.use_kl_loss or a.kl_loss_type in ("low_var_kl", "k3"),
          f"actor.use_kl_loss with actor.kl_loss_type={a.kl_loss_type!r} (TRL's KL is k3)")
-    need(not r.use_sampler_logprobs, "rollout.use_sampler_logprobs=True (TRL has it only with vLLM)")
+    one_step = int(a.ppo_epochs) == 1 and mini == batch  # one optimizer step per rollout: its ratio is 1 on both sides
+    need(not r.use_sampler_logprobs or one_step,
+         "rollout.use_sampler_logprobs=True with more than one optimizer step per rollout (TRL has it only with vLLM)")
     need(int(config.rollout.max_turn) == 1, "rollout.max_turn > 1 (GRPOTrainer is single-turn)")
     need(int(config.lora.rank) == 0, "lora.rank > 0 (bench_peer compares full fine-tuning)")
     need(batch % mini == 0 and mini % micro == 0,
@@ -173,8 +175,12 @@ def trl_settings(config) -> tuple[dict, list[str]]:
         "1e-6 in starpo-jax and 1e-4 in TRL (a relative difference below 1e-3 for Bandit rewards)",
         f"one update pass per rollout: ppo_epochs={a.ppo_epochs} -> num_iterations; {batch // mini} optimizer step(s) "
         "per rollout -> steps_per_generation / gradient_accumulation_steps",
-        "old log-probs: recomputed by the training model on both sides (rollout.use_sampler_logprobs=False); with one "
-        "optimizer step per rollout TRL takes them as the current log-probs detached (ratio exactly 1)",
+        ("old log-probs: the sampler's (rollout.use_sampler_logprobs=True), and TRL, with one optimizer step per "
+         "rollout, takes the current log-probs detached: the ratio of that one step is 1 on both sides (in starpo-jax "
+         "up to the rounding between sampler and trainer), so the same maths"
+         if r.use_sampler_logprobs else
+         "old log-probs: recomputed by the training model on both sides (rollout.use_sampler_logprobs=False); with one "
+         "optimizer step per rollout TRL takes them as the current log-probs detached (ratio exactly 1)"),
         f"entropy bonus: actor.entropy_coeff={a.entropy_coeff} -> entropy_coef; TRL averages the entropy over the "
         "micro-batch's tokens (token-mean), starpo-jax with actor.loss_agg_mode",
         "optimizer: AdamW on every weight in both (TRL is handed a torch.optim.AdamW over all parameters; HF Trainer's "

@@ -50,9 +50,13 @@ def test_trl_settings_of_other_maths_and_refusals():
 
     for bad in ("--config.actor.loss_agg_mode=seq-mean-token-sum", "--config.algorithm.adv_estimator=gae",
                 "--config.actor.use_kl_loss=True", "--config.algorithm.kl_in_reward=True",
-                "--config.reward.method=asym_clip", "--config.rollout.use_sampler_logprobs=True"):
+                "--config.reward.method=asym_clip"):
         with pytest.raises(ConfigError, match="no TRL"):
             settings(bad)
+    # the sampler's log-probs are TRL's maths only where one optimizer step per rollout keeps the ratio 1
+    assert settings("--config.rollout.use_sampler_logprobs=True")["steps_per_generation"] == 2  # 8 rows, 1 step
+    with pytest.raises(ConfigError, match="more than one optimizer step per rollout"):
+        settings("--config.rollout.use_sampler_logprobs=True", "--config.actor.ppo_mini_batch_size=4")
 
 
 def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
