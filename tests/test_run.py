@@ -4,6 +4,7 @@ exact resume, the exported Hugging Face folder, and clear errors for bad config 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import REPO, TINY, command_env, evaluate, read_metrics, run, tensorboard_scalars, train_lines
