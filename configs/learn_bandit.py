@@ -4,10 +4,12 @@
 
 The Bandit's risky arm (Dragon) pays 1 with probability 0.25, else 0 (expected 0.25); the safe arm
 (Phoenix) pays 0.1 every time (RAGEN's code; the paper says 0.15). Success is choosing the risky
-arm. Before training the model mostly fails the answer format; this preset trains it to answer and
-to prefer the risky arm, on an idle 2-core CPU in under 45 minutes with validation on 256 Bandit and
-256 BanditTest levels (the renamed arms, the paper's generalisation test) before, half-way and after
-training. Results, curves and commands: docs/results.md.
+arm. Before training the model mostly names the safe arm and often fails the answer format; this
+preset trains it for 20 steps with validation on 256 Bandit and 256 BanditTest levels (the renamed
+arms, the paper's generalisation test) before, half-way and after training: 18-27 minutes on the
+shared 2-core CPU. Measured (docs/results.md): every seed learns the format, but only one seed of
+three (0) learns the risky arm (success 0.027 -> 1.000); seeds 1 and 2 settle on the safe arm
+within 5 steps, the Echo Trap.
 
 Choices, each for the budget or for what the probe runs showed (docs/results.md):
 
