@@ -34,25 +34,30 @@ Choices, each for the budget or for what the probe runs showed (docs/results.md)
 
 from configs import bandit, base, presets
 
-CHANGES = {
-    **bandit.CHANGES,
+# The recipe, env apart (configs/learn_frozen_lake.py uses it too).
+RECIPE = {
     **presets.PRESETS["starpo_s_grpo"],
     "model.source": "smollm2-135m-instruct",
     "model.dtype": "float32",
     "model.remat": "none",
     "envs.train.n_groups": (8,),
     "envs.train.group_size": 8,
-    "envs.val.n_groups": (256, 256),
     "filter.ratio": 0.5,
     "reward.method": "mean",
     "algorithm.grpo_norm_by_std": False,
     "rollout.enable_think": False,
-    "rollout.response_length": 16,
-    "rollout.max_model_len": 256,
     "rollout.use_sampler_logprobs": True,
     "actor.lr": 3e-5,
     "actor.ppo_mini_batch_size": 32,
     "actor.micro_batch_size": 8,
+}
+
+CHANGES = {
+    **bandit.CHANGES,
+    **RECIPE,
+    "envs.val.n_groups": (256, 256),
+    "rollout.response_length": 16,
+    "rollout.max_model_len": 256,
     "trainer.total_steps": 20,
     "trainer.test_freq": 10,
     "trainer.log_trajectories": 8,

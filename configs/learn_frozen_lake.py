@@ -3,34 +3,21 @@
     .venv/bin/python -m experiments.run --config configs/learn_frozen_lake.py
 
 RAGEN's FrozenLake as ``configs/frozen_lake.py`` has it (4×4 lakes, slippery ice, 10 actions per
-episode), played over up to 5 turns. The settings follow ``configs/learn_bandit.py`` for the same
+episode), played over up to 5 turns. The settings are ``configs/learn_bandit.py``'s ``RECIPE``, for the same
 reasons (GRPO on rewards minus the group mean, answer-only turns, full weights in float32, log-probs
 from the sampler, a group per micro-batch); validation on 128 fixed levels before, half-way and
 after training. What it learns, and what limits a 135M model here: docs/results.md.
 """
 
-from configs import base, frozen_lake, presets
+from configs import base, frozen_lake, learn_bandit
 
 CHANGES = {
     **frozen_lake.CHANGES,
-    **presets.PRESETS["starpo_s_grpo"],
-    "model.source": "smollm2-135m-instruct",
-    "model.dtype": "float32",
-    "model.remat": "none",
-    "envs.train.n_groups": (8,),
-    "envs.train.group_size": 8,
+    **learn_bandit.RECIPE,
     "envs.val.n_groups": (128,),
-    "filter.ratio": 0.5,
-    "reward.method": "mean",
-    "algorithm.grpo_norm_by_std": False,
-    "rollout.enable_think": False,
     "rollout.max_turn": 5,
     "rollout.response_length": 24,
     "rollout.max_model_len": 768,
-    "rollout.use_sampler_logprobs": True,
-    "actor.lr": 2e-5,
-    "actor.ppo_mini_batch_size": 32,
-    "actor.micro_batch_size": 8,
     "trainer.total_steps": 30,
     "trainer.test_freq": 15,
     "trainer.log_trajectories": 4,
