@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs_jax.base import TextEnv
-from starpo_jax import parsing, prompts
+from starpo_jax import parsing, prompts, sharding
 from starpo_jax.env_turn import execute_turn
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.sampling import append, decode, init_cache
@@ -253,11 +253,12 @@ def _concat_rows(trees):
 
 def _write(buffer, offsets, values, count):
     """buffer[b, offsets[b] + j] = values[b, j] for j < count[b]; other writes are dropped."""
-    B, W = values.shape
+    W = values.shape[1]
     cols = offsets[:, None] + jnp.arange(W)[None]
     cols = jnp.where(jnp.arange(W)[None] < count[:, None], cols, buffer.shape[1])  # out of range
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, W))
-    return buffer.at[rows, cols].set(values.astype(buffer.dtype), mode="drop")
+    # Row by row (vmapped), so a row-sharded buffer is written on each device (train._scatter_rows).
+    row = lambda buf, i, v: buf.at[i].set(v.astype(buf.dtype), mode="drop")
+    return jax.vmap(row)(buffer, cols, values)
 
 
 @flax.struct.dataclass
@@ -325,7 +326,7 @@ class LLMResponder:
             return append(model, cache, prompt_ids, num_new)
         real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
         _, leaders, inverse = jnp.unique(
-            jnp.where(real, prompt_ids, -1), axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1
+            sharding.replicated(jnp.where(real, prompt_ids, -1)), axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1
         )
         inverse = inverse.reshape(-1)
         distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),

@@ -145,6 +145,15 @@ def for_decoding(params):
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def replicated(x):
+    """Inside a jitted function on a mesh: ``x`` whole on every device (one gather), so that an
+    operation XLA cannot split by rows, such as ``jnp.unique``'s sort, reads it locally instead of
+    gathering each of its operands apart. Without a mesh, ``x``."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
 def check_batch(mesh: Mesh, **batch_sizes: int) -> None:
     """Every batch the step splits into rows must divide evenly over ``data × fsdp``: e.g.
     ``check_batch(mesh, rollout_batch=128, micro_batch_size=4)``."""

@@ -232,8 +232,11 @@ def policy_positions(mask, max_tokens: int):
 
 def _scatter_rows(values, index, shape):
     """[B, K] values at positions ``index`` [B, K] of a zero [B, L] array (out-of-range dropped)."""
-    rows = jnp.arange(shape[0])[:, None]
-    return jnp.zeros(shape, jnp.float32).at[rows, index].set(values, mode="drop")
+    # Row by row (vmapped): a scatter whose batch dimension is the rows', so a row-sharded batch
+    # scatters on each device without gathering the positions of every row (an explicit row index
+    # made XLA all-gather them, and that collective could run out of order with the update's).
+    row = lambda v, i: jnp.zeros(shape[1:], jnp.float32).at[i].set(v, mode="drop")
+    return jax.vmap(row)(values, index)
 
 
 def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int,

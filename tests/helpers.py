@@ -36,13 +36,27 @@ CACHE_VARS = ("STARPO_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
+def simulated_devices(devices: int) -> dict[str, str]:
+    """The environment of a process with ``devices`` simulated CPU devices.
+
+    XLA:CPU runs a program's independent operations concurrently on one thread pool, as many
+    threads as cores. A collective holds its thread until every device reaches it, and two
+    independent collectives (say a gather beside a loop that gathers inside) may start in a
+    different order on each device; on 2 cores both threads can then wait at different
+    collectives, each for the other's device, until XLA aborts (a rendezvous timeout, seen on
+    2-device steps). Enough threads that a blocked one never starves the rest: ``PJRT_NPROC``
+    sizes the pool."""
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "PJRT_NPROC": str(max(os.cpu_count() or 1, 4 * devices))}
+
+
 def command_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """A clean environment for a command (CPU, no inherited XLA flags), with the suite's
     compilation cache; ``devices`` simulated CPU devices."""
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     env |= {k: os.environ[k] for k in CACHE_VARS if k in os.environ}
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env |= simulated_devices(devices)
     return env | extra
 
 

@@ -2,9 +2,9 @@
 gives the same result.
 
 Multi-device runs happen in a subprocess with simulated CPU devices (XLA's host platform device
-count must be set before JAX starts). Keep simulated devices <= CPU cores in the default suite:
-XLA's CPU collectives can deadlock when more devices than pool threads wait at a rendezvous (seen
-once with 4 on 2 cores), so the 4-device mixed meshes are marked slow.
+count must be set before JAX starts), with a thread pool larger than the cores
+(``helpers.simulated_devices``: XLA:CPU's collectives each hold a pool thread until every device
+arrives, so with too few threads two devices can wait at different collectives for each other).
 
 Tolerance: every mesh runs the same float32 math with the sums of a matmul, a mean or a gradient
 split into partial sums that are added in another order; each reordering changes a result by a
@@ -26,6 +26,7 @@ from flax import nnx
 
 from starpo_jax import sharding
 from starpo_jax.models import Decoder, ModelState, preset
+from helpers import simulated_devices
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,7 +127,7 @@ print(json.dumps({"gathered": re.findall(r"= (\w+)\[[^=]*? all-gather\(", hlo), 
 def test_rollout_gathers_the_cast_policy():
     """Cast, then gather (half the bytes of float32 weights moved, no float32 copy of the policy);
     given only the gathered layout, XLA's partitioner gathers the float32 weights and casts after."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, **simulated_devices(2)}
     proc = subprocess.run([sys.executable, "-c", GATHER_SCRIPT], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -173,7 +174,7 @@ def test_data_parallel_decoding_stays_on_each_device():
     """Each device holds its rows' cache and the whole policy, so neither a decoded token nor a
     prefill block needs any communication. A KV-cache write that scatters by (row, slot) pairs made
     the partitioner all-gather every row's new keys, values and slots to every device."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, **simulated_devices(2)}
     proc = subprocess.run([sys.executable, "-c", LOCAL_ROWS_SCRIPT], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -204,7 +205,7 @@ def test_mesh_errors_name_what_to_change():
 
 def _steps_on_meshes(meshes: dict[str, tuple[int, int, int]]) -> dict:
     devices = max(d * f * m for d, f, m in meshes.values())
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, **simulated_devices(devices)}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes)], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -235,16 +236,13 @@ def _assert_same_step(out: dict, name: str, shape: tuple[int, int, int]) -> None
     assert out["update"] > 5e-4 and out[name]["param_diff"] < 0.05 * out["update"]
 
 
-@pytest.mark.skip(reason="REGRESSION of 2026-11-25, to fix first: the step on 2 CPU devices stalls in an all-gather "
-                         "(XLA rendezvous timeout); see the closing note of that session")
 @pytest.mark.parametrize("name", [n for n in TWO_DEVICES if n != "single"])
 def test_step_on_two_devices_matches_one_device(steps_on_two_devices, name):
     _assert_same_step(steps_on_two_devices, name, TWO_DEVICES[name])
 
 
-# Slow: 4 simulated devices, ~2 min on an idle 2-core machine, where XLA's CPU collectives can also
-# deadlock (4 devices, 2 pool threads; seen here under load). Run it on >= 4 cores. The 2-device test
-# covers each axis alone; this one their combinations.
+# Slow: 4 simulated devices compile four more programs (~2 min on an idle 2-core machine). The
+# 2-device test covers each axis alone; this one their combinations.
 @pytest.mark.slow
 def test_step_on_mixed_meshes_matches_one_device():
     out = _steps_on_meshes(FOUR_DEVICES)
