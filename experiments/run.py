@@ -33,8 +33,10 @@ FLAGS = flags.FLAGS
 
 
 def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, log) -> dict:
-    """One validation rollout on the fixed levels: metrics, JSONL dump and a printed sample."""
+    """One validation rollout on the fixed levels (a bar per ``trainer.val_chunks`` chunk): metrics,
+    JSONL dump and a printed sample."""
     import jax
+    from tqdm import tqdm
 
     from starpo_jax import distributed, dumps
     from starpo_jax.diversity import think_diversity_metrics
@@ -43,7 +45,11 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     cfg = exp.config
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
     t0 = time.perf_counter()
-    traj = jax.block_until_ready(val_rollout(policy_of(state), exp.val_tables, val_init, key, cfg.rollout.val_temperature))
+    chunks = cfg.trainer.val_chunks
+    with tqdm(total=chunks, desc=f"{distributed.tag()}validation @ step {step}", unit="chunk", leave=False,
+              disable=not distributed.is_writer()) as bar:
+        traj = jax.block_until_ready(
+            val_rollout(policy_of(state), exp.val_tables, val_init, key, cfg.rollout.val_temperature, bar.update))
     seconds = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds

@@ -581,10 +581,10 @@ def chunked_rollout(plan: RolloutPlan, chunks: int, responder=None, first_prompt
     """``make_rollout(plan)``'s function, run as ``chunks`` calls of one compiled program, each on
     1/chunks of every tag's groups (validation on many levels in a fraction of the memory: the KV
     cache is the rollout's largest buffer). Returns the same batch, rows in the plan's order; chunk
-    ``i`` samples with ``fold_in(key, i)``. ``first_prompts``: distinct first prompts in the whole
-    batch, at most (``distinct_first_prompts``; default one per group)."""
-    if chunks == 1:
-        return make_rollout(plan, responder or LLMResponder(plan, first_prompts=first_prompts))
+    ``i`` samples with ``fold_in(key, i)`` (one chunk: ``key`` itself). ``first_prompts``: distinct
+    first prompts in the whole batch, at most (``distinct_first_prompts``; default one per group).
+    The returned function's ``progress``, if given, is called as each chunk finishes (a progress
+    bar's ``update``): it waits for each chunk, which the chunks' one device does anyway."""
     if any(t.n_groups % chunks for t in plan.tags):
         raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
     part = dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
@@ -594,9 +594,18 @@ def chunked_rollout(plan: RolloutPlan, chunks: int, responder=None, first_prompt
     def chunk_states(init_states, i):
         return tuple(jax.tree.map(lambda x, n=n: x[i * n:(i + 1) * n], s) for s, n in zip(init_states, rows))
 
-    def run(model, tables, init_states, key, temperature) -> Trajectories:
-        parts = [run_part(model, tables, chunk_states(init_states, i), jax.random.fold_in(key, i), temperature)
-                 for i in range(chunks)]
+    def one_chunk(model, tables, init_states, key, temperature, i, progress):
+        traj = run_part(model, tables, chunk_states(init_states, i), key if chunks == 1 else jax.random.fold_in(key, i),
+                        temperature)
+        if progress is not None:
+            jax.block_until_ready(traj)
+            progress(1)
+        return traj
+
+    def run(model, tables, init_states, key, temperature, progress=None) -> Trajectories:
+        parts = [one_chunk(model, tables, init_states, key, temperature, i, progress) for i in range(chunks)]
+        if chunks == 1:
+            return parts[0]
         # tag by tag, each tag's rows from every chunk in order: the plan's row order
         pieces = [jax.tree.map(lambda x, sl=sl: x[sl], p) for sl in part.row_slices() for p in parts]
         merged = jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)

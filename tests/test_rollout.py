@@ -429,9 +429,15 @@ def test_a_chunked_rollout_plays_the_same_rows_in_the_same_order(smollm2_tokeniz
     responder = EchoResponder(tables.tags[0].prompts.stop_token_id)
     init = initial_states_from_seeds(plan, 123)
     whole = jax.device_get(make_rollout(plan, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))
-    chunked = jax.device_get(R_.chunked_rollout(plan, 2, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))
-    for name, a, b in zip(R_.Trajectories.__dataclass_fields__, jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+    done = []  # the progress callback: one call per finished chunk
+    chunked = jax.device_get(R_.chunked_rollout(plan, 2, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0,
+                                                                    done.append))
+    one = jax.device_get(R_.chunked_rollout(plan, 1, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))
+    assert done == [1, 1]
+    for name, a, b, c in zip(R_.Trajectories.__dataclass_fields__, jax.tree.leaves(whole), jax.tree.leaves(chunked),
+                             jax.tree.leaves(one)):
         np.testing.assert_array_equal(a, b, err_msg=name)
+        np.testing.assert_array_equal(a, c, err_msg=name)
     assert len(set(map(tuple, np.asarray(whole.tokens)[::2]))) > 2  # the rows really differ (arm orders, tags)
     with pytest.raises(ValueError, match="must split into 3 chunks"):
         R_.chunked_rollout(plan, 3, responder)
