@@ -6,17 +6,23 @@ The Bandit's risky arm (Dragon) pays 1 with probability 0.25, else 0 (expected 0
 (Phoenix) pays 0.1 every time (RAGEN's code; the paper says 0.15). Success is choosing the risky
 arm. Before training the model mostly names the safe arm and often fails the answer format; this
 preset trains it for 20 steps with validation on 256 Bandit and 256 BanditTest levels (the renamed
-arms, the paper's generalisation test) before, half-way and after training: 18-27 minutes on the
-shared 2-core CPU. Measured (docs/results.md): every seed learns the format, but only one seed of
-three (0) learns the risky arm (success 0.027 -> 1.000); seeds 1 and 2 settle on the safe arm
-within 5 steps, the Echo Trap.
+arms, the paper's generalisation test) before, half-way and after training: about 40 minutes on the
+shared 2-core CPU with three runs beside each other (~100 s per step), less alone. Measured
+(docs/results.md, seeds 0-2): every seed learns the format; seeds 0 and 1 reach Bandit success
+1.000, seed 2 settles at 0.44-0.5 (the policy picks the risky arm on some levels and the safe one
+on others, every group unanimous: the Echo Trap per level).
 
 Choices, each for the budget or for what the probe runs showed (docs/results.md):
 
-- StarPO-S with GRPO (no critic: half the compute of PPO), the reward-variance filter keeping the
-  half of the 8 groups whose rewards vary most, asymmetric clipping 0.2 / 0.28, no KL;
-- groups of 8 (not 4): the risky arm pays in a quarter of pulls, so small groups rarely see its
-  payout, and once every member answers alike the group has no signal (the Echo Trap in small);
+- StarPO-S with GRPO (no critic: half the compute of PPO), asymmetric clipping 0.2 / 0.28, no KL;
+- 16 groups of 8 per step, the reward-variance filter keeping the top 25 % (4 groups, the paper's
+  ratio): the untrained model pulls the risky arm in ~3 % of answers and it pays in a quarter of
+  pulls, so a step needs many candidate groups for the filter to find the few where it paid. With
+  8 groups and the filter at 50 % (the same 32 rows per update), two seeds of three fell into the
+  Echo Trap on the safe arm within 5 steps; with 16 and 25 %, none did, though one stopped half-way
+  (docs/results.md);
+- groups of 8 (not 4): small groups rarely see the risky arm's payout, and once every member
+  answers alike the group has no signal (the Echo Trap in small);
 - advantages are rewards minus the group mean, not divided by the group's std
   (``reward.method=mean``, ``algorithm.grpo_norm_by_std=False``, as Dr. GRPO): with the std, a
   group where the risky arm did not pay (rewards 0 and 0.1, a tiny std) pushes the safe arm as hard
@@ -40,9 +46,7 @@ RECIPE = {
     "model.source": "smollm2-135m-instruct",
     "model.dtype": "float32",
     "model.remat": "none",
-    "envs.train.n_groups": (8,),
     "envs.train.group_size": 8,
-    "filter.ratio": 0.5,
     "reward.method": "mean",
     "algorithm.grpo_norm_by_std": False,
     "rollout.enable_think": False,
@@ -55,6 +59,8 @@ RECIPE = {
 CHANGES = {
     **bandit.CHANGES,
     **RECIPE,
+    "envs.train.n_groups": (16,),
+    "filter.ratio": 0.25,
     "envs.val.n_groups": (256, 256),
     "rollout.response_length": 16,
     "rollout.max_model_len": 256,

@@ -236,16 +236,17 @@ def test_quickstart_is_small_and_validates_before_and_after_training():
     assert config.trainer.output_dir == "runs/quickstart"
 
 
-@pytest.mark.parametrize("spec, env, val_groups", [("learn_bandit.py", "Bandit", [256, 256]),
-                                                  ("learn_frozen_lake.py", "FrozenLake", [128])])
-def test_learning_presets_are_starpo_s_grpo_on_mean_centred_rewards(spec, env, val_groups):
-    """The presets that learn on a CPU: StarPO-S (filter 0.5, clip 0.2 / 0.28, no KL) with GRPO on
-    rewards minus the group mean (no std: docs/results.md), the bundled model in float32, one group
-    per micro-batch (its first prompt computed once) and log-probs from the sampler."""
+@pytest.mark.parametrize("spec, env, groups, val_groups", [("learn_bandit.py", "Bandit", 16, [256, 256]),
+                                                          ("learn_frozen_lake.py", "FrozenLake", 8, [128])])
+def test_learning_presets_are_starpo_s_grpo_on_mean_centred_rewards(spec, env, groups, val_groups):
+    """The presets that learn on a CPU: StarPO-S (the filter keeping 4 groups of 8, clip 0.2 / 0.28,
+    no KL) with GRPO on rewards minus the group mean (no std: docs/results.md), the bundled model in
+    float32, one group per micro-batch (its first prompt computed once) and log-probs from the
+    sampler."""
     config = load(spec)
     train, val, settings = plans(config)
     assert (config.model.source, config.model.dtype, config.model.remat) == ("smollm2-135m-instruct", "float32", "none")
-    assert [t.name for t in train.tags] == [env] and (train.num_groups, train.group_size) == (8, 8)
+    assert [t.name for t in train.tags] == [env] and (train.num_groups, train.group_size) == (groups, 8)
     assert settings.kept_groups == 4 and settings.filter_type == "std"
     assert (settings.adv_estimator, settings.reward_method, settings.grpo_norm_by_std) == ("grpo", "mean", False)
     assert not (settings.use_kl_loss or settings.kl_in_reward or settings.uses_critic)
