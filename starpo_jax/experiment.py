@@ -118,11 +118,9 @@ def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
 
 
 def rollout_plan(config: ConfigDict, side: str, tokenizer=None) -> RolloutPlan:
-    fields = read_settings(config, "RolloutPlan")
-    fields["top_k"] = max(fields["top_k"], 0)  # RAGEN's -1 ("no top-k") is 0 here
     return RolloutPlan(
         tags=_tag_plans(config, side), group_size=int(config.envs[side].group_size), pad_id=_pad_id(tokenizer),
-        **fields,
+        **read_settings(config, "RolloutPlan"),
     )
 
 

@@ -11,8 +11,9 @@ Each row names a config key, its default, the values it may take and where it go
 Everything else is derived from the table: the defaults of ``configs/base.py``'s rollout and update
 sections, the checks of a config (``check_settings``: one sentence naming the key and what it may
 be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` built from a config
-(``read_settings``), the defaults of ``TrainSettings``, and the keys ``experiments.sweep`` may vary
-(``SWEEPABLE``). The allowed values come from the module that implements them.
+(``read_settings``), the defaults of ``TrainSettings`` and ``RolloutPlan``
+(``defaults_from_settings``), and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The
+allowed values come from the module that implements them.
 
 Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
 ``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
@@ -185,7 +186,7 @@ def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:
     return values
 
 
-def _defaults_from_settings(cls):
+def defaults_from_settings(cls):
     """Give each annotated field of ``cls`` without a default its setting's config default."""
     for s in SETTINGS:
         if s.owner == cls.__name__ and not hasattr(cls, s.field):
@@ -194,7 +195,7 @@ def _defaults_from_settings(cls):
 
 
 @dataclasses.dataclass(frozen=True)
-@_defaults_from_settings  # a field without a default takes its config default from SETTINGS
+@defaults_from_settings  # a field without a default takes its config default from SETTINGS
 class TrainSettings:
     """Static switches and sizes of the update (a sweep does not vary these)."""
 

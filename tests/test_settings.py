@@ -49,6 +49,23 @@ def test_train_settings_defaults_are_the_config_defaults():
     assert TrainSettings().actor_betas == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("cls", [TrainSettings, RolloutPlan])
+def test_dataclass_defaults_are_the_table_defaults(cls):
+    """A default written by hand in the class (not taken from SETTINGS) must not drift from the table."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for s in SETTINGS:
+        if s.owner == cls.__name__:
+            expected = s.cast(s.default)
+            assert (defaults[s.field], type(defaults[s.field])) == (expected, type(expected)), s.key
+
+
+def test_the_rollout_plan_of_the_default_config_is_the_default_plan():
+    config = base.get_config()
+    plan = experiment.rollout_plan(config, "train")
+    assert plan == RolloutPlan(tags=plan.tags, group_size=plan.group_size)
+    assert plan.top_k == -1  # RAGEN's "no top-k", as given to the sampler (starpo_jax.sampling: <= 0 is off)
+
+
 def test_sweepable_keys_are_the_hyperparameters():
     assert SWEEPABLE == {
         "actor.lr": "actor_lr",
