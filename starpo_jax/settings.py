@@ -241,6 +241,19 @@ class TrainSettings:
         return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
 
+def check_batch_split(settings: TrainSettings, group_size: int) -> None:
+    """The update batch must split into whole mini-batches, and those into micro-batches (checked
+    when a config is read and again when a step is built from hand-made settings)."""
+    k, mini, micro = settings.kept_groups, settings.ppo_mini_batch_size, settings.micro_batch_size
+    batch = k * group_size
+    if batch % mini or mini % micro:
+        raise ConfigError(
+            f"The update batch ({k} kept groups × {group_size} = {batch} trajectories) must split into mini-batches "
+            f"of actor.ppo_mini_batch_size ({mini}), and those into micro-batches of actor.micro_batch_size ({micro}); "
+            "change filter.ratio, actor.ppo_mini_batch_size or actor.micro_batch_size."
+        )
+
+
 @flax.struct.dataclass
 class Hyperparams:
     """The values a sweep varies, as float32 arrays (scalars, or [S] under ``vmap``)."""

@@ -107,6 +107,10 @@ def test_lora_learning_rates_replace_the_full_ones():
         ("filter.ratio", 0.0, "filter.ratio must be in (0, 1], not 0.0."),
         ("rollout.max_turn", 0, "rollout.max_turn must be positive, not 0."),
         ("lora.rank", -1, "lora.rank must be a whole number >= 0 (0 = full fine-tuning), not -1."),
+        ("actor.ppo_mini_batch_size", 12,
+         "The update batch (2 kept groups × 16 = 32 trajectories) must split into mini-batches of "
+         "actor.ppo_mini_batch_size (12), and those into micro-batches of actor.micro_batch_size (4); change "
+         "filter.ratio, actor.ppo_mini_batch_size or actor.micro_batch_size."),
     ],
 )
 def test_a_bad_value_is_one_sentence_naming_the_key_and_what_it_may_be(key, value, message):
