@@ -285,6 +285,12 @@ def test_action_budgets_are_the_env_classes():
     assert load("base.py", "--config.envs.max_actions_per_traj.Bandit=3").envs.max_actions_per_traj.Bandit == 3
 
 
+def test_only_validation_has_a_level_seed():
+    """Training levels follow trainer.seed (drawn in JAX); validation plays RAGEN's levels 123, 124, ..."""
+    envs = base.get_config().envs
+    assert "seed" not in envs.train and envs.val.seed == 123
+
+
 def test_command_line_overrides():
     config = load("presets.py:starpo_ppo", "--config.rollout.max_turn=3", "--config.envs.val.n_groups=(64,)")
     train, val, _ = plans(config)
