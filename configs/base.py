@@ -13,19 +13,16 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+import envs_jax
 from starpo_jax.settings import SECTIONS, config_section
 
+# The tags whose action budget the config lists (RAGEN's envs.yaml tags of the paper's envs).
+BUDGET_TAGS = ("SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "FrozenLake", "Bandit", "BanditTest")
 
-def env_split(tags, n_groups, group_size, seed):
-    """One side (train or val) of the env manager: which tags, how many groups each, seeds."""
-    return ConfigDict(
-        dict(
-            tags=tuple(tags),
-            n_groups=tuple(n_groups),
-            group_size=group_size,
-            seed=seed,
-        )
-    )
+
+def env_split(tags, n_groups, group_size):
+    """One side (train or val) of the env manager: which tags, how many groups each, group size."""
+    return ConfigDict(dict(tags=tuple(tags), n_groups=tuple(n_groups), group_size=group_size))
 
 
 def with_overrides(config: ConfigDict, changes: Mapping[str, Any]) -> ConfigDict:
@@ -64,19 +61,15 @@ def get_config() -> ConfigDict:
         )
     )
     c.envs = ConfigDict()
-    c.envs.train = env_split(["SimpleSokoban"], [8], group_size=16, seed=10000)
-    c.envs.val = env_split(["SimpleSokoban"], [256], group_size=1, seed=123)
-    # Per-tag budgets (RAGEN envs.yaml: every shipped tag uses 100 prompt "max tokens").
-    c.envs.max_actions_per_traj = ConfigDict(
-        dict(
-            SimpleSokoban=10,
-            LargerSokoban=10,
-            SokobanDifferentGridVocab=10,
-            FrozenLake=10,
-            Bandit=1,
-            BanditTest=1,
-        )
-    )
+    # No envs.train.seed (RAGEN's seed.train = 10000): training draws fresh levels in JAX from the
+    # run's key (trainer.seed; starpo_jax.train.collect), not from RAGEN's seeded generator, so such
+    # a seed could not give RAGEN's training levels, and trainer.seed alone repeats or varies a run.
+    c.envs.train = env_split(["SimpleSokoban"], [8], group_size=16)
+    c.envs.val = env_split(["SimpleSokoban"], [256], group_size=1)
+    c.envs.val.seed = 123  # quirk 13: every validation plays RAGEN's levels of seeds 123, 124, ...
+    # Per-tag action budgets (RAGEN envs.yaml), each its env class's default_max_actions_per_traj;
+    # a key per tag so that the command line can override it. A tag without a key takes its env's.
+    c.envs.max_actions_per_traj = ConfigDict({tag: envs_jax.default_max_actions_per_traj(tag) for tag in BUDGET_TAGS})
     c.envs.prompt_max_tokens = 100  # only printed in the prompt: "Max response length: N words"
     # Extra constructor arguments per tag, e.g. {"Bandit": {"lo_arm_name": "Engineer"}}.
     c.envs.overrides = ConfigDict()

@@ -5,6 +5,6 @@ A new environment is one file: a ``envs_jax.base.TextEnv`` subclass (the contrac
 goes (see docs/environments.md).
 """
 
-from envs_jax.registry import VARIANTS, is_known, known_names, make, register
+from envs_jax.registry import VARIANTS, default_max_actions_per_traj, is_known, known_names, make, register
 
-__all__ = ["VARIANTS", "is_known", "known_names", "make", "register"]
+__all__ = ["VARIANTS", "default_max_actions_per_traj", "is_known", "known_names", "make", "register"]

@@ -84,6 +84,12 @@ def env_parameters(name: str) -> list[str]:
     return [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
 
 
+def default_max_actions_per_traj(name: str) -> int:
+    """The action budget of an episode of ``name`` where the config gives none: its class's
+    ``default_max_actions_per_traj`` (read without building the env)."""
+    return int(_spec(name)[0].default_max_actions_per_traj)
+
+
 def make(name: str, **overrides):
     """Build the env variant (or class path) ``name`` with its defaults, overridden by ``overrides``."""
     cls, defaults = _spec(name)

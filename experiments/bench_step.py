@@ -210,13 +210,16 @@ def phases(times: dict, variants: dict) -> dict[str, float]:
 # ---- side by side: the host loop and transformers ------------------------------------------------
 
 
+HOST_LOOP_SEED = 10000  # RAGEN's seed.train: the host loop plays RAGEN's first training levels
+
+
 def host_loop(exp, policy, n: int, steps: int, bar) -> dict:
     """``bench_rollout``'s baseline on the same batch and device, every turn N tokens."""
     plan = dataclasses.replace(exp.train_plan, response_length=n, stop_tokens=())
     from starpo_jax.rollout import initial_states_from_seeds
 
     subject = rollout_timing.Subject("policy", policy, exp.tokenizer, "")
-    init = initial_states_from_seeds(plan, exp.config.envs.train.seed)
+    init = initial_states_from_seeds(plan, HOST_LOOP_SEED)
     result, _ = rollout_timing.bench_baseline(subject, plan, init, jax.random.key(0), steps, bucket=256, bar=bar)
     return result
 

@@ -21,7 +21,9 @@ from starpo_jax.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
 from starpo_jax.prompts import PieceCutError
 from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
-from starpo_jax.settings import ConfigError, Hyperparams, TrainSettings, check_settings, read_settings
+from starpo_jax.settings import (
+    ConfigError, Hyperparams, TrainSettings, check_batch_split, check_settings, read_settings,
+)
 
 
 @dataclasses.dataclass
@@ -118,11 +120,9 @@ def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
 
 
 def rollout_plan(config: ConfigDict, side: str, tokenizer=None) -> RolloutPlan:
-    fields = read_settings(config, "RolloutPlan")
-    fields["top_k"] = max(fields["top_k"], 0)  # RAGEN's -1 ("no top-k") is 0 here
     return RolloutPlan(
         tags=_tag_plans(config, side), group_size=int(config.envs[side].group_size), pad_id=_pad_id(tokenizer),
-        **fields,
+        **read_settings(config, "RolloutPlan"),
     )
 
 
@@ -131,19 +131,14 @@ def _pad_id(tokenizer) -> int:
 
 
 def train_settings(config: ConfigDict, plan: RolloutPlan) -> TrainSettings:
-    a, alg, f = config.actor, config.algorithm, config.filter
+    f = config.filter
     if f.type == "top_p_var":
         kept = plan.num_groups  # how many groups top-p keeps is data dependent: keep room for all
     else:
         kept = int(num_kept_groups(f.ratio, plan.num_groups))
-    batch = kept * plan.group_size
-    if batch % a.ppo_mini_batch_size or a.ppo_mini_batch_size % a.micro_batch_size:
-        raise ConfigError(
-            f"The update batch is {kept} kept groups x {plan.group_size} = {batch} trajectories: "
-            f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) must divide it and "
-            f"actor.micro_batch_size ({a.micro_batch_size}) must divide the mini-batch."
-        )
-    return TrainSettings(kept_groups=kept, **read_settings(config, "TrainSettings"))
+    settings = TrainSettings(kept_groups=kept, **read_settings(config, "TrainSettings"))
+    check_batch_split(settings, plan.group_size)
+    return settings
 
 
 def hyperparams(config: ConfigDict) -> Hyperparams:

@@ -46,6 +46,7 @@ from starpo_jax import parsing, prompts, sharding
 from starpo_jax.env_turn import execute_turn
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.sampling import append, decode, init_cache
+from starpo_jax.settings import defaults_from_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,19 +60,20 @@ class TagPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+@defaults_from_settings  # a field without a default takes its config default from settings.SETTINGS
 class RolloutPlan:
     """Everything static about a rollout: shapes, budgets, sampling switches."""
 
     tags: tuple[TagPlan, ...]
     group_size: int
-    max_turn: int = 5
-    max_actions_per_turn: int = 5
-    response_length: int = 400
-    max_len: int = 3600
-    enable_think: bool = True
-    format_penalty: float = -0.1
-    top_k: int = 0
-    top_p: float = 1.0
+    max_turn: int
+    max_actions_per_turn: int
+    response_length: int  # max new tokens per turn
+    max_len: int  # tokens per trajectory, all turns (rollout.max_model_len)
+    enable_think: bool
+    format_penalty: float
+    top_k: int  # <= 0: no top-k filter
+    top_p: float
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
 

@@ -11,8 +11,9 @@ Each row names a config key, its default, the values it may take and where it go
 Everything else is derived from the table: the defaults of ``configs/base.py``'s rollout and update
 sections, the checks of a config (``check_settings``: one sentence naming the key and what it may
 be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` built from a config
-(``read_settings``), the defaults of ``TrainSettings``, and the keys ``experiments.sweep`` may vary
-(``SWEEPABLE``). The allowed values come from the module that implements them.
+(``read_settings``), the defaults of ``TrainSettings`` and ``RolloutPlan``
+(``defaults_from_settings``), and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The
+allowed values come from the module that implements them.
 
 Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
 ``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
@@ -185,7 +186,7 @@ def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:
     return values
 
 
-def _defaults_from_settings(cls):
+def defaults_from_settings(cls):
     """Give each annotated field of ``cls`` without a default its setting's config default."""
     for s in SETTINGS:
         if s.owner == cls.__name__ and not hasattr(cls, s.field):
@@ -194,7 +195,7 @@ def _defaults_from_settings(cls):
 
 
 @dataclasses.dataclass(frozen=True)
-@_defaults_from_settings  # a field without a default takes its config default from SETTINGS
+@defaults_from_settings  # a field without a default takes its config default from SETTINGS
 class TrainSettings:
     """Static switches and sizes of the update (a sweep does not vary these)."""
 
@@ -238,6 +239,19 @@ class TrainSettings:
     @property
     def lora_scale(self) -> float:
         return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+
+def check_batch_split(settings: TrainSettings, group_size: int) -> None:
+    """The update batch must split into whole mini-batches, and those into micro-batches (checked
+    when a config is read and again when a step is built from hand-made settings)."""
+    k, mini, micro = settings.kept_groups, settings.ppo_mini_batch_size, settings.micro_batch_size
+    batch = k * group_size
+    if batch % mini or mini % micro:
+        raise ConfigError(
+            f"The update batch ({k} kept groups × {group_size} = {batch} trajectories) must split into mini-batches "
+            f"of actor.ppo_mini_batch_size ({mini}), and those into micro-batches of actor.micro_batch_size ({micro}); "
+            "change filter.ratio, actor.ppo_mini_batch_size or actor.micro_batch_size."
+        )
 
 
 @flax.struct.dataclass

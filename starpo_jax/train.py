@@ -70,7 +70,7 @@ from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
 from starpo_jax.sampling import sampling_policy
-from starpo_jax.settings import Hyperparams, TrainSettings  # declared beside their config keys
+from starpo_jax.settings import Hyperparams, TrainSettings, check_batch_split  # declared beside their config keys
 
 
 @flax.struct.dataclass
@@ -644,18 +644,6 @@ class TrainStep(NamedTuple):
     collect: Callable  # (state, tables, key) -> Trajectories
     learn: Callable  # (state, traj, hyper, layout=None) -> (state, metrics); layout static
     step: Callable  # (state, tables, hyper, key) -> (state, metrics): learn ∘ collect, full layout
-
-
-def check_batch_split(settings: TrainSettings, group_size: int) -> None:
-    """The update batch must split into whole mini-batches, and those into micro-batches."""
-    k, mini, micro = settings.kept_groups, settings.ppo_mini_batch_size, settings.micro_batch_size
-    M = k * group_size
-    if M % mini or mini % micro:
-        raise ValueError(
-            f"The update batch ({k} kept groups × {group_size} = {M} trajectories) must split into mini-batches of "
-            f"{mini}, and those into micro-batches of {micro}; change filter.ratio, ppo_mini_batch_size or "
-            "micro_batch_size."
-        )
 
 
 def make_train_step(settings: TrainSettings, graphdef, plan: RolloutPlan, responder=None) -> TrainStep:

@@ -8,6 +8,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+import envs_jax
 from configs import base, presets
 from starpo_jax import experiment
 
@@ -274,6 +275,21 @@ def test_unknown_preset_lists_the_known_ones():
         presets.get_config("starpo_x")
     with pytest.raises(flags.Error, match="Unknown preset 'nope'"):
         load("presets.py:frozen_lake+nope")
+
+
+def test_action_budgets_are_the_env_classes():
+    """configs/base.py lists RAGEN's per-tag budgets (envs.yaml) as each env class declares them."""
+    budgets = base.get_config().envs.max_actions_per_traj.to_dict()
+    assert budgets == {"SimpleSokoban": 10, "LargerSokoban": 10, "SokobanDifferentGridVocab": 10, "FrozenLake": 10,
+                       "Bandit": 1, "BanditTest": 1}
+    assert budgets == {tag: envs_jax.make(tag).default_max_actions_per_traj for tag in base.BUDGET_TAGS}
+    assert load("base.py", "--config.envs.max_actions_per_traj.Bandit=3").envs.max_actions_per_traj.Bandit == 3
+
+
+def test_only_validation_has_a_level_seed():
+    """Training levels follow trainer.seed (drawn in JAX); validation plays RAGEN's levels 123, 124, ..."""
+    envs = base.get_config().envs
+    assert "seed" not in envs.train and envs.val.seed == 123
 
 
 def test_command_line_overrides():

@@ -49,6 +49,23 @@ def test_train_settings_defaults_are_the_config_defaults():
     assert TrainSettings().actor_betas == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("cls", [TrainSettings, RolloutPlan])
+def test_dataclass_defaults_are_the_table_defaults(cls):
+    """A default written by hand in the class (not taken from SETTINGS) must not drift from the table."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for s in SETTINGS:
+        if s.owner == cls.__name__:
+            expected = s.cast(s.default)
+            assert (defaults[s.field], type(defaults[s.field])) == (expected, type(expected)), s.key
+
+
+def test_the_rollout_plan_of_the_default_config_is_the_default_plan():
+    config = base.get_config()
+    plan = experiment.rollout_plan(config, "train")
+    assert plan == RolloutPlan(tags=plan.tags, group_size=plan.group_size)
+    assert plan.top_k == -1  # RAGEN's "no top-k", as given to the sampler (starpo_jax.sampling: <= 0 is off)
+
+
 def test_sweepable_keys_are_the_hyperparameters():
     assert SWEEPABLE == {
         "actor.lr": "actor_lr",
@@ -90,6 +107,10 @@ def test_lora_learning_rates_replace_the_full_ones():
         ("filter.ratio", 0.0, "filter.ratio must be in (0, 1], not 0.0."),
         ("rollout.max_turn", 0, "rollout.max_turn must be positive, not 0."),
         ("lora.rank", -1, "lora.rank must be a whole number >= 0 (0 = full fine-tuning), not -1."),
+        ("actor.ppo_mini_batch_size", 12,
+         "The update batch (2 kept groups × 16 = 32 trajectories) must split into mini-batches of "
+         "actor.ppo_mini_batch_size (12), and those into micro-batches of actor.micro_batch_size (4); change "
+         "filter.ratio, actor.ppo_mini_batch_size or actor.micro_batch_size."),
     ],
 )
 def test_a_bad_value_is_one_sentence_naming_the_key_and_what_it_may_be(key, value, message):

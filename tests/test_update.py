@@ -460,5 +460,5 @@ def test_ppo_update_steps_once_per_mini_batch_per_epoch():
 
 
 def test_make_train_step_rejects_an_update_batch_that_does_not_split():
-    with pytest.raises(ValueError, match=r"4 kept groups × 8 = 32 trajectories\) must split into mini-batches of 12"):
+    with pytest.raises(ValueError, match=r"32 trajectories\) must split into mini-batches of actor.ppo_mini_batch_size \(12\)"):
         make_train_step(settings_for(ppo_mini_batch_size=12), None, PLAN)
