@@ -1,4 +1,4 @@
-"""StarPO-S on a multi-turn env within an hour of a CPU: the bundled SmolLM2-135M-Instruct on FrozenLake.
+"""StarPO-S on a multi-turn env: the bundled SmolLM2-135M-Instruct on FrozenLake.
 
     .venv/bin/python -m experiments.run --config configs/learn_frozen_lake.py
 
@@ -6,7 +6,9 @@ RAGEN's FrozenLake as ``configs/frozen_lake.py`` has it (4×4 lakes, slippery ic
 episode), played over up to 5 turns. The settings are ``configs/learn_bandit.py``'s ``RECIPE``, for the same
 reasons (GRPO on rewards minus the group mean, answer-only turns, full weights in float32, log-probs
 from the sampler, a group per micro-batch); validation on 128 fixed levels before, half-way and
-after training. What it learns, and what limits a 135M model here: docs/results.md.
+after training. On the shared 2-core CPU one 64-level validation chunk took 13 minutes (load 7-8):
+each turn prefills every row's new observation, so a step costs ~10-20 minutes there and 20 steps do
+not fit an hour; docs/results.md has the figures and the smaller run to try next.
 """
 
 from configs import base, frozen_lake, learn_bandit
