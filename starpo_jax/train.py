@@ -1,17 +1,22 @@
 """The StarPO / StarPO-S training iteration as one compiled program (spec §3.1).
 
-The second half of this file is the iteration, one pure function per step, in the order it runs
+The file reads as the iteration runs: what it carries (``TrainState``), the iteration itself
+(``make_train_step``, ``jit_iteration``), its steps in the order they run, one pure function each
 (each takes the static ``TrainSettings``, and the model's graphdef or the rollout plan where it
-needs them, then arrays):
+needs them, then arrays), then the helpers they share:
 
-    collect                  1. rollout: fresh levels, the policy plays them → Trajectories
-    learn = prepare_update   2. filter_groups: StarPO-S keeps the groups whose rewards vary most
-                             3. old_logprobs, ref_logprobs, old_values: forward passes, kept rows
-                             4. token_level_rewards: scores (or turn rewards) on tokens, − β·KL
-                             5. estimate_advantages: GAE, bi-level GAE or GRPO
-          + update_critic,   6. critic_loss_fn / actor_loss_fn: the loss of one micro-batch
-            update_actor     7. accumulate_gradients: the mean over a mini-batch's micro-batches
-                             8. ppo_update: epochs × mini-batches, one ``apply_update`` each
+    step = learn ∘ collect
+    1. collect                 rollout: fresh levels, the policy plays them → Trajectories
+    learn: prepare_update (2–5), then the two updates (6, 7)
+    2. filter_groups           StarPO-S keeps the groups whose rewards vary most
+    3. old_logprobs, ref_logprobs, old_values: forward passes over the kept rows
+    4. token_level_rewards     scores (or turn rewards) on tokens, − β·KL
+    5. estimate_advantages     GAE, bi-level GAE or GRPO
+    6. update_critic           ``ppo_update`` of ``critic_loss_fn``
+    7. update_actor            ``ppo_update`` of ``actor_loss_fn`` (held for ``critic_warmup`` steps)
+
+``ppo_update`` (6, 7): ``ppo_epochs`` passes over the mini-batches; each takes the mean gradient
+of its micro-batches' losses (``accumulate_gradients``), then one optimiser step (``apply_update``).
 
 ``make_train_step(settings, graphdef, plan)`` binds the static part and returns
 ``TrainStep(collect, learn, step)``, pure functions to jit; ``step(state, tables, hyper, key) ->
@@ -221,7 +226,7 @@ def collect(settings: TrainSettings, graphdef, plan: RolloutPlan, rollout, state
 
 def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams,
           layout: UpdateLayout | None = None):
-    """Steps 2–8 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
+    """Steps 2–7 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
     forward passes compute (``update_layout``; default every position of every row)."""
     layout = layout or full_layout(plan.max_len)
     metrics = rollout_metrics(traj, plan, "train")
@@ -342,7 +347,8 @@ def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewar
 
 def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
                   batch: UpdateBatch, hyper: Hyperparams):
-    """Step 8 for the critic: (critic, critic_opt, skipped steps, metrics); unchanged without one."""
+    """6. The critic's update, ``ppo_update`` of ``critic_loss_fn``: (critic, critic_opt, skipped
+    steps, metrics); unchanged without one."""
     if not settings.uses_critic:
         return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
     tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
@@ -356,15 +362,16 @@ def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: 
 
 def critic_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, critic: Critic,
                    b: UpdateBatch, hyper: Hyperparams):
-    """6b. The clipped value loss of a micro-batch, a function of what the critic trains."""
+    """6. The clipped value loss of a micro-batch, a function of what the critic trains."""
     values = _row_values(settings, graphdef, plan, layout, critic_weights(settings, critic, base), _batch_rows(b))
     return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
 
 
 def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
                  batch: UpdateBatch, hyper: Hyperparams, horizon):
-    """Step 8 for the actor: (actor, actor_opt, skipped steps, metrics); unchanged for the
-    first ``critic_warmup`` steps (RAGEN: the actor waits while the critic warms up)."""
+    """7. The actor's update, ``ppo_update`` of ``actor_loss_fn``: (actor, actor_opt, skipped steps,
+    metrics); unchanged for the first ``critic_warmup`` steps (RAGEN: the actor waits while the
+    critic warms up)."""
     tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
     loss_fn = functools.partial(actor_loss_fn, settings, graphdef, plan, layout, state.base, horizon)
     (actor, actor_opt, skipped), metrics = ppo_update(
@@ -381,7 +388,7 @@ def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: U
 
 def actor_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, horizon, trained,
                   b: UpdateBatch, hyper: Hyperparams):
-    """6a. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
+    """7. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
     params = with_adapters(settings, base, trained)
     logp, entropy = _row_logprobs(settings, graphdef, plan, layout, params, _batch_rows(b))
     return losses.actor_loss(
@@ -394,7 +401,7 @@ def actor_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: 
 
 
 def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: UpdateBatch, lr, hyper: Hyperparams, prefix: str):
-    """8. ``ppo_epochs`` passes over the mini-batches, one optimiser step each: ((params, opt_state,
+    """6, 7. ``ppo_epochs`` passes over the mini-batches, one optimiser step each: ((params, opt_state,
     skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
 
     def one_minibatch(carry, micro_batches):
@@ -414,7 +421,7 @@ def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: U
 
 
 def accumulate_gradients(loss_fn, params, micro_batches, hyper: Hyperparams):
-    """7. Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
+    """6, 7. Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
     and whether any counted: a micro-batch of padding rows only (no trained token) is left out."""
 
     def one(carry, b):
