@@ -229,11 +229,11 @@ def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainStat
     """Steps 2–7 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
     forward passes compute (``update_layout``; default every position of every row)."""
     layout = layout or full_layout(plan.max_len)
+    # Both read the whole rollout batch, rows the filter drops included. The horizon is
+    # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, the longest sequence less one.
     metrics = rollout_metrics(traj, plan, "train")
-    batch, prepared_metrics = prepare_update(settings, graphdef, plan, layout, state, traj, hyper)
-    # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, i.e. the rollout batch's
-    # longest sequence minus its first token
     horizon = (traj.length.max() - 1).astype(jnp.float32)
+    batch, prepared_metrics = prepare_update(settings, graphdef, plan, layout, state, traj, hyper)
     critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, plan, layout, state, batch, hyper)
     actor, actor_opt, skipped, actor_metrics = update_actor(settings, graphdef, plan, layout, state, batch, hyper, horizon)
     new_state = state.replace(
