@@ -1,17 +1,22 @@
 """The StarPO / StarPO-S training iteration as one compiled program (spec §3.1).
 
-The second half of this file is the iteration, one pure function per step, in the order it runs
+The file reads as the iteration runs: what it carries (``TrainState``), the iteration itself
+(``make_train_step``, ``jit_iteration``), its steps in the order they run, one pure function each
 (each takes the static ``TrainSettings``, and the model's graphdef or the rollout plan where it
-needs them, then arrays):
+needs them, then arrays), then the helpers they share:
 
-    collect                  1. rollout: fresh levels, the policy plays them → Trajectories
-    learn = prepare_update   2. filter_groups: StarPO-S keeps the groups whose rewards vary most
-                             3. old_logprobs, ref_logprobs, old_values: forward passes, kept rows
-                             4. token_level_rewards: scores (or turn rewards) on tokens, − β·KL
-                             5. estimate_advantages: GAE, bi-level GAE or GRPO
-          + update_critic,   6. critic_loss_fn / actor_loss_fn: the loss of one micro-batch
-            update_actor     7. accumulate_gradients: the mean over a mini-batch's micro-batches
-                             8. ppo_update: epochs × mini-batches, one ``apply_update`` each
+    step = learn ∘ collect
+    1. collect                 rollout: fresh levels, the policy plays them → Trajectories
+    learn: prepare_update (2–5), then the two updates (6, 7)
+    2. filter_groups           StarPO-S keeps the groups whose rewards vary most
+    3. old_logprobs, ref_logprobs, old_values: forward passes over the kept rows
+    4. token_level_rewards     scores (or turn rewards) on tokens, − β·KL
+    5. estimate_advantages     GAE, bi-level GAE or GRPO
+    6. update_critic           ``ppo_update`` of ``critic_loss_fn``
+    7. update_actor            ``ppo_update`` of ``actor_loss_fn`` (held for ``critic_warmup`` steps)
+
+``ppo_update`` (6, 7): ``ppo_epochs`` passes over the mini-batches; each takes the mean gradient
+of its micro-batches' losses (``accumulate_gradients``), then one optimiser step (``apply_update``).
 
 ``make_train_step(settings, graphdef, plan)`` binds the static part and returns
 ``TrainStep(collect, learn, step)``, pure functions to jit; ``step(state, tables, hyper, key) ->
@@ -73,6 +78,9 @@ from starpo_jax.sampling import sampling_policy
 from starpo_jax.settings import Hyperparams, TrainSettings, check_batch_split  # declared beside their config keys
 
 
+# ---- what the iteration carries ------------------------------------------------------------------
+
+
 @flax.struct.dataclass
 class Critic:
     backbone: nnx.State | lora.Adapters  # its decoder weights, or its LoRA adapters over the base
@@ -91,188 +99,6 @@ class TrainState:
     skipped_steps: jax.Array  # actor optimiser steps skipped for a non-finite gradient, so far
     critic_skipped_steps: jax.Array
     base: nnx.State | None = None  # with LoRA: the frozen initial weights under both sets of adapters
-
-
-def with_adapters(settings: TrainSettings, base: nnx.State | None, trained) -> nnx.State:
-    """Full decoder weights from what trains: the weights themselves, or base + merged adapters."""
-    return trained if base is None else lora.merge(base, trained, settings.lora_scale)
-
-
-def policy_weights(settings: TrainSettings, state: TrainState) -> nnx.State:
-    """The actor's full decoder weights (what samples, what gets exported)."""
-    return with_adapters(settings, state.base, state.actor)
-
-
-def reference_weights(state: TrainState) -> nnx.State:
-    """The frozen reference policy: the initial weights (with LoRA, the base with adapters off)."""
-    return state.base if state.base is not None else state.ref
-
-
-# ---- optimiser ---------------------------------------------------------------------------------
-
-
-def optimizer(grad_clip: float, betas: tuple[float, float], weight_decay: float) -> optax.GradientTransformation:
-    """AdamW without the learning rate (applied by ``apply_update`` so it can be traced)."""
-    return optax.chain(
-        optax.clip_by_global_norm(grad_clip),
-        optax.scale_by_adam(b1=betas[0], b2=betas[1]),
-        optax.add_decayed_weights(weight_decay),
-    )
-
-
-def apply_update(tx, params, opt_state, grads, lr, live=True):
-    """One optimiser step: (params, opt_state, grad_norm, skipped).
-
-    A non-finite gradient leaves params and moments untouched and counts as skipped (veRL skips
-    it too); ``live=False`` (a mini-batch of padding rows only) leaves them untouched uncounted."""
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(grad_norm)
-    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-    updates, new_opt = tx.update(safe_grads, opt_state, params)
-    new_params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), params, updates)
-    take = finite & live
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)  # noqa: E731
-    return keep(new_params, params), keep(new_opt, opt_state), grad_norm, live & ~finite
-
-
-# ---- forward passes over whole trajectories ----------------------------------------------------
-
-
-class UpdateLayout(NamedTuple):
-    """Which positions of the update batch's rows the forward passes compute (static).
-
-    Each row is computed from its ``split`` on, ``width`` positions. With ``prefix`` > 0 the tokens
-    before the split, the row's first prompt, are computed once per block of rows that share it
-    (``share_rows``: a group's rows start from the same level, so their first prompts are the same
-    tokens) and the rows continue from its keys and values. ``update_layout`` picks the smallest
-    layout that holds a rollout batch; ``full_layout`` is every position of every row."""
-
-    prefix: int  # positions of the shared first prompts (0: nothing shared, every split is 0)
-    width: int  # positions per row from its split on
-
-
-def full_layout(max_len: int) -> UpdateLayout:
-    return UpdateLayout(prefix=0, width=max_len)
-
-
-def share_rows(settings: TrainSettings, group_size: int) -> int:
-    """Rows per shared first prompt: consecutive blocks of this many rows lie within one group and
-    one micro-batch (the kept batch is whole groups, in order)."""
-    return math.gcd(settings.micro_batch_size, group_size)
-
-
-def first_prompt_split(traj: Trajectories):
-    """int32[..., B]: where each row's computed part starts when its first prompt is shared: the
-    first prompt's last token, whose hidden state predicts the first response token (0: never
-    played). Leading axes (a sweep's settings) pass through."""
-    return jnp.maximum(traj.turn_start[..., 0] - 1, 0).astype(jnp.int32)
-
-
-def size_bucket(n: int) -> int:
-    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``: at most
-    half of a computed width is padding, and a run compiles the update for few widths."""
-    size = 16
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return size
-
-
-def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
-    """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
-    picked on the host between rollout and update, so the update computes only what is there.
-    With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
-    length = np.asarray(jax.device_get(traj.length))
-    if share == 1:
-        return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
-    split = np.asarray(jax.device_get(first_prompt_split(traj)))
-    width = min(size_bucket(int((length - split).max())), max_len)
-    return UpdateLayout(prefix=min(size_bucket(int(split.max())), max_len), width=width)
-
-
-def hidden_predicting(model, tokens, length, index, split, layout: UpdateLayout, share: int):
-    """Final hidden states [B, K, D] that predict ``tokens[b, index[b, k]]`` (the state at position
-    ``index - 1``; every index is past the row's split, or is padding whose result no one reads).
-
-    Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
-    first prompts (tokens before the split) are computed once per block of ``share`` rows, and the
-    rows continue from their keys and values: exactly the same attention as over the whole rows."""
-    B, L = tokens.shape
-    start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
-    positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
-    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
-    if layout.prefix:
-        leaders = slice(None, None, share)
-        k, v = model.prefix_keys_values(tokens[leaders, : layout.prefix], split[leaders])
-        k, v = (jnp.repeat(x, share, axis=1) for x in (k, v))
-        hidden = model.hidden_states_after(row_tokens, positions, k, v, start)
-    else:
-        hidden = model.hidden_states(row_tokens, positions, (positions < length[:, None]).astype(jnp.int32))
-    at = jnp.clip(index - 1 - start[:, None], 0, layout.width - 1)
-    return jnp.take_along_axis(hidden, at[..., None], axis=1)
-
-
-def _chunked(fn, hidden, targets, chunk: int):
-    """``fn(hidden[:, c], targets[:, c])`` over chunks of positions, rematerialised in the backward
-    pass, so only one chunk's [B, chunk, V] logits exist at a time."""
-    B, K = targets.shape
-    chunk = min(chunk, K)
-    n = -(-K // chunk)
-    pad = n * chunk - K
-    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
-    t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
-    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), (h, t))
-    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(B, n * chunk)[:, :K], out)
-
-
-def policy_positions(mask, max_tokens: int):
-    """Indices [B, K] of each row's masked positions (K = max_tokens, static), and which are real."""
-    index = jax.vmap(lambda m: jnp.nonzero(m, size=max_tokens, fill_value=m.shape[0])[0])(mask)
-    return index, index < mask.shape[1]
-
-
-def _scatter_rows(values, index, shape):
-    """[B, K] values at positions ``index`` [B, K] of a zero [B, L] array (out-of-range dropped)."""
-    # Row by row (vmapped): a scatter whose batch dimension is the rows', so a row-sharded batch
-    # scatters on each device without gathering the positions of every row (an explicit row index
-    # made XLA all-gather them, and that collective could run out of order with the update's).
-    row = lambda v, i: jnp.zeros(shape[1:], jnp.float32).at[i].set(v, mode="drop")
-    return jax.vmap(row)(values, index)
-
-
-def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int,
-                   layout: UpdateLayout | None = None, split=None, share: int = 1):
-    """(logp, entropy) [B, L]: log p(token_t | tokens_<t) under the policy, and its entropy.
-
-    Only positions where ``needed`` (the loss mask, at most ``max_tokens`` per row) is set are
-    computed: their hidden states are gathered first, so the vocabulary projection — the largest
-    cost of a small model — is paid only where the loss looks. Other positions are 0. ``layout``,
-    ``split`` and ``share``: which positions the forward pass computes (``hidden_predicting``;
-    default every position of every row)."""
-    model = nnx.merge(graphdef, params)
-    index, real = policy_positions(needed, max_tokens)
-    safe = jnp.where(real, index, 0)
-    layout = layout or full_layout(tokens.shape[1])
-    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
-    h = hidden_predicting(model, tokens, length, safe, split, layout, share)
-    t = jnp.take_along_axis(tokens, safe, axis=1)
-    logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, temperature), h, t, chunk)
-    return _scatter_rows(logp, index, tokens.shape), _scatter_rows(entropy, index, tokens.shape)
-
-
-def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: int,
-                 layout: UpdateLayout | None = None, split=None, share: int = 1):
-    """V[B, L]: the critic's value of the state before token t (aligned like the log-probs), where
-    ``needed`` is set (0 elsewhere); ``layout``, ``split``, ``share`` as in ``token_logprobs``."""
-    model = nnx.merge(graphdef, critic.backbone)
-    index, real = policy_positions(needed, max_tokens)
-    layout = layout or full_layout(tokens.shape[1])
-    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
-    h = hidden_predicting(model, tokens, length, jnp.where(real, index, 0), split, layout, share)
-    values = jnp.einsum("bkd,d->bk", h.astype(jnp.float32), critic.head_w) + critic.head_b
-    return _scatter_rows(values, index, tokens.shape)
-
-
-# ---- state -------------------------------------------------------------------------------------
 
 
 def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainState:
@@ -321,318 +147,10 @@ def replicate(state: TrainState, n: int) -> tuple[TrainState, TrainState]:
     return stacked, jax.tree.map(lambda _: 0, trained)
 
 
-# ---- the iteration, step by step ---------------------------------------------------------------
+# ---- the iteration -------------------------------------------------------------------------------
 #
-# Each step is a pure function of the static settings (and the model's graphdef, the rollout's
-# plan where it needs them) and arrays; ``make_train_step`` at the end binds the static part.
-
-
-def collect(settings: TrainSettings, graphdef, plan: RolloutPlan, rollout, state: TrainState, tables, key) -> Trajectories:
-    """1. Rollout: fresh levels, then the policy (weights in compute dtype) plays them."""
-    level_key, rollout_key = jax.random.split(jax.random.fold_in(key, state.step))
-    policy = sampling_policy(graphdef, policy_weights(settings, state))
-    return rollout(policy, tables, initial_states_from_key(plan, level_key), rollout_key, settings.rollout_temperature)
-
-
-def filter_groups(settings: TrainSettings, group_size: int, traj: Trajectories, score, filter_ratio):
-    """2. StarPO-S filter: keep the groups whose raw env rewards vary most, compacted to
-    ``kept_groups`` groups (static): (kept trajectories, their scores, valid [M] bool, metrics).
-
-    Rows past the kept count repeat group 0 and are not ``valid``: no statistic may see them."""
-    raw = traj.env_reward.reshape(-1, group_size)
-    keep, metrics = filtering.select_groups(raw, filter_ratio, settings.filter_type)
-    (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, settings.kept_groups, group_size)
-    return kept, score, valid, metrics
-
-
-def policy_tokens_per_row(plan: RolloutPlan) -> int:
-    """The most policy tokens a trajectory can hold: how many positions a loss computes."""
-    return min(plan.max_len, plan.max_turn * plan.response_length)
-
-
-def _map_micro(fn, batch, micro: int):
-    """Run ``fn`` over micro-batches of ``batch`` (leading dim M) and stitch the outputs back."""
-    M = jax.tree.leaves(batch)[0].shape[0]
-    split = jax.tree.map(lambda x: x.reshape((M // micro, micro) + x.shape[1:]), batch)
-    out = jax.lax.map(fn, split)
-    return jax.tree.map(lambda x: x.reshape((M,) + x.shape[2:]), out)
-
-
-class Rows(NamedTuple):
-    """What a forward pass over the update batch reads of each row, and how much of it to compute."""
-
-    tokens: jax.Array  # int32 [M, L]
-    length: jax.Array  # int32 [M]
-    split: jax.Array  # int32 [M]: ``first_prompt_split``
-    needed: jax.Array  # bool [M, L]: the positions a loss reads (policy tokens of kept rows)
-
-
-def _rows(kept: Trajectories, mask) -> Rows:
-    return Rows(kept.tokens, kept.length, first_prompt_split(kept), mask > 0)
-
-
-def _row_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, params, r: Rows):
-    """(logp, entropy) [m, L] of one micro-batch's policy tokens."""
-    return token_logprobs(
-        graphdef, params, r.tokens, r.length, r.needed, settings.rollout_temperature, settings.logprob_chunk,
-        policy_tokens_per_row(plan), layout, r.split, share_rows(settings, plan.group_size),
-    )
-
-
-def _row_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, critic: Critic, r: Rows):
-    """V [m, L] of one micro-batch at its policy tokens (0 elsewhere)."""
-    return token_values(
-        graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), layout, r.split,
-        share_rows(settings, plan.group_size),
-    )
-
-
-def old_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                 kept: Trajectories, mask):
-    """3a. log π_old [M, L] of the policy tokens: recomputed by the policy that sampled them, or
-    the sampler's own (``use_sampler_logprobs``). A constant of the update."""
-    if settings.use_sampler_logprobs:
-        return jax.lax.stop_gradient(kept.sampler_logprobs)
-    params = policy_weights(settings, state)
-    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, params),
-                         _rows(kept, mask), settings.micro_batch_size)
-    return jax.lax.stop_gradient(logp)
-
-
-def ref_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                 kept: Trajectories, mask):
-    """3b. log π_ref [M, L] under the frozen reference; zeros when no KL term reads them."""
-    if not settings.uses_ref:
-        return jnp.zeros(kept.tokens.shape, jnp.float32)
-    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, reference_weights(state)),
-                         _rows(kept, mask), settings.micro_batch_size)
-    return logp
-
-
-def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
-    """The critic with full backbone weights (base + merged adapters under LoRA)."""
-    return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
-
-
-def old_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-               kept: Trajectories, mask):
-    """3c. V_old [M, L] on the policy tokens (0 elsewhere); zeros when the estimator has no critic."""
-    if not settings.uses_critic:
-        return jnp.zeros(kept.tokens.shape, jnp.float32)
-    critic = critic_weights(settings, state.critic, state.base)
-    values = _map_micro(functools.partial(_row_values, settings, graphdef, plan, layout, critic),
-                        _rows(kept, mask), settings.micro_batch_size)
-    return values * mask
-
-
-def token_level_rewards(settings: TrainSettings, kept: Trajectories, score, mask, old_logp, ref_logp, hyper: Hyperparams):
-    """4. Rewards per token [M, L]: each trajectory's score on its last policy token, or raw turn
-    rewards on each turn's last token (``use_turn_scores``: no normalisation, no format penalty,
-    as in RAGEN), less β·KL with ``kl_in_reward``. Returns (token rewards, the score each
-    trajectory counts as, metrics)."""
-    metrics = {}
-    if settings.use_turn_scores:
-        token_rewards = rewards.turn_scores_to_token_rewards(
-            kept.turn_reward, kept.turn_end - 1, kept.turn_played, kept.tokens.shape[1]
-        )
-        score = token_rewards.sum(axis=1)
-    else:
-        token_rewards = rewards.scores_to_token_rewards(score, mask)
-    if settings.kl_in_reward:
-        kl = losses.kl_penalty(old_logp, ref_logp, settings.kl_penalty)
-        token_rewards, metrics = rewards.kl_in_reward(token_rewards, kl, mask, hyper.kl_in_reward_coef)
-    return token_rewards, score, metrics
-
-
-def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewards, values, mask, valid, hyper: Hyperparams):
-    """5. (advantages, returns) [M, L] by ``adv_estimator``: GAE, bi-level GAE or GRPO."""
-    if settings.adv_estimator == "gae":
-        return adv.gae(token_rewards, values, mask, hyper.gamma, hyper.lam)
-    if settings.adv_estimator == "bilevel_gae":
-        return adv.bilevel_gae(
-            token_rewards, values, mask, kept.turn_end - 1, kept.turn_played,
-            hyper.gamma, hyper.lam, hyper.high_level_gamma,
-        )
-    if settings.adv_estimator == "grpo":
-        # veRL's outcome is the summed token reward (KL penalty included), grouped over real rows
-        return adv.grpo_outcome(token_rewards.sum(axis=1), kept.group_id, mask, settings.grpo_norm_by_std, valid=valid)
-    raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo or bilevel_gae.")
-
-
-@flax.struct.dataclass
-class UpdateBatch:
-    tokens: jax.Array
-    length: jax.Array
-    split: jax.Array  # int32 [M]: ``first_prompt_split``
-    mask: jax.Array  # float32 [M, L]: policy tokens of kept trajectories
-    old_logp: jax.Array
-    ref_logp: jax.Array
-    values: jax.Array
-    advantages: jax.Array
-    returns: jax.Array
-
-
-def batch_metrics(settings: TrainSettings, batch: UpdateBatch, score, token_rewards, valid) -> dict[str, jax.Array]:
-    """RAGEN's critic/* and rollout/*_log_prob statistics of the update batch, over real rows only."""
-    mask = batch.mask
-    metrics = {
-        "critic/score/mean": masked_mean(score, valid),
-        "critic/rewards/mean": masked_mean(token_rewards.sum(axis=1), valid),
-        "critic/advantages/mean": masked_mean(batch.advantages, mask),
-        "critic/returns/mean": masked_mean(batch.returns, mask),
-        "rollout/old_log_prob": masked_mean(batch.old_logp, mask),
-    }
-    if settings.uses_ref:
-        metrics["rollout/ref_log_prob"] = masked_mean(batch.ref_logp, mask)
-    if settings.uses_critic:
-        metrics["critic/values/mean"] = masked_mean(batch.values, mask)
-        metrics["critic/vf_explained_var"] = losses.explained_variance(batch.returns, batch.values, mask)
-    return metrics
-
-
-def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                   traj: Trajectories, hyper: Hyperparams):
-    """Steps 2–5: filter, then everything the update needs: (UpdateBatch, metrics)."""
-    # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
-    score = rewards.trajectory_score(
-        traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id,
-        settings.reward_grouping, settings.reward_method,
-    )
-    kept, score, valid, metrics = filter_groups(settings, plan.group_size, traj, score, hyper.filter_ratio)
-    mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
-    old_logp = old_logprobs(settings, graphdef, plan, layout, state, kept, mask)
-    ref_logp = ref_logprobs(settings, graphdef, plan, layout, state, kept, mask)
-    values = old_values(settings, graphdef, plan, layout, state, kept, mask)
-    token_rewards, score, kl_metrics = token_level_rewards(settings, kept, score, mask, old_logp, ref_logp, hyper)
-    advantages, returns = estimate_advantages(settings, kept, token_rewards, values, mask, valid, hyper)
-    batch = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, old_logp, ref_logp, values, advantages, returns)
-    return batch, metrics | kl_metrics | batch_metrics(settings, batch, score, token_rewards, valid)
-
-
-def _batch_rows(b: UpdateBatch) -> Rows:
-    return Rows(b.tokens, b.length, b.split, b.mask > 0)
-
-
-def actor_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, horizon, trained,
-                  b: UpdateBatch, hyper: Hyperparams):
-    """6a. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
-    params = with_adapters(settings, base, trained)
-    logp, entropy = _row_logprobs(settings, graphdef, plan, layout, params, _batch_rows(b))
-    return losses.actor_loss(
-        logp, entropy, b.old_logp, b.advantages, b.mask,
-        clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
-        entropy_coeff=hyper.entropy_coeff, agg_mode=settings.loss_agg_mode,
-        ref_logp=b.ref_logp if settings.use_kl_loss else None, kl_coef=hyper.kl_loss_coef,
-        kl_kind=settings.kl_loss_type, horizon=horizon,
-    )
-
-
-def critic_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, critic: Critic,
-                   b: UpdateBatch, hyper: Hyperparams):
-    """6b. The clipped value loss of a micro-batch, a function of what the critic trains."""
-    values = _row_values(settings, graphdef, plan, layout, critic_weights(settings, critic, base), _batch_rows(b))
-    return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
-
-
-def accumulate_gradients(loss_fn, params, micro_batches, hyper: Hyperparams):
-    """7. Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
-    and whether any counted: a micro-batch of padding rows only (no trained token) is left out."""
-
-    def one(carry, b):
-        grads, count = carry
-        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b, hyper)
-        live = jnp.any(b.mask > 0)
-        grads = jax.tree.map(lambda a, x: a + jnp.where(live, x, 0.0), grads, g)
-        return (grads, count + live), (metrics, live)
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, count), (metrics, live) = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.int32)), micro_batches)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
-    return grads, jax.tree.map(lambda m: masked_mean(m, live), metrics), count > 0
-
-
-def _minibatches(batch, mini: int, micro: int):
-    """[M, ...] -> [M / mini, mini / micro, micro, ...] without shuffling (veRL)."""
-    return jax.tree.map(lambda x: x.reshape((-1, mini // micro, micro) + x.shape[1:]), batch)
-
-
-def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: UpdateBatch, lr, hyper: Hyperparams, prefix: str):
-    """8. ``ppo_epochs`` passes over the mini-batches, one optimiser step each: ((params, opt_state,
-    skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
-
-    def one_minibatch(carry, micro_batches):
-        params, opt_state, skipped = carry
-        grads, metrics, live = accumulate_gradients(loss_fn, params, micro_batches, hyper)
-        params, opt_state, grad_norm, skip = apply_update(tx, params, opt_state, grads, lr, live)
-        metrics[f"{prefix}/grad_norm"] = grad_norm
-        return (params, opt_state, skipped + skip), (metrics, live)
-
-    def one_epoch(carry, _):
-        return jax.lax.scan(one_minibatch, carry, _minibatches(batch, settings.ppo_mini_batch_size, settings.micro_batch_size))
-
-    carry, (metrics, live) = jax.lax.scan(
-        one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs
-    )
-    return carry, jax.tree.map(lambda m: masked_mean(m, live), metrics)
-
-
-def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                  batch: UpdateBatch, hyper: Hyperparams):
-    """Step 8 for the critic: (critic, critic_opt, skipped steps, metrics); unchanged without one."""
-    if not settings.uses_critic:
-        return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
-    tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
-    loss_fn = functools.partial(critic_loss_fn, settings, graphdef, plan, layout, state.base)
-    (critic, critic_opt, skipped), metrics = ppo_update(
-        settings, loss_fn, tx, state.critic, state.critic_opt, batch, hyper.critic_lr, hyper, "critic"
-    )
-    metrics["critic/skipped_steps"] = (state.critic_skipped_steps + skipped).astype(jnp.float32)
-    return critic, critic_opt, skipped, metrics
-
-
-def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                 batch: UpdateBatch, hyper: Hyperparams, horizon):
-    """Step 8 for the actor: (actor, actor_opt, skipped steps, metrics); unchanged for the
-    first ``critic_warmup`` steps (RAGEN: the actor waits while the critic warms up)."""
-    tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
-    loss_fn = functools.partial(actor_loss_fn, settings, graphdef, plan, layout, state.base, horizon)
-    (actor, actor_opt, skipped), metrics = ppo_update(
-        settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
-    )
-    train_actor = state.step >= settings.critic_warmup
-    actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
-    actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
-    skipped = jnp.where(train_actor, skipped, 0)
-    metrics["actor/lr"] = hyper.actor_lr
-    metrics["actor/skipped_steps"] = (state.skipped_steps + skipped).astype(jnp.float32)
-    return actor, actor_opt, skipped, metrics
-
-
-def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams,
-          layout: UpdateLayout | None = None):
-    """Steps 2–8 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
-    forward passes compute (``update_layout``; default every position of every row)."""
-    layout = layout or full_layout(plan.max_len)
-    metrics = rollout_metrics(traj, plan, "train")
-    batch, prepared_metrics = prepare_update(settings, graphdef, plan, layout, state, traj, hyper)
-    # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, i.e. the rollout batch's
-    # longest sequence minus its first token
-    horizon = (traj.length.max() - 1).astype(jnp.float32)
-    critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, plan, layout, state, batch, hyper)
-    actor, actor_opt, skipped, actor_metrics = update_actor(settings, graphdef, plan, layout, state, batch, hyper, horizon)
-    new_state = state.replace(
-        step=state.step + 1,
-        actor=actor,
-        actor_opt=actor_opt,
-        critic=critic,
-        critic_opt=critic_opt,
-        skipped_steps=state.skipped_steps + skipped,
-        critic_skipped_steps=state.critic_skipped_steps + critic_skipped,
-    )
-    return new_state, metrics | prepared_metrics | critic_metrics | actor_metrics
-
-
-# ---- the whole step ------------------------------------------------------------------------------
+# ``make_train_step`` binds the static part of each step (the settings, the model's graphdef, the
+# rollout plan); the drivers run it through ``jit_iteration``.
 
 
 class TrainStep(NamedTuple):
@@ -691,3 +209,501 @@ def jit_iteration(step: TrainStep, settings: TrainSettings, plan: RolloutPlan, a
         jax.jit(collect), jax.jit(learn, donate_argnums=0, static_argnums=3),
         lambda traj: update_layout(traj, plan.max_len, share),
     )
+
+
+# ---- its steps, in the order they run ------------------------------------------------------------
+#
+# Each is a pure function of the static settings (and the graphdef and plan where it needs them)
+# and arrays. The numbers are the module docstring's.
+
+
+def collect(settings: TrainSettings, graphdef, plan: RolloutPlan, rollout, state: TrainState, tables, key) -> Trajectories:
+    """1. Rollout: fresh levels, then the policy (weights in compute dtype) plays them."""
+    level_key, rollout_key = jax.random.split(jax.random.fold_in(key, state.step))
+    policy = sampling_policy(graphdef, policy_weights(settings, state))
+    return rollout(policy, tables, initial_states_from_key(plan, level_key), rollout_key, settings.rollout_temperature)
+
+
+def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainState, traj: Trajectories, hyper: Hyperparams,
+          layout: UpdateLayout | None = None):
+    """Steps 2–7 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
+    forward passes compute (``update_layout``; default every position of every row)."""
+    layout = layout or full_layout(plan.max_len)
+    # Both read the whole rollout batch, rows the filter drops included. The horizon is
+    # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, the longest sequence less one.
+    metrics = rollout_metrics(traj, plan, "train")
+    horizon = (traj.length.max() - 1).astype(jnp.float32)
+    batch, prepared_metrics = prepare_update(settings, graphdef, plan, layout, state, traj, hyper)
+    critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, plan, layout, state, batch, hyper)
+    actor, actor_opt, skipped, actor_metrics = update_actor(settings, graphdef, plan, layout, state, batch, hyper, horizon)
+    new_state = state.replace(
+        step=state.step + 1,
+        actor=actor,
+        actor_opt=actor_opt,
+        critic=critic,
+        critic_opt=critic_opt,
+        skipped_steps=state.skipped_steps + skipped,
+        critic_skipped_steps=state.critic_skipped_steps + critic_skipped,
+    )
+    return new_state, metrics | prepared_metrics | critic_metrics | actor_metrics
+
+
+def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                   traj: Trajectories, hyper: Hyperparams):
+    """Steps 2–5: filter, then everything the update needs: (UpdateBatch, metrics)."""
+    # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
+    score = rewards.trajectory_score(
+        traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id,
+        settings.reward_grouping, settings.reward_method,
+    )
+    kept, score, valid, metrics = filter_groups(settings, plan.group_size, traj, score, hyper.filter_ratio)
+    mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
+    old_logp = old_logprobs(settings, graphdef, plan, layout, state, kept, mask)
+    ref_logp = ref_logprobs(settings, graphdef, plan, layout, state, kept, mask)
+    values = old_values(settings, graphdef, plan, layout, state, kept, mask)
+    token_rewards, score, kl_metrics = token_level_rewards(settings, kept, score, mask, old_logp, ref_logp, hyper)
+    advantages, returns = estimate_advantages(settings, kept, token_rewards, values, mask, valid, hyper)
+    batch = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, old_logp, ref_logp, values, advantages, returns)
+    return batch, metrics | kl_metrics | batch_metrics(settings, batch, score, token_rewards, valid)
+
+
+def filter_groups(settings: TrainSettings, group_size: int, traj: Trajectories, score, filter_ratio):
+    """2. StarPO-S filter: keep the groups whose raw env rewards vary most, compacted to
+    ``kept_groups`` groups (static): (kept trajectories, their scores, valid [M] bool, metrics).
+
+    Rows past the kept count repeat group 0 and are not ``valid``: no statistic may see them."""
+    raw = traj.env_reward.reshape(-1, group_size)
+    keep, metrics = filtering.select_groups(raw, filter_ratio, settings.filter_type)
+    (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, settings.kept_groups, group_size)
+    return kept, score, valid, metrics
+
+
+def old_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                 kept: Trajectories, mask):
+    """3a. log π_old [M, L] of the policy tokens: recomputed by the policy that sampled them, or
+    the sampler's own (``use_sampler_logprobs``). A constant of the update."""
+    if settings.use_sampler_logprobs:
+        return jax.lax.stop_gradient(kept.sampler_logprobs)
+    params = policy_weights(settings, state)
+    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, params),
+                         _rows(kept, mask), settings.micro_batch_size)
+    return jax.lax.stop_gradient(logp)
+
+
+def ref_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                 kept: Trajectories, mask):
+    """3b. log π_ref [M, L] under the frozen reference; zeros when no KL term reads them."""
+    if not settings.uses_ref:
+        return jnp.zeros(kept.tokens.shape, jnp.float32)
+    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, reference_weights(state)),
+                         _rows(kept, mask), settings.micro_batch_size)
+    return logp
+
+
+def old_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+               kept: Trajectories, mask):
+    """3c. V_old [M, L] on the policy tokens (0 elsewhere); zeros when the estimator has no critic."""
+    if not settings.uses_critic:
+        return jnp.zeros(kept.tokens.shape, jnp.float32)
+    critic = critic_weights(settings, state.critic, state.base)
+    values = _map_micro(functools.partial(_row_values, settings, graphdef, plan, layout, critic),
+                        _rows(kept, mask), settings.micro_batch_size)
+    return values * mask
+
+
+def token_level_rewards(settings: TrainSettings, kept: Trajectories, score, mask, old_logp, ref_logp, hyper: Hyperparams):
+    """4. Rewards per token [M, L]: each trajectory's score on its last policy token, or raw turn
+    rewards on each turn's last token (``use_turn_scores``: no normalisation, no format penalty,
+    as in RAGEN), less β·KL with ``kl_in_reward``. Returns (token rewards, the score each
+    trajectory counts as, metrics)."""
+    metrics = {}
+    if settings.use_turn_scores:
+        token_rewards = rewards.turn_scores_to_token_rewards(
+            kept.turn_reward, kept.turn_end - 1, kept.turn_played, kept.tokens.shape[1]
+        )
+        score = token_rewards.sum(axis=1)
+    else:
+        token_rewards = rewards.scores_to_token_rewards(score, mask)
+    if settings.kl_in_reward:
+        kl = losses.kl_penalty(old_logp, ref_logp, settings.kl_penalty)
+        token_rewards, metrics = rewards.kl_in_reward(token_rewards, kl, mask, hyper.kl_in_reward_coef)
+    return token_rewards, score, metrics
+
+
+def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewards, values, mask, valid, hyper: Hyperparams):
+    """5. (advantages, returns) [M, L] by ``adv_estimator``: GAE, bi-level GAE or GRPO."""
+    if settings.adv_estimator == "gae":
+        return adv.gae(token_rewards, values, mask, hyper.gamma, hyper.lam)
+    if settings.adv_estimator == "bilevel_gae":
+        return adv.bilevel_gae(
+            token_rewards, values, mask, kept.turn_end - 1, kept.turn_played,
+            hyper.gamma, hyper.lam, hyper.high_level_gamma,
+        )
+    if settings.adv_estimator == "grpo":
+        # veRL's outcome is the summed token reward (KL penalty included), grouped over real rows
+        return adv.grpo_outcome(token_rewards.sum(axis=1), kept.group_id, mask, settings.grpo_norm_by_std, valid=valid)
+    raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo or bilevel_gae.")
+
+
+def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                  batch: UpdateBatch, hyper: Hyperparams):
+    """6. The critic's update, ``ppo_update`` of ``critic_loss_fn``: (critic, critic_opt, skipped
+    steps, metrics); unchanged without one."""
+    if not settings.uses_critic:
+        return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
+    tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
+    loss_fn = functools.partial(critic_loss_fn, settings, graphdef, plan, layout, state.base)
+    (critic, critic_opt, skipped), metrics = ppo_update(
+        settings, loss_fn, tx, state.critic, state.critic_opt, batch, hyper.critic_lr, hyper, "critic"
+    )
+    metrics["critic/skipped_steps"] = (state.critic_skipped_steps + skipped).astype(jnp.float32)
+    return critic, critic_opt, skipped, metrics
+
+
+def critic_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, critic: Critic,
+                   b: UpdateBatch, hyper: Hyperparams):
+    """6. The clipped value loss of a micro-batch, a function of what the critic trains."""
+    values = _row_values(settings, graphdef, plan, layout, critic_weights(settings, critic, base), _batch_rows(b))
+    return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
+
+
+def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
+                 batch: UpdateBatch, hyper: Hyperparams, horizon):
+    """7. The actor's update, ``ppo_update`` of ``actor_loss_fn``: (actor, actor_opt, skipped steps,
+    metrics); unchanged for the first ``critic_warmup`` steps (RAGEN: the actor waits while the
+    critic warms up)."""
+    tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
+    loss_fn = functools.partial(actor_loss_fn, settings, graphdef, plan, layout, state.base, horizon)
+    (actor, actor_opt, skipped), metrics = ppo_update(
+        settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
+    )
+    train_actor = state.step >= settings.critic_warmup
+    actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
+    actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
+    skipped = jnp.where(train_actor, skipped, 0)
+    metrics["actor/lr"] = hyper.actor_lr
+    metrics["actor/skipped_steps"] = (state.skipped_steps + skipped).astype(jnp.float32)
+    return actor, actor_opt, skipped, metrics
+
+
+def actor_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, horizon, trained,
+                  b: UpdateBatch, hyper: Hyperparams):
+    """7. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
+    params = with_adapters(settings, base, trained)
+    logp, entropy = _row_logprobs(settings, graphdef, plan, layout, params, _batch_rows(b))
+    return losses.actor_loss(
+        logp, entropy, b.old_logp, b.advantages, b.mask,
+        clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
+        entropy_coeff=hyper.entropy_coeff, agg_mode=settings.loss_agg_mode,
+        ref_logp=b.ref_logp if settings.use_kl_loss else None, kl_coef=hyper.kl_loss_coef,
+        kl_kind=settings.kl_loss_type, horizon=horizon,
+    )
+
+
+def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: UpdateBatch, lr, hyper: Hyperparams, prefix: str):
+    """6, 7. ``ppo_epochs`` passes over the mini-batches, one optimiser step each: ((params, opt_state,
+    skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
+
+    def one_minibatch(carry, micro_batches):
+        params, opt_state, skipped = carry
+        grads, metrics, live = accumulate_gradients(loss_fn, params, micro_batches, hyper)
+        params, opt_state, grad_norm, skip = apply_update(tx, params, opt_state, grads, lr, live)
+        metrics[f"{prefix}/grad_norm"] = grad_norm
+        return (params, opt_state, skipped + skip), (metrics, live)
+
+    def one_epoch(carry, _):
+        return jax.lax.scan(one_minibatch, carry, _minibatches(batch, settings.ppo_mini_batch_size, settings.micro_batch_size))
+
+    carry, (metrics, live) = jax.lax.scan(
+        one_epoch, (params, opt_state, jnp.zeros((), jnp.int32)), None, settings.ppo_epochs
+    )
+    return carry, jax.tree.map(lambda m: masked_mean(m, live), metrics)
+
+
+def accumulate_gradients(loss_fn, params, micro_batches, hyper: Hyperparams):
+    """6, 7. Mean gradient and metrics over the micro-batches of one mini-batch (veRL: Σ loss / n_micro),
+    and whether any counted: a micro-batch of padding rows only (no trained token) is left out."""
+
+    def one(carry, b):
+        grads, count = carry
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b, hyper)
+        live = jnp.any(b.mask > 0)
+        grads = jax.tree.map(lambda a, x: a + jnp.where(live, x, 0.0), grads, g)
+        return (grads, count + live), (metrics, live)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, count), (metrics, live) = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.int32)), micro_batches)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
+    return grads, jax.tree.map(lambda m: masked_mean(m, live), metrics), count > 0
+
+
+# ---- helpers: weights and the optimiser ----------------------------------------------------------
+
+
+def with_adapters(settings: TrainSettings, base: nnx.State | None, trained) -> nnx.State:
+    """Full decoder weights from what trains: the weights themselves, or base + merged adapters."""
+    return trained if base is None else lora.merge(base, trained, settings.lora_scale)
+
+
+def policy_weights(settings: TrainSettings, state: TrainState) -> nnx.State:
+    """The actor's full decoder weights (what samples, what gets exported)."""
+    return with_adapters(settings, state.base, state.actor)
+
+
+def reference_weights(state: TrainState) -> nnx.State:
+    """The frozen reference policy: the initial weights (with LoRA, the base with adapters off)."""
+    return state.base if state.base is not None else state.ref
+
+
+def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
+    """The critic with full backbone weights (base + merged adapters under LoRA)."""
+    return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
+
+
+def optimizer(grad_clip: float, betas: tuple[float, float], weight_decay: float) -> optax.GradientTransformation:
+    """AdamW without the learning rate (applied by ``apply_update`` so it can be traced)."""
+    return optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.scale_by_adam(b1=betas[0], b2=betas[1]),
+        optax.add_decayed_weights(weight_decay),
+    )
+
+
+def apply_update(tx, params, opt_state, grads, lr, live=True):
+    """One optimiser step: (params, opt_state, grad_norm, skipped).
+
+    A non-finite gradient leaves params and moments untouched and counts as skipped (veRL skips
+    it too); ``live=False`` (a mini-batch of padding rows only) leaves them untouched uncounted."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(grad_norm)
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = tx.update(safe_grads, opt_state, params)
+    new_params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), params, updates)
+    take = finite & live
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)  # noqa: E731
+    return keep(new_params, params), keep(new_opt, opt_state), grad_norm, live & ~finite
+
+
+# ---- helpers: the update batch -------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class UpdateBatch:
+    tokens: jax.Array
+    length: jax.Array
+    split: jax.Array  # int32 [M]: ``first_prompt_split``
+    mask: jax.Array  # float32 [M, L]: policy tokens of kept trajectories
+    old_logp: jax.Array
+    ref_logp: jax.Array
+    values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+
+
+def batch_metrics(settings: TrainSettings, batch: UpdateBatch, score, token_rewards, valid) -> dict[str, jax.Array]:
+    """RAGEN's critic/* and rollout/*_log_prob statistics of the update batch, over real rows only."""
+    mask = batch.mask
+    metrics = {
+        "critic/score/mean": masked_mean(score, valid),
+        "critic/rewards/mean": masked_mean(token_rewards.sum(axis=1), valid),
+        "critic/advantages/mean": masked_mean(batch.advantages, mask),
+        "critic/returns/mean": masked_mean(batch.returns, mask),
+        "rollout/old_log_prob": masked_mean(batch.old_logp, mask),
+    }
+    if settings.uses_ref:
+        metrics["rollout/ref_log_prob"] = masked_mean(batch.ref_logp, mask)
+    if settings.uses_critic:
+        metrics["critic/values/mean"] = masked_mean(batch.values, mask)
+        metrics["critic/vf_explained_var"] = losses.explained_variance(batch.returns, batch.values, mask)
+    return metrics
+
+
+def _minibatches(batch, mini: int, micro: int):
+    """[M, ...] -> [M / mini, mini / micro, micro, ...] without shuffling (veRL)."""
+    return jax.tree.map(lambda x: x.reshape((-1, mini // micro, micro) + x.shape[1:]), batch)
+
+
+def _map_micro(fn, batch, micro: int):
+    """Run ``fn`` over micro-batches of ``batch`` (leading dim M) and stitch the outputs back."""
+    M = jax.tree.leaves(batch)[0].shape[0]
+    split = jax.tree.map(lambda x: x.reshape((M // micro, micro) + x.shape[1:]), batch)
+    out = jax.lax.map(fn, split)
+    return jax.tree.map(lambda x: x.reshape((M,) + x.shape[2:]), out)
+
+
+# ---- helpers: forward passes over the update batch -----------------------------------------------
+
+
+class Rows(NamedTuple):
+    """What a forward pass over the update batch reads of each row, and how much of it to compute."""
+
+    tokens: jax.Array  # int32 [M, L]
+    length: jax.Array  # int32 [M]
+    split: jax.Array  # int32 [M]: ``first_prompt_split``
+    needed: jax.Array  # bool [M, L]: the positions a loss reads (policy tokens of kept rows)
+
+
+def _rows(kept: Trajectories, mask) -> Rows:
+    return Rows(kept.tokens, kept.length, first_prompt_split(kept), mask > 0)
+
+
+def _batch_rows(b: UpdateBatch) -> Rows:
+    return Rows(b.tokens, b.length, b.split, b.mask > 0)
+
+
+def policy_tokens_per_row(plan: RolloutPlan) -> int:
+    """The most policy tokens a trajectory can hold: how many positions a loss computes."""
+    return min(plan.max_len, plan.max_turn * plan.response_length)
+
+
+def _row_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, params, r: Rows):
+    """(logp, entropy) [m, L] of one micro-batch's policy tokens."""
+    return token_logprobs(
+        graphdef, params, r.tokens, r.length, r.needed, settings.rollout_temperature, settings.logprob_chunk,
+        policy_tokens_per_row(plan), layout, r.split, share_rows(settings, plan.group_size),
+    )
+
+
+def _row_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, critic: Critic, r: Rows):
+    """V [m, L] of one micro-batch at its policy tokens (0 elsewhere)."""
+    return token_values(
+        graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), layout, r.split,
+        share_rows(settings, plan.group_size),
+    )
+
+
+def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int,
+                   layout: UpdateLayout | None = None, split=None, share: int = 1):
+    """(logp, entropy) [B, L]: log p(token_t | tokens_<t) under the policy, and its entropy.
+
+    Only positions where ``needed`` (the loss mask, at most ``max_tokens`` per row) is set are
+    computed: their hidden states are gathered first, so the vocabulary projection — the largest
+    cost of a small model — is paid only where the loss looks. Other positions are 0. ``layout``,
+    ``split`` and ``share``: which positions the forward pass computes (``hidden_predicting``;
+    default every position of every row)."""
+    model = nnx.merge(graphdef, params)
+    index, real = policy_positions(needed, max_tokens)
+    safe = jnp.where(real, index, 0)
+    layout = layout or full_layout(tokens.shape[1])
+    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
+    h = hidden_predicting(model, tokens, length, safe, split, layout, share)
+    t = jnp.take_along_axis(tokens, safe, axis=1)
+    logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, temperature), h, t, chunk)
+    return _scatter_rows(logp, index, tokens.shape), _scatter_rows(entropy, index, tokens.shape)
+
+
+def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: int,
+                 layout: UpdateLayout | None = None, split=None, share: int = 1):
+    """V[B, L]: the critic's value of the state before token t (aligned like the log-probs), where
+    ``needed`` is set (0 elsewhere); ``layout``, ``split``, ``share`` as in ``token_logprobs``."""
+    model = nnx.merge(graphdef, critic.backbone)
+    index, real = policy_positions(needed, max_tokens)
+    layout = layout or full_layout(tokens.shape[1])
+    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
+    h = hidden_predicting(model, tokens, length, jnp.where(real, index, 0), split, layout, share)
+    values = jnp.einsum("bkd,d->bk", h.astype(jnp.float32), critic.head_w) + critic.head_b
+    return _scatter_rows(values, index, tokens.shape)
+
+
+def hidden_predicting(model, tokens, length, index, split, layout: UpdateLayout, share: int):
+    """Final hidden states [B, K, D] that predict ``tokens[b, index[b, k]]`` (the state at position
+    ``index - 1``; every index is past the row's split, or is padding whose result no one reads).
+
+    Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
+    first prompts (tokens before the split) are computed once per block of ``share`` rows, and the
+    rows continue from their keys and values: exactly the same attention as over the whole rows."""
+    B, L = tokens.shape
+    start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
+    positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
+    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
+    if layout.prefix:
+        leaders = slice(None, None, share)
+        k, v = model.prefix_keys_values(tokens[leaders, : layout.prefix], split[leaders])
+        k, v = (jnp.repeat(x, share, axis=1) for x in (k, v))
+        hidden = model.hidden_states_after(row_tokens, positions, k, v, start)
+    else:
+        hidden = model.hidden_states(row_tokens, positions, (positions < length[:, None]).astype(jnp.int32))
+    at = jnp.clip(index - 1 - start[:, None], 0, layout.width - 1)
+    return jnp.take_along_axis(hidden, at[..., None], axis=1)
+
+
+def _chunked(fn, hidden, targets, chunk: int):
+    """``fn(hidden[:, c], targets[:, c])`` over chunks of positions, rematerialised in the backward
+    pass, so only one chunk's [B, chunk, V] logits exist at a time."""
+    B, K = targets.shape
+    chunk = min(chunk, K)
+    n = -(-K // chunk)
+    pad = n * chunk - K
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
+    t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), (h, t))
+    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(B, n * chunk)[:, :K], out)
+
+
+def policy_positions(mask, max_tokens: int):
+    """Indices [B, K] of each row's masked positions (K = max_tokens, static), and which are real."""
+    index = jax.vmap(lambda m: jnp.nonzero(m, size=max_tokens, fill_value=m.shape[0])[0])(mask)
+    return index, index < mask.shape[1]
+
+
+def _scatter_rows(values, index, shape):
+    """[B, K] values at positions ``index`` [B, K] of a zero [B, L] array (out-of-range dropped)."""
+    # Row by row (vmapped): a scatter whose batch dimension is the rows', so a row-sharded batch
+    # scatters on each device without gathering the positions of every row (an explicit row index
+    # made XLA all-gather them, and that collective could run out of order with the update's).
+    row = lambda v, i: jnp.zeros(shape[1:], jnp.float32).at[i].set(v, mode="drop")
+    return jax.vmap(row)(values, index)
+
+
+# ---- helpers: which positions the forward passes compute -----------------------------------------
+
+
+class UpdateLayout(NamedTuple):
+    """Which positions of the update batch's rows the forward passes compute (static).
+
+    Each row is computed from its ``split`` on, ``width`` positions. With ``prefix`` > 0 the tokens
+    before the split, the row's first prompt, are computed once per block of rows that share it
+    (``share_rows``: a group's rows start from the same level, so their first prompts are the same
+    tokens) and the rows continue from its keys and values. ``update_layout`` picks the smallest
+    layout that holds a rollout batch; ``full_layout`` is every position of every row."""
+
+    prefix: int  # positions of the shared first prompts (0: nothing shared, every split is 0)
+    width: int  # positions per row from its split on
+
+
+def full_layout(max_len: int) -> UpdateLayout:
+    return UpdateLayout(prefix=0, width=max_len)
+
+
+def share_rows(settings: TrainSettings, group_size: int) -> int:
+    """Rows per shared first prompt: consecutive blocks of this many rows lie within one group and
+    one micro-batch (the kept batch is whole groups, in order)."""
+    return math.gcd(settings.micro_batch_size, group_size)
+
+
+def first_prompt_split(traj: Trajectories):
+    """int32[..., B]: where each row's computed part starts when its first prompt is shared: the
+    first prompt's last token, whose hidden state predicts the first response token (0: never
+    played). Leading axes (a sweep's settings) pass through."""
+    return jnp.maximum(traj.turn_start[..., 0] - 1, 0).astype(jnp.int32)
+
+
+def size_bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``: at most
+    half of a computed width is padding, and a run compiles the update for few widths."""
+    size = 16
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
+    """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
+    picked on the host between rollout and update, so the update computes only what is there.
+    With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
+    length = np.asarray(jax.device_get(traj.length))
+    if share == 1:
+        return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
+    split = np.asarray(jax.device_get(first_prompt_split(traj)))
+    width = min(size_bucket(int((length - split).max())), max_len)
+    return UpdateLayout(prefix=min(size_bucket(int(split.max())), max_len), width=width)
