@@ -64,7 +64,23 @@ def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "f
         config = model_config(read_hf_config(path), path / "config.json", **dtypes)
         tokenizer = load_tokenizer(path)
         tensors = read_safetensors(path)
-    return build_decoder(config, tensors, path), tokenizer
+    model = build_decoder(config, tensors, path)
+    del tensors
+    release_freed_memory()
+    return model, tokenizer
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``). Reading a checkpoint frees
+    its float32 tensors in pieces below glibc's mmap threshold, which glibc would otherwise keep for
+    the process (the bundled SmolLM2: 0.4 GB of its 0.5 GB; resident 1.44 GB after loading, 1.02 GB
+    after the trim). Nothing off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def model_config(hf_config: dict, origin: Path, **overrides):
