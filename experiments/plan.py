@@ -13,9 +13,11 @@ against the budget; when the peak does not fit it names the knob to turn. The mo
 from the checkpoint's ``config.json`` or, for Qwen2.5 hub ids and the bundled SmolLM2, from
 ``starpo_jax.models.preset`` (nothing is downloaded).
 
-It exits 0 when the run fits and 1 when it does not. ``experiments.run`` makes the same check on
-its real devices before loading the model (``starpo_jax.planning.check_fits``); CPU devices have no
-fixed memory (host RAM) and are not checked. The library is ``starpo_jax/planning.py``.
+It exits 0 when the run fits and 1 when it does not. It also prints what a CPU run would hold: its
+own resident memory once compiled (Python, JAX, XLA's programs, tokenizer, tables) plus the peak,
+and one line on what that leaves out. ``experiments.run`` makes the same check on its real devices
+before loading the model (``starpo_jax.planning.check_fits``); on CPU against the host's available
+memory (MemAvailable). The library is ``starpo_jax/planning.py``.
 """
 
 from __future__ import annotations

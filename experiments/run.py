@@ -87,14 +87,16 @@ def main(argv) -> int:
     from starpo_jax.checkpoint import CheckpointError
     from starpo_jax.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.planning import PlanError, check_fits
+    from starpo_jax.planning import PlanError, available_bytes, check_fits
 
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
         checked = check_config(cfg)
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
-        check_fits(checked)  # on accelerators: refuse a run that cannot fit before loading it
+        plan = check_fits(checked)  # refuse a run that cannot fit its devices (on CPU: the host) before loading it
+        if plan is not None and plan.runtime and distributed.is_writer():  # CPU: say what the host is asked for
+            print(plan.host_line(available_bytes() or 0), file=sys.stderr, flush=True)
         exp = build_experiment(checked)
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)

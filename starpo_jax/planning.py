@@ -3,8 +3,8 @@ device XLA says they need (``compiled.memory_analysis()``). No weight is allocat
 read: the model's shapes come from ``nnx.eval_shape``.
 
 ``plan_memory(exp)`` for an experiment built with ``load=abstract_policy``; ``check_fits(config)``
-is ``experiments.run``'s refusal of a config that cannot fit its accelerators. The command line is
-``python -m experiments.plan`` (docs/scaling.md).
+is ``experiments.run``'s refusal of a config that cannot fit its accelerators, or on CPU the host's
+available memory. The command line is ``python -m experiments.plan`` (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ def model_config_and_tokenizer(config):
     if (folder / "config.json").is_file():
         hf = json.loads((folder / "config.json").read_text())
         return ModelConfig.from_hf_config(hf, **dtypes), load_tokenizer(folder)
+    if folder.suffix.lower() == ".gguf" and folder.is_file():  # its header only; no weight is dequantised
+        from starpo_jax.models.gguf_reader import hf_config_from_gguf, open_gguf
+
+        return ModelConfig.from_hf_config(hf_config_from_gguf(open_gguf(folder), folder), **dtypes), load_tokenizer(folder)
     name = source.split("/")[-1].lower()
     if name in PRESETS and name.startswith("qwen2.5"):
         return preset(name, **dtypes), bundled.qwen_tokenizer()  # every Qwen2.5 size shares the tokenizer
@@ -91,10 +95,22 @@ class MemoryPlan:
     update_peak: int  # inputs + outputs + working memory of the update program (donated state reused)
     micro_rows: int = 1  # rows per device in one gradient pass (actor.micro_batch_size / (data × fsdp))
     remat: str = "layer"  # model.remat: what the update's backward pass keeps of each layer
+    # CPU: the process's own memory beside the programs' buffers (Python, JAX, XLA's compiled
+    # programs and compilers, tokenizer, tables), measured as the planning process's resident
+    # memory once it has compiled the run's programs. 0 when not measured.
+    runtime: int = 0
 
     @property
     def peak(self) -> int:
         return max(self.rollout_peak, self.update_peak)
+
+    @property
+    def host_peak(self) -> int:
+        """A CPU run's peak resident memory: the runtime plus every (simulated) device's peak."""
+        devices = 1
+        for size in self.mesh.values():
+            devices *= size
+        return self.runtime + devices * self.peak
 
     def report(self, budget: int) -> str:
         mesh = " × ".join(f"{axis} {size}" for axis, size in self.mesh.items())
@@ -109,10 +125,19 @@ class MemoryPlan:
         lines = [f"per device, mesh {mesh}:"] + [f"  {name:<46} {gib(value):>12}" for name, value in rows]
         verdict = "fits" if self.peak <= budget else "does NOT fit"
         lines.append(f"  {'total (peak) vs budget':<46} {gib(self.peak):>12} / {gib(budget)}: {verdict}")
+        if self.runtime:
+            lines.append(f"  {'on a CPU host: + runtime (Python, JAX, XLA)':<46} {gib(self.runtime):>12} = "
+                         f"{gib(self.host_peak)} resident at the peak")
+            lines.append(f"  {HOST_LEAVES_OUT}")
         advice = self.advice(budget)
         if advice:
             lines.append(advice)
         return "\n".join(lines)
+
+    def host_line(self, available: int) -> str:
+        """One line for a CPU run: its estimated peak resident memory against what the host has."""
+        return (f"host memory: about {gib(self.host_peak)} resident at the peak ({gib(self.runtime)} runtime "
+                f"+ {gib(self.host_peak - self.runtime)} of programs), {gib(available)} available beside this process")
 
     def _update_knob(self) -> str:
         if self.remat != "layer":
@@ -123,10 +148,8 @@ class MemoryPlan:
         return ("lower rollout.max_model_len (a layer's attention scores grow with its square; gradient passes "
                 "already take one row per device and recompute each layer)")
 
-    def advice(self, budget: int) -> str | None:
-        """Which knob to turn when the peak is over ``budget`` (None when it fits)."""
-        if self.peak <= budget:
-            return None
+    def largest_part(self) -> tuple[str, str]:
+        """(the largest part of the peak, the knob that lowers it)."""
         parts = {
             "the train state": (self.train_state, "raise mesh.fsdp (the state is stored 1/fsdp per device; take it from "
                                 "mesh.data), or train LoRA adapters (lora.rank=64) instead of every weight"),
@@ -136,6 +159,13 @@ class MemoryPlan:
             "the update's working memory": (self.update_temp, self._update_knob()),
         }
         name, (_, knob) = max(parts.items(), key=lambda item: item[1][0])
+        return name, knob
+
+    def advice(self, budget: int) -> str | None:
+        """Which knob to turn when the peak is over ``budget`` (None when it fits)."""
+        if self.peak <= budget:
+            return None
+        name, knob = self.largest_part()
         return f"  over budget by {gib(self.peak - budget)}; the largest part is {name}: {knob}."
 
 
@@ -198,6 +228,7 @@ def plan_memory(exp) -> MemoryPlan:
     from starpo_jax import sharding
 
     collect_c, learn_c, state = compile_programs(exp)
+    runtime = resident_bytes()
     rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
     train_state = _bytes_per_device(state)
     return MemoryPlan(
@@ -213,6 +244,8 @@ def plan_memory(exp) -> MemoryPlan:
         update_peak=_peak(update),
         micro_rows=exp.settings.micro_batch_size // sharding.rows_per_mesh(exp.mesh),
         remat=exp.model.merge().config.remat,
+        # CPU: the host's memory is the devices'; measured after compiling, as the run holds its programs.
+        runtime=runtime if exp.mesh.devices.flat[0].platform == "cpu" else 0,
     )
 
 
@@ -223,18 +256,74 @@ def device_budget(devices) -> int | None:
     return None if any(limit is None for limit in limits) else min(limits)
 
 
-def check_fits(config) -> MemoryPlan | None:
+# ---- the host: on CPU a run's memory is its process's --------------------------------------------
+
+# What the CPU estimate (runtime + peak) leaves out, said where it is printed. Measured: a run's peak
+# resident memory is 1.17-1.20 x the estimate (tests/test_plan.py's tiny run, the quick start).
+HOST_LEAVES_OUT = ("not counted (a run measured 1.2 x this): the programs a run compiles beyond these two "
+                   "(validation, each update width), the allocator's kept pages, the export's copies.")
+
+
+def _proc_field(text: str, name: str) -> int | None:
+    """``name:   1234 kB`` of a /proc status or meminfo text, in bytes."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return int(value.split()[0]) * 1024
+    return None
+
+
+def resident_bytes(status: str | None = None) -> int:
+    """This process's resident memory now (VmRSS of /proc/self/status); 0 where there is no /proc."""
+    try:
+        status = open("/proc/self/status").read() if status is None else status
+    except OSError:
+        return 0
+    return _proc_field(status, "VmRSS") or 0
+
+
+def available_bytes(meminfo: str | None = None) -> int | None:
+    """The memory the kernel can still give a process without swapping (MemAvailable of
+    /proc/meminfo: free memory plus reclaimable caches, shared with every other process); None where
+    there is no /proc."""
+    try:
+        meminfo = open("/proc/meminfo").read() if meminfo is None else meminfo
+    except OSError:
+        return None
+    return _proc_field(meminfo, "MemAvailable")
+
+
+def check_fits(config, available: int | None = None) -> MemoryPlan | None:
     """``experiments.run``'s check before anything is allocated: plan on the real devices and raise
-    ``PlanError`` (with the knob to turn) when the peak exceeds a device's memory. No check on CPU.
+    ``PlanError`` (with the knob to turn) when the peak exceeds a device's memory. On CPU devices
+    the budget is the host's available memory (``available``, default MemAvailable), measured after
+    planning, so what the planning compiles already holds is no longer in it.
     ``config``: a config or ``experiment.check_config``'s result (then it is not checked again)."""
     import jax
 
     from starpo_jax.experiment import build_experiment
 
-    budget = device_budget(jax.local_devices())  # every process checks its own
-    if budget is None:
-        return None
-    plan = plan_memory(build_experiment(config, load=abstract_policy))
+    devices = jax.local_devices()  # every process checks its own
+    budget = device_budget(devices)
+    if budget is None and available is None and available_bytes() is None:
+        return None  # a CPU host without /proc: nothing to check against
+    try:
+        exp = build_experiment(config, load=abstract_policy)
+    except PlanError:
+        if budget is not None:
+            raise
+        return None  # CPU: a source the planner cannot read without loading (e.g. a missing file) is the load's to report
+    plan = plan_memory(exp)
+    if budget is not None:
+        if plan.peak > budget:
+            raise PlanError(f"the run does not fit in device memory.\n{plan.report(budget)}")
+        return plan
+    # CPU: the devices share the host's memory, and this process already holds its runtime.
+    budget = (available_bytes() if available is None else available) // len(devices)
     if plan.peak > budget:
-        raise PlanError(f"the run does not fit in device memory.\n{plan.report(budget)}")
+        _, knob = plan.largest_part()
+        raise PlanError(
+            f"the run needs {gib(plan.peak * len(devices))} of host memory beyond this process's "
+            f"{gib(plan.runtime)}, but only {gib(budget * len(devices))} is available: {knob}.\n{plan.report(budget)}"
+        )
     return plan

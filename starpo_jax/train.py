@@ -115,7 +115,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
     else:
         base, actor = None, model.params
         ref = jax.tree.map(jnp.copy, actor) if settings.uses_ref else None
-        critic_backbone = jax.tree.map(jnp.copy, actor)
+        critic_backbone = jax.tree.map(jnp.copy, actor) if settings.uses_critic else None
     actor_tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
     critic = critic_opt = None
     if settings.uses_critic:

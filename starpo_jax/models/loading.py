@@ -64,7 +64,23 @@ def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "f
         config = model_config(read_hf_config(path), path / "config.json", **dtypes)
         tokenizer = load_tokenizer(path)
         tensors = read_safetensors(path)
-    return build_decoder(config, tensors, path), tokenizer
+    model = build_decoder(config, tensors, path)
+    del tensors
+    release_freed_memory()
+    return model, tokenizer
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``). Reading a checkpoint frees
+    its float32 tensors in pieces below glibc's mmap threshold, which glibc would otherwise keep for
+    the process (the bundled SmolLM2: 0.4 GB of its 0.5 GB; resident 1.44 GB after loading, 1.02 GB
+    after the trim). Nothing off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def model_config(hf_config: dict, origin: Path, **overrides):
@@ -221,7 +237,9 @@ def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
     with atomic_folder(folder) as staging:
         hf_config = _hf_config_for_saving(model.config, tokenizer)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        tensors = {name: value.astype(_numpy_dtype(model.config.param_dtype))  # the dtype config.json states
+        # The dtype config.json states; copy=False: a float32 model's tensors are already float32, and a
+        # second copy of every weight (0.55 GB for SmolLM2) made the export the quick start's peak.
+        tensors = {name: value.astype(_numpy_dtype(model.config.param_dtype), copy=False)
                    for name, value in decoder_to_hf_tensors(model).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         save_tokenizer(tokenizer, staging)
