@@ -5,11 +5,17 @@
     .venv/bin/python -m experiments.curves runs/lr_sweep --out sweep.png      # one series per setting
 
 Panels: validation success per env tag with its 95 % Wilson interval (the levels per tag come from
-the run's ``config.json``), the validation format (``action_is_valid``), and the training signals
+the run's ``config.json``), the validation format (``action_is_valid``) and rate of effective
+actions (``action_is_effective``, what a multi-turn env shows first), and the training signals
 the paper reads for collapse: success and reward of the training rollouts, in-group reward std,
 entropy and the actor's gradient norm. A sweep's folder (``sweep.jsonl``, no validation) gives
 one series per setting. Prints a table of validation success with intervals, first and last
 validation side by side, and writes it as JSON beside the PNG (``.json``).
+
+The format and effective-action rates are per-level means of per-turn fractions, each in [0, 1],
+not successes; their band is the Wilson interval of ``rate × levels`` out of ``levels``. A mean of
+values in [0, 1] has at most the variance of a 0/1 variable with the same mean, so this band is at
+least as wide as the normal-approximation interval of the mean.
 """
 
 from __future__ import annotations
@@ -80,15 +86,21 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
+#: Per-level rates drawn beside validation success, each with its band (module docstring).
+RATE_PANELS = (("action_is_valid", "valid answers (format)"), ("action_is_effective", "effective actions"))
+
+
 def validation_table(run: Path, rows: list[dict]) -> dict[str, list[dict]]:
-    """Per tag: every validation's step, success, its interval and the format rate."""
+    """Per tag: every validation's step, success, its interval, and the per-level rates with theirs."""
     table = {}
     for tag, n in val_levels(run).items():
         steps, success = series(rows, f"val-env/{tag}/success")
-        _, valid = series(rows, f"val-env/{tag}/action_is_valid")
+        rates = {name: dict(zip(*series(rows, f"val-env/{tag}/{name}"))) for name, _ in RATE_PANELS}
         table[tag] = [
-            {"step": s, "success": p, "interval": wilson(p * n, n), "levels": n, "action_is_valid": v}
-            for s, p, v in zip(steps, success, valid)
+            {"step": s, "success": p, "interval": wilson(p * n, n), "levels": n}
+            | {name: rates[name].get(s) for name in rates}
+            | {f"{name}_interval": wilson(rates[name][s] * n, n) for name in rates if s in rates[name]}
+            for s, p in zip(steps, success)
         ]
     return table
 
@@ -101,7 +113,7 @@ def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
 
     data = {name: pair for label, run in zip(labels, runs) for name, pair in read_runs(run, label).items()}
     tags = list(dict.fromkeys(t for run, _ in data.values() for t in val_levels(run)))
-    panels = [f"val-env/{t}/success" for t in tags] + (["format"] if tags else []) + [k for k, _ in TRAIN_PANELS]
+    panels = [f"val-env/{t}/success" for t in tags] + ([n for n, _ in RATE_PANELS] if tags else []) + [k for k, _ in TRAIN_PANELS]
     cols = 3
     fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4.2 * cols, 3.0 * -(-len(panels) // cols)))
     axes = axes.ravel()
@@ -117,14 +129,16 @@ def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
             ax.fill_between(steps, [p["interval"][0] for p in points], [p["interval"][1] for p in points],
                             color=colour, alpha=0.15)
             ax.set(title=f"validation success, {tag} (95 % Wilson)", xlabel="step", ylim=(-0.02, 1.02))
-        if tags:
-            fmt = axes[len(tags)]
+        rate_axes = axes[len(tags): len(tags) + len(RATE_PANELS)] if tags else []
+        for ax, (name, title) in zip(rate_axes, RATE_PANELS):
             for j, tag in enumerate(tags):
-                points = table.get(tag, [])
-                fmt.plot([p["step"] for p in points], [p["action_is_valid"] for p in points], "os^v"[j % 4] + "-",
-                         color=colour, label=f"{label} {tag}")
-            fmt.set(title="validation: valid answers (format)", xlabel="step", ylim=(-0.02, 1.02))
-        for ax, (pattern, title) in zip(axes[len(tags) + bool(tags):], TRAIN_PANELS):
+                points = [p for p in table.get(tag, []) if p.get(name) is not None]
+                steps = [p["step"] for p in points]
+                ax.plot(steps, [p[name] for p in points], "os^v"[j % 4] + "-", color=colour, label=f"{label} {tag}")
+                ax.fill_between(steps, [p[f"{name}_interval"][0] for p in points],
+                                [p[f"{name}_interval"][1] for p in points], color=colour, alpha=0.15)
+            ax.set(title=f"validation: {title}", xlabel="step", ylim=(-0.02, 1.02))
+        for ax, (pattern, title) in zip(axes[len(tags) + len(rate_axes):], TRAIN_PANELS):
             keys = keys_like(rows, pattern)
             for j, key in enumerate(keys):
                 name = label if len(keys) == 1 else f"{label} {key.split('/')[1]}"
@@ -143,15 +157,23 @@ def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
     return summary
 
 
+def ci(point: dict, key: str = "success") -> str:
+    """A validation point's value and 95 % band, e.g. ``0.438 [0.378, 0.499]``."""
+    low, high = point["interval" if key == "success" else f"{key}_interval"]
+    return f"{point[key]:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def print_table(summary: dict) -> None:
     for label, run in summary.items():
         for tag, points in run["validation"].items():
             if not points:
                 continue
             first, last = points[0], points[-1]
-            ci = lambda p: f"{p['success']:.3f} [{p['interval'][0]:.3f}, {p['interval'][1]:.3f}]"  # noqa: E731
             print(f"{label:<24} {tag:<12} step {first['step']:>3}: {ci(first)}  →  step {last['step']:>3}: {ci(last)}"
-                  f"  (valid {first['action_is_valid']:.3f} → {last['action_is_valid']:.3f}, n = {last['levels']})")
+                  f"  (n = {last['levels']})")
+            for name, title in RATE_PANELS:
+                if first.get(name) is not None and last.get(name) is not None:
+                    print(f"{'':<24} {title:<30} {ci(first, name)}  →  {ci(last, name)}")
 
 
 def main(argv=None) -> int:
