@@ -2,13 +2,29 @@
 
     .venv/bin/python -m experiments.run --config configs/learn_frozen_lake.py
 
-RAGEN's FrozenLake as ``configs/frozen_lake.py`` has it (4×4 lakes, slippery ice, 10 actions per
-episode), played over up to 5 turns. The settings are ``configs/learn_bandit.py``'s ``RECIPE``, for the same
-reasons (GRPO on rewards minus the group mean, answer-only turns, full weights in float32, log-probs
-from the sampler, a group per micro-batch); validation on 128 fixed levels before, half-way and
-after training. On the shared 2-core CPU one 64-level validation chunk took 13 minutes (load 7-8):
-each turn prefills every row's new observation, so a step costs ~10-20 minutes there and 20 steps do
-not fit an hour; docs/results.md has the figures and the smaller run to try next.
+RAGEN's FrozenLake as ``configs/frozen_lake.py`` has it (4×4 lakes, slippery ice, up to 5 actions a
+turn and 10 an episode, RAGEN's prompt), with ``configs/learn_bandit.py``'s ``RECIPE`` (GRPO, no KL,
+clipping 0.2 / 0.28, full weights in float32, log-probs from the sampler, lr 3e-5). What differs,
+and why (docs/results.md §4 has the measurements):
+
+- ``<think>`` stays on (RAGEN's default). With answer-only turns the untrained model wrote no valid
+  action in 768 sampled first turns (3 levels × 128, temperatures 1.0 and 1.5): after the forced
+  ``<answer>`` it rambles about the legend. With ``<think>`` it sometimes copies the prompt's
+  example (``… I should go left then go up.</think><answer>Left || Up</answer>``): 2 turns in 384
+  at temperature 1.0, none in 256 at 1.5. Rare, but the reward-variance filter finds the group;
+- GRPO's advantages as RAGEN computes them, divided by the group's reward std (the Bandit preset
+  leaves the std out, for a reason particular to its payoffs): the first signal is a rare valid
+  turn (format penalty −0.1 avoided) in an otherwise unanimous group, and dividing by the std
+  makes that member's push ~2.5 whatever the penalty's scale, instead of ~0.09;
+- 48 new tokens a turn (the example alone is ~30), 3 turns (RAGEN: 5; up to 5 actions a turn, so the
+  10-action budget can still be spent), a 640-token context: ~275 first-prompt tokens, ~90 per later
+  turn's prompt, 48 per response;
+- 8 groups of 8 per step (192 turns, where a valid one is rare), the filter keeping the top 25 %
+  (2 groups, 16 rows; the paper's ratio): each turn prefills every row's new observation and the
+  update reads whole multi-turn rows, so 16 rows keep the update within a few minutes on 2 cores;
+- the update rematerialises attention (``model.remat=dots``: the weight products are kept, the
+  [rows, heads, T, T] scores recomputed), micro-batches of 4 rows: the update's memory is ~3 GiB;
+- validation on 64 fixed levels (seeds 123-186) before, half-way and after 16 steps.
 """
 
 from configs import base, frozen_lake, learn_bandit
@@ -16,16 +32,22 @@ from configs import base, frozen_lake, learn_bandit
 CHANGES = {
     **frozen_lake.CHANGES,
     **learn_bandit.RECIPE,
+    "model.remat": "dots",
+    "rollout.enable_think": True,
+    "reward.method": "identity",
+    "algorithm.grpo_norm_by_std": True,
     "envs.train.n_groups": (8,),
-    "filter.ratio": 0.5,
-    "envs.val.n_groups": (128,),
-    "rollout.max_turn": 5,
-    "rollout.response_length": 24,
-    "rollout.max_model_len": 768,
-    "trainer.total_steps": 20,
-    "trainer.test_freq": 10,
+    "filter.ratio": 0.25,
+    "actor.ppo_mini_batch_size": 16,
+    "actor.micro_batch_size": 4,
+    "envs.val.n_groups": (64,),
+    "rollout.max_turn": 3,
+    "rollout.response_length": 48,
+    "rollout.max_model_len": 640,
+    "trainer.total_steps": 16,
+    "trainer.test_freq": 8,
     "trainer.log_trajectories": 4,
-    "trainer.val_chunks": 2,
+    "trainer.val_chunks": 1,
     "trainer.output_dir": "runs/learn_frozen_lake",
 }
 

@@ -237,25 +237,41 @@ def test_quickstart_is_small_and_validates_before_and_after_training():
     assert config.trainer.output_dir == "runs/quickstart"
 
 
-@pytest.mark.parametrize("spec, env, groups, val_groups", [("learn_bandit.py", "Bandit", 16, [256, 256]),
-                                                          ("learn_frozen_lake.py", "FrozenLake", 8, [128])])
-def test_learning_presets_are_starpo_s_grpo_on_mean_centred_rewards(spec, env, groups, val_groups):
-    """The presets that learn on a CPU: StarPO-S (the filter keeping 4 groups of 8, clip 0.2 / 0.28,
-    no KL) with GRPO on rewards minus the group mean (no std: docs/results.md), the bundled model in
-    float32, one group per micro-batch (its first prompt computed once) and log-probs from the
-    sampler."""
+@pytest.mark.parametrize("spec, env, groups, kept, val_groups", [("learn_bandit.py", "Bandit", 16, 4, [256, 256]),
+                                                                ("learn_frozen_lake.py", "FrozenLake", 8, 2, [64])])
+def test_learning_presets_are_starpo_s_grpo(spec, env, groups, kept, val_groups):
+    """The presets that learn on a CPU: StarPO-S (the filter keeping the top 25 % of groups of 8,
+    clip 0.2 / 0.28, no KL) with GRPO, the bundled model in float32 and log-probs from the sampler,
+    validating before, half-way and after training."""
     config = load(spec)
     train, val, settings = plans(config)
-    assert (config.model.source, config.model.dtype, config.model.remat) == ("smollm2-135m-instruct", "float32", "none")
+    assert (config.model.source, config.model.dtype) == ("smollm2-135m-instruct", "float32")
     assert [t.name for t in train.tags] == [env] and (train.num_groups, train.group_size) == (groups, 8)
-    assert settings.kept_groups == 4 and settings.filter_type == "std"
-    assert (settings.adv_estimator, settings.reward_method, settings.grpo_norm_by_std) == ("grpo", "mean", False)
+    assert settings.kept_groups == kept == groups // 4 and settings.filter_type == "std"
+    assert settings.adv_estimator == "grpo" and settings.use_sampler_logprobs
     assert not (settings.use_kl_loss or settings.kl_in_reward or settings.uses_critic)
     assert (config.actor.clip_ratio_low, config.actor.clip_ratio_high) == (0.2, 0.28)
-    assert settings.micro_batch_size == train.group_size and settings.use_sampler_logprobs
+    assert settings.ppo_mini_batch_size == kept * train.group_size  # one optimiser step per rollout
     assert [t.n_groups for t in val.tags] == val_groups and val.group_size == 1
     assert all(n % config.trainer.val_chunks == 0 for n in val_groups)
-    assert config.trainer.total_steps % config.trainer.test_freq == 0 and config.trainer.val_before_train
+    assert config.trainer.total_steps == 2 * config.trainer.test_freq and config.trainer.val_before_train
+
+
+def test_bandit_preset_centres_rewards_without_the_std_and_answers_only():
+    """docs/results.md: dividing by the group's std favours the safe arm; one group per micro-batch."""
+    config = load("learn_bandit.py")
+    train, _, settings = plans(config)
+    assert (settings.reward_method, settings.grpo_norm_by_std, config.model.remat) == ("mean", False, "none")
+    assert settings.micro_batch_size == train.group_size and not train.enable_think
+
+
+def test_frozen_lake_preset_thinks_and_normalises_by_the_std_as_ragen():
+    """With <think> the untrained model sometimes copies the prompt's example answer; without it,
+    never (configs/learn_frozen_lake.py); three turns of 48 tokens in a 640-token context."""
+    config = load("learn_frozen_lake.py")
+    train, _, settings = plans(config)
+    assert train.enable_think and (train.max_turn, train.response_length, train.max_len) == (3, 48, 640)
+    assert (settings.reward_method, settings.grpo_norm_by_std, config.model.remat) == ("identity", True, "dots")
 
 
 def test_val_chunks_must_split_every_validation_tag():
