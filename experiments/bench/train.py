@@ -1,8 +1,8 @@
 """Memory and time of one update (the learn phase): full fine-tuning over whole rows, over the
 batch's layout (each group's first prompt once, rows cut to their used width), and LoRA.
 
-    python -m experiments.bench_train                  # SmolLM2-135M shape (random weights), PPO + KL loss
-    python -m experiments.bench_train --quick          # seconds: tiny model, smoke test
+    python -m experiments.bench.train                  # SmolLM2-135M shape (random weights), PPO + KL loss
+    python -m experiments.bench.train --quick          # seconds: tiny model, smoke test
 
 Workload: one compiled rollout of the untrained policy on the Bandit (``--groups`` × ``--group-size``
 trajectories of up to ``--max-len`` tokens) gives a fixed batch; then ``learn`` — filter, old and
@@ -27,7 +27,7 @@ import time
 import jax
 from tqdm import tqdm
 
-from experiments.bench_report import machine, write_report
+from experiments.bench.common import machine, write_report
 
 
 def tree_bytes(tree) -> int:

@@ -1,9 +1,9 @@
 """The same Bandit learning in Hugging Face TRL (``GRPOTrainer``) and in starpo-jax, side by side.
 
-    python -m experiments.bench_peer                                   # DEFAULT_CONFIG, its steps
-    python -m experiments.bench_peer --steps 2 --val-levels 4          # a smoke run
-    python -m experiments.bench_peer --config configs/quickstart.py --config.actor.lr=3e-6
-    python -m experiments.bench_peer --keep-filter                     # StarPO-S's filter on the starpo-jax side
+    python -m experiments.bench.peer                                   # DEFAULT_CONFIG, its steps
+    python -m experiments.bench.peer --steps 2 --val-levels 4          # a smoke run
+    python -m experiments.bench.peer --config configs/quickstart.py --config.actor.lr=3e-6
+    python -m experiments.bench.peer --keep-filter                     # StarPO-S's filter on the starpo-jax side
 
 Both sides start from the config's model (``model.source``), exported once as a Hugging Face
 folder with the project's exporter; both see the prompt text starpo-jax's rollout shows the model
@@ -41,7 +41,7 @@ NO_TRL = "bench_peer needs trl, which is not installed: pip install -e '.[peer]'
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m experiments.bench_peer", description=__doc__.split("\n\n")[0],
+        prog="python -m experiments.bench.peer", description=__doc__.split("\n\n")[0],
         epilog="Any --config.KEY=VALUE is a config override, as for experiments.run; both sides get it.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -514,7 +514,7 @@ def main(argv=None) -> int:
         return 2
     from tqdm import tqdm
 
-    from experiments import bench_report
+    from experiments.bench import common
     from starpo_jax.experiment import ConfigError, check_config
 
     log = tqdm.write
@@ -577,7 +577,7 @@ def main(argv=None) -> int:
         "starpo_jax": side_report("starpo-jax", starpo_run, scored["starpo_jax"], starpo_folders),
         "trl": side_report(f"TRL {trl_module.__version__} GRPOTrainer", trl_run, scored["trl"], trl_run["folders"]),
         "wall_s": time.perf_counter() - t_start,
-        "machine": bench_report.machine(),
+        "machine": common.machine(),
     }
     path = out / "bench_peer.json"
     path.write_text(json.dumps(report, indent=2, default=str))
