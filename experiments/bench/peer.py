@@ -218,19 +218,15 @@ def bandit_prompts(config, tokenizer) -> dict[bool, str]:
     tables and its ``first_prompts``, for both arm orders, decoded as they are."""
     import jax.numpy as jnp
 
-    from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, first_prompts
+    from starpo_jax.experiment import rollout_plan, tokenized_plan
+    from starpo_jax.rollout import first_prompts
 
-    plan = rollout_plan(config, "train", tokenizer)
+    plan = rollout_plan(config, "train")
     tag = _bandit_tag(plan)
-    tables = build_tables(
-        tokenizer, dataclasses.replace(plan, tags=(tag,)), max_tokens=config.envs.prompt_max_tokens,
-        legend_from_env_symbols=config.envs.legend_from_env_symbols,
-        chat_template=config.model.get("chat_template", "") or None,
-    )
+    plan, tables = tokenized_plan(config, "train", dataclasses.replace(plan, tags=(tag,)), tokenizer, None)
     states = tag.env.reset_from_seed(0)
     states = type(states)(hi_first=jnp.asarray([False, True]), key=jnp.stack([states.key, states.key]))
-    ids, lengths = first_prompts(dataclasses.replace(plan, tags=(tag,)), tables, (states,))
+    ids, lengths = first_prompts(plan, tables, (states,))
     return {hi: tokenizer.decode([int(t) for t in ids[i, : int(lengths[i])]], skip_special_tokens=False,
                                  clean_up_tokenization_spaces=False)
             for i, hi in enumerate((False, True))}
@@ -380,8 +376,7 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, stop_tokens_for
+    from starpo_jax.experiment import rollout_plan, tokenized_plan
 
     kwargs, _ = trl_settings(config)
     per_iteration = iteration_batch(config) // int(config.actor.ppo_mini_batch_size) * kwargs["num_iterations"]
@@ -390,8 +385,9 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
     bf16 = config.model.dtype == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    plan = rollout_plan(config, "train", tokenizer)
-    stops = stop_tokens_for(tokenizer, build_tables(tokenizer, dataclasses.replace(plan, tags=plan.tags[:1])))
+    plan = rollout_plan(config, "train")
+    first_tag = dataclasses.replace(plan, tags=plan.tags[:1])
+    stops = tokenized_plan(config, "train", first_tag, tokenizer, None)[0].stop_tokens
     # Fresh levels every step, as starpo-jax draws them: a fair coin for the arm order per group.
     rng = np.random.default_rng(kwargs["seed"])
     n_groups = int(sum(config.envs.train.n_groups))
