@@ -258,9 +258,7 @@ def _write(buffer, offsets, values, count):
     W = values.shape[1]
     cols = offsets[:, None] + jnp.arange(W)[None]
     cols = jnp.where(jnp.arange(W)[None] < count[:, None], cols, buffer.shape[1])  # out of range
-    # Row by row (vmapped), so a row-sharded buffer is written on each device (train._scatter_rows).
-    row = lambda buf, i, v: buf.at[i].set(v.astype(buf.dtype), mode="drop")
-    return jax.vmap(row)(buffer, cols, values)
+    return sharding.scatter_rows(buffer, cols, values)
 
 
 def _starts_at_zero(dtype, per_position: bool = False):
@@ -337,7 +335,8 @@ class LLMResponder:
             return append(model, cache, prompt_ids, num_new)
         real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
         _, leaders, inverse = jnp.unique(
-            sharding.replicated(jnp.where(real, prompt_ids, -1)), axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1
+            sharding.replicated(jnp.where(real, prompt_ids, -1)),
+            axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1,
         )
         inverse = inverse.reshape(-1)
         distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
