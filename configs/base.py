@@ -1,6 +1,6 @@
 """RAGEN v1 defaults (StarPO-S on SimpleSokoban with Qwen2.5-0.5B-Instruct).
 
-Every value here is the original's effective default (spec: ragen-v1-spec.md §2.1, §3.1-3.7), unless
+Every value here is the original's effective default (docs/ragen-reference.md §2.1, §3.1–3.7), unless
 a comment says otherwise; every key but the env sides comes from ``starpo_jax/settings.py``, where
 each is declared once. Env files (``sokoban.py``, ``frozen_lake.py``, ``bandit.py``) and
 ``presets.py`` start from ``get_config()`` and override. Override any key on the command line:

@@ -1,4 +1,4 @@
-"""The compiled multi-turn rollout of StarPO (spec §2.2-2.6): one jitted function per batch.
+"""The compiled multi-turn rollout of StarPO (ragen-reference.md §2.2-2.6): one jitted function per batch.
 
 For every turn, inside one XLA program:
 
@@ -9,7 +9,7 @@ For every turn, inside one XLA program:
 The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
 Finished rows keep their slot and stop generating. Host Python never sees a token or a turn.
 
-Batch layout (RAGEN's es_manager, spec §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
+Batch layout (RAGEN's es_manager, ragen-reference.md §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
 ``t`` owning ``n_groups[t] * group_size`` consecutive rows; row ``b`` belongs to group
 ``b // group_size``, and all rows of a group start from the same initial state.
 
@@ -133,7 +133,7 @@ class Trajectories:
     success: jax.Array  # bool[B] the env reported success when the episode ended
     num_actions: jax.Array  # int32[B] actions executed
     num_turns: jax.Array  # int32[B]
-    action_is_effective: jax.Array  # float32[B] per-turn mean (RAGEN's metric, spec §2.2)
+    action_is_effective: jax.Array  # float32[B] per-turn mean (RAGEN's metric, ragen-reference.md §2.2)
     action_is_valid: jax.Array  # float32[B] per-turn mean
     response_tokens: jax.Array  # int32[B] generated tokens over all turns
     think_tokens: jax.Array  # int32[B] tokens inside <think> over all turns (matched turns only)
@@ -388,7 +388,7 @@ def turn_rows(plan: RolloutPlan, c: _Carry):
     return ~c.done & fits, ~c.done & ~fits
 
 
-def generate(responder, model, c: _Carry, active, key, temperature, turn):
+def sample_turn(responder, model, c: _Carry, active, key, temperature, turn):
     """``(out, n_new, n_out)``: the responder's ``DecodeOutput`` after reading this turn's prompt,
     the prompt tokens appended and the response tokens kept per row (0 for inactive rows)."""
     n_new = jnp.where(active, c.prompt_len, 0)
@@ -460,7 +460,7 @@ def next_prompts(plan: RolloutPlan, tables: RolloutTables, env_states, res, acti
 def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, temperature, turn, c: _Carry):
     """One turn for every row still playing: ``(carry, record)``; ``turn`` is 0-based."""
     active, exhausted = turn_rows(plan, c)
-    out, n_new, n_out = generate(responder, model, c, active, key, temperature, turn)
+    out, n_new, n_out = sample_turn(responder, model, c, active, key, temperature, turn)
     tokens, loss_mask, logprobs, start, end = write_turn(c, out, n_new, n_out)
     parsed, ended_with_stop = parse_turn(plan, tables, c.env_states, out.tokens, n_out)
 

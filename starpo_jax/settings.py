@@ -84,7 +84,7 @@ class Setting:
 
 
 S = Setting
-# Every value is RAGEN v1's effective default (spec: ragen-v1-spec.md §2.1, §3.1-3.7) unless a
+# Every value is RAGEN v1's effective default (docs/ragen-reference.md §2.1, §3.1–3.7) unless a
 # comment says otherwise. The order is configs/base.py's.
 SETTINGS: tuple[Setting, ...] = (
     # model: what experiment.load_policy loads, and how it computes
@@ -156,7 +156,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("critic.grad_clip", 1.0, "TrainSettings.critic_grad_clip"),
     S("critic.cliprange_value", 0.5, "TrainSettings.cliprange_value"),
     S("critic.warmup_steps", 0, "TrainSettings.critic_warmup"),
-    # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning, else the
+    # LoRA on every linear layer of actor and critic (ragen-reference.md §5); rank 0 = full fine-tuning, else the
     # learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr
     S("lora.rank", 0, "TrainSettings.lora_rank", rule=LORA_RANK),
     S("lora.alpha", 64, "TrainSettings.lora_alpha", cast_to=float),

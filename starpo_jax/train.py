@@ -1,4 +1,4 @@
-"""The StarPO / StarPO-S training iteration as one compiled program (spec §3.1).
+"""The StarPO / StarPO-S training iteration as one compiled program (ragen-reference.md §3.1).
 
 The file reads as the iteration runs: what it carries (``TrainState``), the iteration itself
 (``make_train_step``, ``jit_iteration``), its steps in the order they run, one pure function each

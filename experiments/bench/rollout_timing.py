@@ -144,7 +144,7 @@ def host_turn(episode: HostEpisode, host: HostEnv, text: str, plan: RolloutPlan)
     episode.num_actions += len(step_rewards)
     episode.num_turns += 1
     response = prompts.forced_prefix(plan.enable_think) + text
-    episode.history[-1].update(llm_response=response, reward=prompts.turn_reward(step_rewards))
+    episode.history[-1].update(llm_response=response, reward=prompts.accumulated_reward(step_rewards))
     episode.history.append({"state": host.render(episode.state), "actions_left": episode.budget - episode.num_actions})
     episode.done = env_done or episode.num_actions >= episode.budget
 

@@ -9,7 +9,7 @@ trajectories of up to ``--max-len`` tokens) gives a fixed batch; then ``learn`` 
 reference log-probs, values, advantages, critic and actor updates — is compiled and timed for each
 mode on that same batch. PPO with a critic and the KL loss, so every copy of the weights that a run
 holds is there: full fine-tuning keeps actor, critic and reference weights and Adam moments for
-actor and critic; LoRA keeps one frozen base and small adapters (spec §5, paper App. D).
+actor and critic; LoRA keeps one frozen base and small adapters (ragen-reference.md §5, paper App. D).
 
 Reported per mode: bytes of the train state (trained weights, frozen weights, optimizer moments),
 XLA's compiled memory analysis of ``learn`` (arguments, outputs and temporaries: what the device
