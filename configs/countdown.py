@@ -1,4 +1,4 @@
-"""Countdown with StarPO-S: RAGEN v1's ``_4_countdown.yaml`` (spec §1.4).
+"""Countdown with StarPO-S: RAGEN v1's ``_4_countdown.yaml`` (ragen-reference.md §1.4).
 
 Train and validate on ``Countdown``: use each of 3-4 numbers once in an arithmetic expression that
 equals the target, answered as ``<answer>2 + 5 - 3</answer>`` (a language action: the answer text

@@ -1,4 +1,4 @@
-"""Named presets for the paper's runs (RAGEN's ``train_all.sh``; spec §3.8, §6).
+"""Named presets for the paper's runs (RAGEN's ``train_all.sh``; ragen-reference.md §3.8, §6).
 
 ``get_config(name)`` starts from ``configs/base.py`` (StarPO-S on SimpleSokoban) and applies the
 preset's overrides. Presets compose with ``+``, applied left to right (later wins); put the env
@@ -11,7 +11,7 @@ first::
 Each preset is data: a dict {"section.key": value} (``base.with_overrides`` rejects unknown keys).
 docs/configs.md lists which figure or table each reproduces.
 
-Decisions on the original's quirks (spec §8):
+Decisions on the original's quirks (docs/design.md's quirks table):
 
 - Quirk 10 (fixed): RAGEN's vanilla PPO sets KL coefficients of 0.001 but enables neither KL
   path, so no KL acts and its "No KL" ablation equals "Base PPO". Our KL-in-reward really acts,
@@ -21,7 +21,7 @@ Decisions on the original's quirks (spec §8):
 - Quirk 8: RAGEN's GRPO is ``reward.method=mean_std`` (grouped by initial state) with veRL's GRPO
   seeing singleton groups. Our ``grpo`` groups for real; normalising already-normalised scores
   again changes them by at most the 1e-6 epsilon, so the recipe is kept as written.
-- Online-10 (spec §3.8): ``train_all.sh`` runs 80 steps where its pattern (200 optimizer steps and
+- Online-10 (ragen-reference.md §3.8): ``train_all.sh`` runs 80 steps where its pattern (200 optimizer steps and
   20 validations per run: 2×100, 5×40) gives 20; we use 20 (``--config.trainer.total_steps=80``
   replays the script).
 - The Sokoban generalisation suite validates on 128 levels per env as ``train_all.sh`` does; the
@@ -95,7 +95,7 @@ MODELS = {
 # ---- the presets -------------------------------------------------------------------------------
 
 PRESETS: dict[str, dict] = {
-    # Environments (spec §1.9), the same as the env config files.
+    # Environments (ragen-reference.md §1.5), the same as the env config files.
     "sokoban": sokoban.CHANGES,
     "frozen_lake": frozen_lake.CHANGES,
     "bandit": bandit.CHANGES,
@@ -147,7 +147,7 @@ PRESETS: dict[str, dict] = {
         for k, (groups, steps, test_freq) in ONLINE.items()
     },
     # Table 4 and Fig. 11: Bandit reasoning generalisation (train arms -> test arms). The paper's
-    # text describes "rev" the other way round (spec §1.1); these are the script's names.
+    # text describes "rev" the other way round (ragen-reference.md §1.2); these are the script's names.
     "bandit_normal": BANDIT_NORMAL,
     "bandit_normal_nothink": {**BANDIT_NORMAL, **NOTHINK},
     "bandit_rev": BANDIT_REV,

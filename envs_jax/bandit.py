@@ -14,7 +14,7 @@ changes per episode, ``action_names`` is ``(safe arm, risky arm)`` and ``action_
 The prompt has no instruction prefix (RAGEN's Bandit config has no ``action_lookup`` at class
 level): the rules are the observation, one piece per arm order. RAGEN's observation after a pull
 (``"Dragon: 0.0 points"``) has no counterpart: every pull ends the episode, and a rollout never
-shows the final observation (spec §2.6); the pull's reward reaches the model as the reward message,
+shows the final observation (ragen-reference.md §2.6); the pull's reward reaches the model as the reward message,
 written from ``step_reward_values``.
 
 Departures from RAGEN, documented:

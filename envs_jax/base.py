@@ -272,7 +272,7 @@ class TextEnv(Environment, abc.ABC):
         return ""
 
     def instruction_text(self, max_actions_per_traj: int, legend_from_env_symbols: bool = False) -> str:
-        """The per-tag prefix of the first user message (RAGEN's ``env_instruction``, spec §2.3)."""
+        """The per-tag prefix of the first user message (RAGEN's ``env_instruction``, ragen-reference.md §2.3)."""
         text = self.instruction + self.legend(legend_from_env_symbols)
         if self.lists_actions:
             text += "\nYour available actions are:\n" + ", ".join(self.action_names)

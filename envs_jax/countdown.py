@@ -1,4 +1,4 @@
-"""Countdown (RAGEN ``countdown``, spec §1.4): use each of 3-4 numbers once in an arithmetic
+"""Countdown (RAGEN ``countdown``, ragen-reference.md §1.4): use each of 3-4 numbers once in an arithmetic
 expression that equals the target.
 
 The answer is the expression itself (a language action: RAGEN passes the raw action string), so

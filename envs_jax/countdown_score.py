@@ -1,4 +1,4 @@
-"""Countdown's answer scoring (RAGEN ``countdown``, spec §1.4), in plain Python and inside jit.
+"""Countdown's answer scoring (RAGEN ``countdown``, ragen-reference.md §1.4), in plain Python and inside jit.
 
 RAGEN scores an answer ``expr`` against ``nums`` and ``target``:
 

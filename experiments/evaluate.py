@@ -82,32 +82,64 @@ def suite_tags(name: str) -> tuple[str, ...]:
     raise ValueError(f"Unknown suite {name!r}: use one of {', '.join(SUITES)} or an env name ({envs_jax.known_names()}).")
 
 
-def load_config_and_model(source: str, args):
-    """A run folder gives its own config and trained weights; anything else uses the base config."""
+def evaluated_config(args):
+    """The config an evaluation plays by: a run folder's own, else the base config with ``--model``
+    and a dtype for this device; then the rollout flags given. A copy: the run's is not changed."""
     from ml_collections import ConfigDict
 
     from configs import base
+
+    if is_run_folder(args.model):
+        config = ConfigDict(json.loads((Path(args.model) / "config.json").read_text()))
+    else:
+        dtype = args.dtype or ("bfloat16" if _on_gpu() else "float32")
+        config = base.with_overrides(base.get_config(), {"model.source": args.model, "model.dtype": dtype})
+    flags = {"rollout.max_turn": args.max_turn or None, "rollout.response_length": args.response_length or None,
+             "rollout.enable_think": args.enable_think}
+    return base.with_overrides(config, {key: value for key, value in flags.items() if value is not None})
+
+
+def tag_config(config, tag: str, levels: int):
+    """``config`` with its validation side set to ``levels`` levels of ``tag``, one row each (a copy)."""
+    from configs import base
+
+    side = {"envs.val.tags": (tag,), "envs.val.n_groups": (levels,), "envs.val.group_size": 1}
+    return base.with_overrides(config, side)
+
+
+def check_evaluation(config, tags, batch: int):
+    """Every check that needs no model, before it loads: the settings, the model's dtype, each tag's
+    plan (its env and budgets), and the mesh against the batch of levels. Not ``check_config``,
+    which checks the training side too (its batch split and mesh): an evaluation does not train,
+    and a run trained on other devices must still evaluate here. Returns the mesh."""
+    from starpo_jax.experiment import device_mesh, model_compute, rollout_plan
+    from starpo_jax.settings import check_settings
+
+    check_settings(config)
+    model_compute(config)
+    for tag in tags:
+        rollout_plan(tag_config(config, tag, batch), "val")
+    return device_mesh(config, **{"--batch": batch})
+
+
+def load_evaluated_policy(config, source: str):
+    """``(model, tokenizer)``: a run folder's trained policy (its latest checkpoint), else the model
+    ``config`` names."""
+    import jax
+
     from starpo_jax import checkpoint
-    from starpo_jax.experiment import load_policy, train_settings, rollout_plan
+    from starpo_jax.experiment import load_policy, rollout_plan, train_settings
     from starpo_jax.train import init_train_state, policy_weights
 
-    run_dir = Path(source)
+    model, tokenizer = load_policy(config)
     if is_run_folder(source):
-        config = ConfigDict(json.loads((run_dir / "config.json").read_text()))
-        model, tokenizer = load_policy(config)
+        run_dir = Path(source)
         settings = train_settings(config, rollout_plan(config, "train"))
-        import jax
-
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
         state, _, step = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), state)
         model = dataclasses.replace(model, params=policy_weights(settings, state))
         print(f"loaded {run_dir} at step {step}")
-        return config, model, tokenizer
-    config = base.get_config()
-    config.model.source = source
-    config.model.dtype = args.dtype or ("bfloat16" if _on_gpu() else "float32")
-    model, tokenizer = load_policy(config)
-    return config, model, tokenizer
+    return model, tokenizer
 
 
 def _on_gpu() -> bool:
@@ -120,21 +152,16 @@ def evaluate(args) -> dict:
     import jax
 
     from starpo_jax import sharding
-    from starpo_jax.experiment import ConfigError, device_mesh
+    from starpo_jax.experiment import ConfigError
     from starpo_jax.sampling import sampling_policy
 
     tags = suite_tags(args.suite)
-    config, model, tokenizer = load_config_and_model(args.model, args)
-    if args.max_turn:
-        config.rollout.max_turn = args.max_turn
-    if args.response_length:
-        config.rollout.response_length = args.response_length
-    if args.enable_think is not None:
-        config.rollout.enable_think = args.enable_think
     batch = min(args.batch, args.levels)
     if args.levels % batch:
         raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
-    mesh = device_mesh(config, **{"--batch": batch})
+    config = evaluated_config(args)
+    mesh = check_evaluation(config, tags, batch)
+    model, tokenizer = load_evaluated_policy(config, args.model)
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
         results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
@@ -148,23 +175,17 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     import jax
     from tqdm import tqdm
 
-    from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
+    from starpo_jax.experiment import rollout_plan, tokenized_plan
     from starpo_jax.metrics import rollout_metrics
+    from starpo_jax.rollout import initial_states_from_seeds, make_rollout
 
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:
         bar.set_postfix(env=tag)
-        config.envs.val.tags, config.envs.val.n_groups, config.envs.val.group_size = (tag,), (batch,), 1
-        plan = rollout_plan(config, "val", tokenizer)
-        tables = build_tables(
-            tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
-            legend_from_env_symbols=config.envs.legend_from_env_symbols,
-            chat_template=config.model.get("chat_template", "") or None,
-            vocab_size=policy.merge().config.vocab_size,
-        )
-        plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables))
+        one_tag = tag_config(config, tag, batch)
+        plan, tables = tokenized_plan(one_tag, "val", rollout_plan(one_tag, "val"), tokenizer,
+                                      policy.merge().config.vocab_size)
         rollout = make_rollout(plan)
         sums, t0 = {}, time.perf_counter()
         for chunk in range(args.levels // batch):

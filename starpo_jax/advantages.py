@@ -1,9 +1,9 @@
-"""Advantage estimators (spec §3.3): GAE, GRPO outcome advantage, bi-level GAE.
+"""Advantage estimators (ragen-reference.md §3.3): GAE, GRPO outcome advantage, bi-level GAE.
 
 Token arrays are [B, T]; `mask` marks the policy (sampled) tokens; `values[b, t]` is the critic's
 value of the state in which token t was sampled. gamma / lam / high_level_gamma may be traced.
 
-Decisions and departures (spec §8):
+Decisions and departures (docs/design.md's quirks table):
 - GAE runs over policy tokens only. Observation tokens between turns are skipped entirely (like
   veRL's current multi-turn GAE and RAGEN's bi-level token level): the recursion jumps from a
   turn's last token to the next turn's first token, and values and rewards at non-policy tokens

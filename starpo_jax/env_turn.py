@@ -1,4 +1,4 @@
-"""One agent turn on the environment side, in-graph: RAGEN's es_manager step (spec §2.2).
+"""One agent turn on the environment side, in-graph: RAGEN's es_manager step (ragen-reference.md §2.2).
 
 Given the actions parsed from a response, step the env through them in order, within the
 trajectory's remaining action budget, and report what the turn did. Vectorised with ``vmap``

@@ -56,14 +56,7 @@ def device_mesh(config: ConfigDict, **batch_sizes: int):
 def model_compute(config: ConfigDict) -> dict[str, str]:
     """The ``ModelConfig`` fields a config sets on top of the checkpoint's: compute dtype, float32
     master weights, rematerialisation (``model.remat``)."""
-    from starpo_jax.models.config import REMAT_MODES
-
-    dtype, remat = config.model.dtype, config.model.remat
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', not {dtype!r}.")
-    if remat not in REMAT_MODES:
-        raise ConfigError(f"model.remat must be one of {', '.join(map(repr, REMAT_MODES))}, not {remat!r}.")
-    return {"dtype": dtype, "param_dtype": "float32", "remat": remat}
+    return {**read_settings(config, "ModelConfig"), "param_dtype": "float32"}
 
 
 def load_policy(config: ConfigDict):
@@ -203,31 +196,34 @@ def build_experiment(config: ConfigDict | CheckedConfig, load=load_policy) -> Ex
     checked = config if isinstance(config, CheckedConfig) else check_config(config)
     config = checked.config
     model, tokenizer = load(config)
-    chat_template = config.model.get("chat_template", "") or None
-    plans = {
-        "train": dataclasses.replace(checked.train_plan, pad_id=_pad_id(tokenizer)),
-        "val": dataclasses.replace(checked.val_plan, pad_id=_pad_id(tokenizer)),
-    }
-    tables = {}
-    for name, plan in plans.items():
-        try:
-            tables[name] = build_tables(
-                tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
-                legend_from_env_symbols=config.envs.legend_from_env_symbols, chat_template=chat_template,
-                vocab_size=model.merge().config.vocab_size,
-            )
-        except PieceCutError as err:  # an env's pieces cut where this tokenizer merges: one sentence
-            raise ConfigError(f"envs.{name}.tags: {err}") from err
-    stops = stop_tokens_for(tokenizer, tables["train"])
+    vocab_size = model.merge().config.vocab_size
+    train_plan, train_tables = tokenized_plan(config, "train", checked.train_plan, tokenizer, vocab_size)
+    val_plan, val_tables = tokenized_plan(config, "val", checked.val_plan, tokenizer, vocab_size)
     return Experiment(
         config=config,
         model=model,
         tokenizer=tokenizer,
-        train_plan=dataclasses.replace(plans["train"], stop_tokens=stops),
-        train_tables=tables["train"],
-        val_plan=dataclasses.replace(plans["val"], stop_tokens=stops),
-        val_tables=tables["val"],
+        train_plan=train_plan,
+        train_tables=train_tables,
+        val_plan=val_plan,
+        val_tables=val_tables,
         settings=checked.settings,
         hyper=checked.hyper,
         mesh=checked.mesh,
     )
+
+
+def tokenized_plan(config: ConfigDict, side: str, plan: RolloutPlan, tokenizer, vocab_size: int | None):
+    """``(plan, tables)``: one side's plan with the tokenizer's pad and stop ids, and its prompt
+    pieces, action names and token bytes as tables (host, once per plan; ``experiments.evaluate``
+    builds its plans with it too). ``vocab_size``: the model's logit count (None: the tokenizer's)."""
+    plan = dataclasses.replace(plan, pad_id=_pad_id(tokenizer))
+    try:
+        tables = build_tables(
+            tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
+            legend_from_env_symbols=config.envs.legend_from_env_symbols,
+            chat_template=config.model.get("chat_template", "") or None, vocab_size=vocab_size,
+        )
+    except PieceCutError as err:  # an env's pieces cut where this tokenizer merges: one sentence
+        raise ConfigError(f"envs.{side}.tags: {err}") from err
+    return dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables)), tables

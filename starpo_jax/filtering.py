@@ -1,4 +1,4 @@
-"""StarPO-S uncertainty-based rollout filtering (spec §3.2), plus RAGEN-2's top-p variant.
+"""StarPO-S uncertainty-based rollout filtering (ragen-reference.md §3.2), plus RAGEN-2's top-p variant.
 
 Input: the raw env reward of each trajectory as [G, N] (G groups of N rollouts from the same
 initial state, in env order: trajectory b = g·N + n). A group's uncertainty is the unbiased std of
@@ -8,7 +8,7 @@ Modes: "std" keeps the k = clip(floor(ratio·G), 1, G) groups with the largest s
 smallest, "top_p_var" (RAGEN-2) the largest-std groups until they cover a fraction `ratio` of the
 summed std.
 
-Decisions and departures (spec §8):
+Decisions and departures (docs/design.md's quirks table):
 - Quirk 6 (replicated): the filter sees raw env rewards (no format penalty, no normalisation) and
   the unbiased std.
 - Ties are broken deterministically: equal stds rank by lower group index (RAGEN's `torch.topk`

@@ -1,10 +1,10 @@
-"""Actor and critic losses with veRL semantics (spec §3.4, §3.5, §3.7).
+"""Actor and critic losses with veRL semantics (ragen-reference.md §3.4, §3.5, §3.7).
 
 Arrays are [B, T] with a 0/1 `mask` of policy tokens; log-probs are aligned with the token they
 score. Coefficients and clip ratios may be traced scalars (so `vmap` can sweep them); `agg_mode`
 and `kind` are static strings. Nothing outside the mask reaches a loss or its gradient.
 
-Decisions (spec §8):
+Decisions (docs/design.md's quirks table):
 - Quirk 9: RAGEN's default "token-mean" runs on micro-batches of one sequence with 32-step gradient
   accumulation, which per mini-batch is exactly "seq-mean-token-mean". Choose that mode to match
   RAGEN's effective behaviour; "token-mean" over a whole mini-batch weights long trajectories more.

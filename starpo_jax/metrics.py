@@ -14,7 +14,7 @@ from starpo_jax.rollout import RolloutPlan, Trajectories
 
 
 def rollout_metrics(traj: Trajectories, plan: RolloutPlan, prefix: str) -> dict[str, jax.Array]:
-    """RAGEN's per-tag env metrics (spec §2.2, §4.1), computed over every trajectory."""
+    """RAGEN's per-tag env metrics (ragen-reference.md §2.2, §4), computed over every trajectory."""
     metrics = {}
     group_success = jax.ops.segment_max(traj.success.astype(jnp.float32), traj.group_id, plan.num_groups)
     group_tag = traj.tag_id[jnp.arange(plan.num_groups) * plan.group_size]

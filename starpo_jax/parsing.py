@@ -1,13 +1,15 @@
-"""Parsing the agent's ``<think>…</think><answer>A1 || A2</answer>`` reply (spec §2.2–2.4).
+"""Parsing the agent's ``<think>…</think><answer>A1 || A2</answer>`` reply (ragen-reference.md §2.2–2.4).
 
 Two implementations of the same function:
 
 - ``parse_response_text``: the plain-Python oracle, RAGEN's ``ctx_manager._parse_response`` plus
   the action mapping and format-penalty rule of ``es_manager.step``, on the decoded text.
-- An in-graph byte machine (``init_parser_state`` → ``parser_feed_tokens`` per sampled token →
-  ``parser_result``) that runs inside the decode loop on token ids, ``jit``/``vmap``-able, with
-  about sixty int32s of state per row. ``parse_response_tokens`` runs it over a whole
-  ``[B, T]`` response with ``lax.scan``.
+- An in-graph byte machine on token ids (``init_parser_state`` → ``parser_feed_tokens`` per token
+  → ``parser_result``), ``jit``/``vmap``-able, with about sixty int32s of state per row.
+  ``parse_response_tokens`` runs it over a whole ``[B, T]`` response with ``lax.scan``; the
+  rollout calls that once a turn's responses are decoded (``rollout.parse_turn``), in the same
+  compiled program, so parsing never leaves the device. (Fed one token at a time, it could run
+  inside the decode loop instead; nothing the rollout does needs that.)
 
 **What the oracle computes.** The text is ``tokenizer.decode(ids, skip_special_tokens=True,
 clean_up_tokenization_spaces=False)`` (both bundled tokenizers set the clean-up flag to False, and
@@ -65,9 +67,10 @@ ASCII.
 completes the ``</think>`` of the match (the forced prefix is not generated; inactive tokens are
 not counted); −1 without a match and 0 without thinking.
 
-**[quirk] 4 (spec §2.4, §8):** RAGEN trains on the normalised ``llm_response`` it rebuilds from
-the parse. The byte machine does not rebuild text: under token-in / token-out the rollout trains on
-the sampled tokens. The oracle still returns ``llm_response`` for logs and parity checks.
+**[quirk] 4 (ragen-reference.md §2.4; docs/design.md's quirks):** RAGEN trains on the normalised
+``llm_response`` it rebuilds from the parse. The byte machine does not rebuild text: under token-in /
+token-out the rollout trains on the sampled tokens. The oracle still returns ``llm_response`` for
+logs and parity checks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RAGEN's prompts (spec §2.3): the text reference on the host, and the same prompts as token ids
+"""RAGEN's prompts (ragen-reference.md §2.3): the text reference on the host, and the same prompts as token ids
 assembled inside jit.
 
 Text (plain Python, the oracle): ``env_instruction`` (the per-tag prefix), ``turn_user_text`` (what a
@@ -104,7 +104,7 @@ def turn_user_text(turn: int, state_text: str, actions_left: int, max_tokens: in
     )
 
 
-def turn_reward(step_rewards: Sequence[float]):
+def accumulated_reward(step_rewards: Sequence[float]):
     """RAGEN's ``acc_reward``: int 0 plus each executed action's reward, in order."""
     acc = 0
     for r in step_rewards:
@@ -114,7 +114,7 @@ def turn_reward(step_rewards: Sequence[float]):
 
 def reward_text(step_rewards: Sequence[float]) -> str:
     """The user message after a turn, e.g. ``"Reward:\\n-0.30000000000000004\\n"``."""
-    return f"Reward:\n{turn_reward(step_rewards)}\n"
+    return f"Reward:\n{accumulated_reward(step_rewards)}\n"
 
 
 def build_messages(
@@ -128,7 +128,7 @@ def build_messages(
     """RAGEN's messages for one env (§2.3 / §2.6).
 
     ``history`` entries have ``state`` and ``actions_left``, and once played ``llm_response`` and
-    ``reward`` (the turn's accumulated reward, see ``turn_reward``). ``for_update`` builds the
+    ``reward`` (the turn's accumulated reward, see ``accumulated_reward``). ``for_update`` builds the
     training sequence: the final state-only entry is dropped, and so is the last reward message.
     """
     history = list(history)

@@ -1,11 +1,11 @@
-"""Trajectory scores → token-level rewards (spec §2.6, §3.1 step 10, §3.7).
+"""Trajectory scores → token-level rewards (ragen-reference.md §2.6, §3.1 step 4, §3.7).
 
 Default path (`use_turn_scores=False`): score = Σ env rewards + format penalty, normalised within
 groups (`trajectory_score`), then placed on the trajectory's last policy token
 (`scores_to_token_rewards`). Turn path: each turn's env reward on that turn's last response token
 (`turn_scores_to_token_rewards`). Optionally `kl_in_reward` subtracts β·KL on every policy token.
 
-Departures from / decisions on RAGEN quirks (spec §8):
+Departures from / decisions on RAGEN quirks (docs/design.md's quirks table):
 - Quirk 5 (replicated): the format penalty is added *before* normalisation. In turn-score mode
   RAGEN applies neither normalisation nor the penalty; `turn_scores_to_token_rewards` replicates
   that by default, and `format_penalty_sum=` adds the trajectory's penalties on its last turn instead.

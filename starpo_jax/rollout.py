@@ -1,4 +1,4 @@
-"""The compiled multi-turn rollout of StarPO (spec §2.2-2.6): one jitted function per batch.
+"""The compiled multi-turn rollout of StarPO (ragen-reference.md §2.2-2.6): one jitted function per batch.
 
 For every turn, inside one XLA program:
 
@@ -9,7 +9,7 @@ For every turn, inside one XLA program:
 The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
 Finished rows keep their slot and stop generating. Host Python never sees a token or a turn.
 
-Batch layout (RAGEN's es_manager, spec §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
+Batch layout (RAGEN's es_manager, ragen-reference.md §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
 ``t`` owning ``n_groups[t] * group_size`` consecutive rows; row ``b`` belongs to group
 ``b // group_size``, and all rows of a group start from the same initial state.
 
@@ -133,7 +133,7 @@ class Trajectories:
     success: jax.Array  # bool[B] the env reported success when the episode ended
     num_actions: jax.Array  # int32[B] actions executed
     num_turns: jax.Array  # int32[B]
-    action_is_effective: jax.Array  # float32[B] per-turn mean (RAGEN's metric, spec §2.2)
+    action_is_effective: jax.Array  # float32[B] per-turn mean (RAGEN's metric, ragen-reference.md §2.2)
     action_is_valid: jax.Array  # float32[B] per-turn mean
     response_tokens: jax.Array  # int32[B] generated tokens over all turns
     think_tokens: jax.Array  # int32[B] tokens inside <think> over all turns (matched turns only)
@@ -258,28 +258,35 @@ def _write(buffer, offsets, values, count):
     W = values.shape[1]
     cols = offsets[:, None] + jnp.arange(W)[None]
     cols = jnp.where(jnp.arange(W)[None] < count[:, None], cols, buffer.shape[1])  # out of range
-    # Row by row (vmapped), so a row-sharded buffer is written on each device (train._scatter_rows).
-    row = lambda buf, i, v: buf.at[i].set(v.astype(buf.dtype), mode="drop")
-    return jax.vmap(row)(buffer, cols, values)
+    return sharding.scatter_rows(buffer, cols, values)
+
+
+def _starts_at_zero(dtype, per_position: bool = False):
+    """A carry field that starts as zeros of ``dtype``, one per row (``[B]``) or per row and
+    position (``[B, max_len]``); ``initial_carry`` makes them all."""
+    return flax.struct.field(metadata={"zeros": (dtype, per_position)})
 
 
 @flax.struct.dataclass
 class _Carry:
-    tokens: jax.Array
-    loss_mask: jax.Array
-    logprobs: jax.Array
-    length: jax.Array
+    """What a turn passes to the next. A field named as one of ``Trajectories`` becomes that field
+    when the rollout ends (``pack_trajectories``)."""
+
+    tokens: jax.Array  # pad_id until written
+    loss_mask: jax.Array = _starts_at_zero(bool, per_position=True)
+    sampler_logprobs: jax.Array = _starts_at_zero(jnp.float32, per_position=True)
+    length: jax.Array = _starts_at_zero(jnp.int32)
     cache: object
     env_states: tuple
-    done: jax.Array
-    success: jax.Array
-    num_actions: jax.Array
-    num_turns: jax.Array
-    effective_sum: jax.Array
-    valid_sum: jax.Array
-    response_tokens: jax.Array
-    think_tokens: jax.Array
-    context_exhausted: jax.Array
+    done: jax.Array = _starts_at_zero(bool)
+    success: jax.Array = _starts_at_zero(bool)
+    num_actions: jax.Array = _starts_at_zero(jnp.int32)
+    num_turns: jax.Array = _starts_at_zero(jnp.int32)
+    effective_sum: jax.Array = _starts_at_zero(jnp.int32)
+    valid_sum: jax.Array = _starts_at_zero(jnp.int32)
+    response_tokens: jax.Array = _starts_at_zero(jnp.int32)
+    think_tokens: jax.Array = _starts_at_zero(jnp.int32)
+    context_exhausted: jax.Array = _starts_at_zero(bool)
     prompt_ids: jax.Array  # the next turn's prompt
     prompt_len: jax.Array
 
@@ -328,7 +335,8 @@ class LLMResponder:
             return append(model, cache, prompt_ids, num_new)
         real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
         _, leaders, inverse = jnp.unique(
-            sharding.replicated(jnp.where(real, prompt_ids, -1)), axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1
+            sharding.replicated(jnp.where(real, prompt_ids, -1)),
+            axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1,
         )
         inverse = inverse.reshape(-1)
         distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
@@ -380,7 +388,7 @@ def turn_rows(plan: RolloutPlan, c: _Carry):
     return ~c.done & fits, ~c.done & ~fits
 
 
-def generate(responder, model, c: _Carry, active, key, temperature, turn):
+def sample_turn(responder, model, c: _Carry, active, key, temperature, turn):
     """``(out, n_new, n_out)``: the responder's ``DecodeOutput`` after reading this turn's prompt,
     the prompt tokens appended and the response tokens kept per row (0 for inactive rows)."""
     n_new = jnp.where(active, c.prompt_len, 0)
@@ -395,7 +403,7 @@ def write_turn(c: _Carry, out, n_new, n_out):
     start = c.length + n_new
     tokens = _write(tokens, start, out.tokens, n_out)
     loss_mask = _write(c.loss_mask, start, jnp.ones_like(out.tokens, bool), n_out)
-    logprobs = _write(c.logprobs, start, out.logprobs, n_out)
+    logprobs = _write(c.sampler_logprobs, start, out.logprobs, n_out)
     return tokens, loss_mask, logprobs, start, start + n_out
 
 
@@ -452,7 +460,7 @@ def next_prompts(plan: RolloutPlan, tables: RolloutTables, env_states, res, acti
 def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, temperature, turn, c: _Carry):
     """One turn for every row still playing: ``(carry, record)``; ``turn`` is 0-based."""
     active, exhausted = turn_rows(plan, c)
-    out, n_new, n_out = generate(responder, model, c, active, key, temperature, turn)
+    out, n_new, n_out = sample_turn(responder, model, c, active, key, temperature, turn)
     tokens, loss_mask, logprobs, start, end = write_turn(c, out, n_new, n_out)
     parsed, ended_with_stop = parse_turn(plan, tables, c.env_states, out.tokens, n_out)
 
@@ -465,17 +473,17 @@ def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, t
 
     num_actions = c.num_actions + res.num_executed
     finished = active & (res.env_done | (num_actions >= budget))
-    record = dict(
-        start=jnp.where(active, start, 0),
-        end=jnp.where(active, end, 0),
-        played=active,
-        reward=jnp.where(active, res.reward, 0.0),
-        penalised=active & parsed.format_error,
+    record = dict(  # the Trajectories' per-turn fields, one turn of each
+        turn_start=jnp.where(active, start, 0),
+        turn_end=jnp.where(active, end, 0),
+        turn_played=active,
+        turn_reward=jnp.where(active, res.reward, 0.0),
+        turn_penalised=active & parsed.format_error,
     )
     carry = _Carry(
         tokens=tokens,
         loss_mask=loss_mask,
-        logprobs=logprobs,
+        sampler_logprobs=logprobs,
         length=end,
         cache=out.cache,
         env_states=env_states,
@@ -498,53 +506,40 @@ def initial_carry(plan: RolloutPlan, responder, model, tables: RolloutTables, in
     """Empty buffers, a fresh cache, the initial env states and the first prompts."""
     B = plan.batch_size
     first_ids, first_len = first_prompts(plan, tables, init_states)
-    zeros_i = jnp.zeros((B,), jnp.int32)
+    zeros = {}
+    for field in dataclasses.fields(_Carry):
+        if "zeros" in field.metadata:
+            dtype, per_position = field.metadata["zeros"]
+            zeros[field.name] = jnp.zeros((B, plan.max_len) if per_position else (B,), dtype)
     return _Carry(
         tokens=jnp.full((B, plan.max_len), plan.pad_id, jnp.int32),
-        loss_mask=jnp.zeros((B, plan.max_len), bool),
-        logprobs=jnp.zeros((B, plan.max_len), jnp.float32),
-        length=zeros_i,
         cache=responder.init(model, B),
         env_states=tuple(init_states),
-        done=jnp.zeros((B,), bool),
-        success=jnp.zeros((B,), bool),
-        num_actions=zeros_i,
-        num_turns=zeros_i,
-        effective_sum=zeros_i,
-        valid_sum=zeros_i,
-        response_tokens=zeros_i,
-        think_tokens=zeros_i,
-        context_exhausted=jnp.zeros((B,), bool),
         prompt_ids=first_ids,
         prompt_len=first_len,
+        **zeros,
     )
 
 
+# The carry's fields that the trajectories keep as they are, under the same names.
+_KEPT_FROM_CARRY = tuple(
+    f.name for f in dataclasses.fields(_Carry) if f.name in {t.name for t in dataclasses.fields(Trajectories)}
+)
+
+
 def pack_trajectories(plan: RolloutPlan, init_states, carry: _Carry, records) -> Trajectories:
-    """The finished episodes: the last carry, and the turns' records stacked as ``[T, B]``."""
+    """The finished episodes: the last carry, and the turns' records stacked as ``[T, B]`` (each
+    ``play_turn`` record is named as the ``Trajectories`` field it fills)."""
     B = plan.batch_size
     rec = jax.tree.map(lambda x: x.T, records)  # [B, T]
     turns = jnp.maximum(carry.num_turns, 1)
     return Trajectories(
-        tokens=carry.tokens,
-        loss_mask=carry.loss_mask,
-        sampler_logprobs=carry.logprobs,
-        length=carry.length,
-        turn_start=rec["start"],
-        turn_end=rec["end"],
-        turn_played=rec["played"],
-        turn_reward=rec["reward"],
-        turn_penalised=rec["penalised"],
-        env_reward=jnp.sum(rec["reward"], axis=1),
-        format_penalty_sum=plan.format_penalty * jnp.sum(rec["penalised"], axis=1).astype(jnp.float32),
-        success=carry.success,
-        num_actions=carry.num_actions,
-        num_turns=carry.num_turns,
+        **{name: getattr(carry, name) for name in _KEPT_FROM_CARRY},
+        **rec,
+        env_reward=jnp.sum(rec["turn_reward"], axis=1),
+        format_penalty_sum=plan.format_penalty * jnp.sum(rec["turn_penalised"], axis=1).astype(jnp.float32),
         action_is_effective=carry.effective_sum / turns,
         action_is_valid=carry.valid_sum / turns,
-        response_tokens=carry.response_tokens,
-        think_tokens=carry.think_tokens,
-        context_exhausted=carry.context_exhausted,
         group_id=jnp.arange(B, dtype=jnp.int32) // plan.group_size,
         tag_id=_per_row(plan, range(len(plan.tags))),
         action_name_ids=jnp.concatenate(

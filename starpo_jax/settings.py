@@ -1,4 +1,4 @@
-"""Every setting of the rollout and the update, declared once: ``SETTINGS``.
+"""Every setting of a config, declared once: ``SETTINGS``.
 
 Each row names a config key, its default, the values it may take and where it goes:
 
@@ -6,14 +6,20 @@ Each row names a config key, its default, the values it may take and where it go
 - ``Hyperparams.<field>``: a float that enters the compiled step as an array, so a sweep may vary
   it (``jax.vmap`` over settings; ``sweepable``);
 - ``RolloutPlan.<field>``: a static size or switch of the rollout (``starpo_jax.rollout``);
-- ``run.<name>``: read by the training loop itself (``experiments/run.py``).
+- ``ModelConfig.<field>``: set on top of the checkpoint's model config (``experiment.model_compute``);
+- ``run.<name>``: read on the host, outside the compiled step, by the code that owns its section:
+  the model, tokenizer and prompt tables (``starpo_jax/experiment.py``), the mesh
+  (``sharding.make_mesh``), the processes (``distributed.initialize``), the training loop
+  (``experiments/run.py``).
 
-Everything else is derived from the table: the defaults of ``configs/base.py``'s rollout and update
-sections, the checks of a config (``check_settings``: one sentence naming the key and what it may
-be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` built from a config
-(``read_settings``), the defaults of ``TrainSettings`` and ``RolloutPlan``
-(``defaults_from_settings``), and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The
-allowed values come from the module that implements them.
+Everything else is derived from the table: the defaults of ``configs/base.py`` (all but the env
+sides, ``UNDECLARED``), the checks of a config (``check_settings``: one sentence naming the key and
+what it may be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` /
+``ModelConfig`` built from a config (``read_settings``), the defaults of ``TrainSettings`` and
+``RolloutPlan`` (``defaults_from_settings``), and the keys ``experiments.sweep`` may vary
+(``SWEEPABLE``). The allowed values come from the module that implements them. A check that
+relates several keys, or a key to the devices or the envs, is made where those are known, and the
+row's comment names it.
 
 Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
 ``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
@@ -31,6 +37,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from starpo_jax import advantages, filtering, losses, rewards
+from starpo_jax.models.config import REMAT_MODES
 
 
 class ConfigError(ValueError):
@@ -48,7 +55,7 @@ LORA_RANK: Rule = (lambda v: isinstance(v, int) and v >= 0, "must be a whole num
 class Setting:
     key: str  # the config key, "section.name"
     default: Any  # the config's default; ConfigDict holds overrides to its type
-    target: str  # where the value goes: "TrainSettings.x", "Hyperparams.x", "RolloutPlan.x" or "run.x"
+    target: str  # where the value goes: "TrainSettings.x", "Hyperparams.x", "RolloutPlan.x", "ModelConfig.x" or "run.x"
     choices: tuple = ()  # the values allowed (empty: any value of the default's type)
     rule: Rule | None = None
     cast_to: type | None = None  # the field's type where it is not the default's (lora.alpha: 64 -> 64.0)
@@ -77,9 +84,25 @@ class Setting:
 
 
 S = Setting
-# Every value is RAGEN v1's effective default (spec: ragen-v1-spec.md §2.1, §3.1-3.7) unless a
+# Every value is RAGEN v1's effective default (docs/ragen-reference.md §2.1, §3.1–3.7) unless a
 # comment says otherwise. The order is configs/base.py's.
 SETTINGS: tuple[Setting, ...] = (
+    # model: what experiment.load_policy loads, and how it computes
+    # a hub id, a local Hugging Face folder, a GGUF file, or "smollm2-135m-instruct"
+    S("model.source", "Qwen/Qwen2.5-0.5B-Instruct", "run.source"),
+    # random weights of a named preset instead of a checkpoint (tests, benchmarks); the tokenizer is source's
+    S("model.random_init_preset", "", "run.random_init_preset"),
+    S("model.dtype", "bfloat16", "ModelConfig.dtype", ("float32", "bfloat16")),  # compute; master weights float32
+    # the update's backward pass recomputes each layer ("layer"), or keeps all ("none"), or keeps the
+    # projections too ("dots"): docs/scaling.md
+    S("model.remat", "layer", "ModelConfig.remat", REMAT_MODES),
+    # a Jinja chat template replacing the tokenizer's ("" keeps it); the rollout needs one that renders
+    # past messages verbatim (ChatML: Qwen2.5, SmolLM2)
+    S("model.chat_template", "", "run.chat_template"),
+    # envs: the prompt's settings (rollout.build_tables); the sides and per-tag keys are UNDECLARED
+    S("envs.prompt_max_tokens", 100, "run.max_tokens"),  # only printed in the prompt: "Max response length: N words"
+    # quirk 1: RAGEN's prompt legend shows the default symbols even for SokobanDifferentGridVocab
+    S("envs.legend_from_env_symbols", False, "run.legend_from_env_symbols"),
     # rollout
     S("rollout.max_turn", 5, "RolloutPlan.max_turn", rule=POSITIVE),
     S("rollout.max_actions_per_turn", 5, "RolloutPlan.max_actions_per_turn", rule=POSITIVE),
@@ -133,14 +156,51 @@ SETTINGS: tuple[Setting, ...] = (
     S("critic.grad_clip", 1.0, "TrainSettings.critic_grad_clip"),
     S("critic.cliprange_value", 0.5, "TrainSettings.cliprange_value"),
     S("critic.warmup_steps", 0, "TrainSettings.critic_warmup"),
-    # LoRA on every linear layer of actor and critic (spec §5); rank 0 = full fine-tuning, else the
+    # LoRA on every linear layer of actor and critic (ragen-reference.md §5); rank 0 = full fine-tuning, else the
     # learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr
     S("lora.rank", 0, "TrainSettings.lora_rank", rule=LORA_RANK),
     S("lora.alpha", 64, "TrainSettings.lora_alpha", cast_to=float),
     S("lora.actor_lr", 1e-5, "Hyperparams.actor_lr"),
     S("lora.critic_lr", 1e-4, "Hyperparams.critic_lr"),
+    # Devices: a data × fsdp × model mesh (starpo_jax/sharding.py); one size may be -1 (the devices
+    # the others leave). data splits rows; fsdp splits rows and stores weights, critic, reference and
+    # Adam moments 1/fsdp per device; model splits attention heads, MLP and vocabulary. Checked
+    # together against the devices by sharding.make_mesh (experiment.device_mesh).
+    S("mesh.data", -1, "run.data"),
+    S("mesh.fsdp", 1, "run.fsdp"),
+    S("mesh.model", 1, "run.model"),
+    # Many hosts (starpo_jax/distributed.py): the coordinator's host:port, the number of processes and
+    # this one's index. Unset (""/-1): detected from SLURM, Open MPI or a TPU pod, else one process.
+    # Checked together by distributed.initialize, which runs before anything else touches the devices.
+    S("distributed.coordinator_address", "", "run.coordinator_address"),
+    S("distributed.num_processes", -1, "run.num_processes"),
+    S("distributed.process_id", -1, "run.process_id"),
+    # trainer: the training loop (experiments/run.py; experiments/sweep.py reads seed, total_steps,
+    # output_dir and overwrite)
+    S("trainer.total_steps", 200, "run.total_steps"),
+    S("trainer.test_freq", 10, "run.test_freq"),
+    S("trainer.val_before_train", True, "run.val_before_train"),
+    S("trainer.save_freq", -1, "run.save_freq"),
+    S("trainer.seed", 0, "run.seed"),
+    S("trainer.output_dir", "runs/default", "run.output_dir"),
+    S("trainer.resume", False, "run.resume"),  # excludes overwrite (experiments.run.check_output_dir)
+    # a fresh run refuses a folder that holds an earlier run; True deletes that run's files first
+    S("trainer.overwrite", False, "run.overwrite"),
+    S("trainer.log_trajectories", 20, "run.log_trajectories"),
+    # Validation runs as this many rollouts, each on 1/val_chunks of every tag's groups: the same
+    # levels and metrics in a fraction of the memory (the KV cache is the largest buffer). It must
+    # divide every envs.val.n_groups (experiment.check_val_chunks).
+    S("trainer.val_chunks", 1, "run.val_chunks"),
+    S("trainer.export_hf", True, "run.export_hf"),  # save the final policy as a Hugging Face folder (hf_policy/)
 )
 del S
+
+# Config keys the table does not declare: each side's env tags, group counts and size, and the
+# dictionaries keyed by env tag. A row holds one value of a fixed type under a "section.name" key;
+# these are sections of their own whose keys depend on the tags (configs/base.py writes them), and
+# they are checked together against the env registry and each env's contract
+# (experiment.rollout_plan).
+UNDECLARED = ("envs.train", "envs.val", "envs.max_actions_per_traj", "envs.overrides")
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 SECTIONS = tuple(dict.fromkeys(s.key.split(".")[0] for s in SETTINGS))  # config sections, in order
@@ -174,8 +234,8 @@ def check_settings(config: ConfigDict) -> None:
 
 
 def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:
-    """``{field: value}`` of every field of ``owner`` ("TrainSettings", "Hyperparams", "RolloutPlan")
-    the config sets, each checked and cast to the field's type."""
+    """``{field: value}`` of every field of ``owner`` ("TrainSettings", "Hyperparams", "RolloutPlan",
+    "ModelConfig") the config sets, each checked and cast to the field's type."""
     skip = unused_keys(config.lora.rank)
     values = {}
     for s in SETTINGS:

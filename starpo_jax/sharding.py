@@ -154,6 +154,15 @@ def replicated(x):
     return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
+def scatter_rows(buffer, columns, values):
+    """``buffer[b, columns[b, j]] = values[b, j]`` (cast to the buffer's dtype); a column outside
+    the row is dropped. Row by row (vmapped): a scatter whose batch dimension is the rows', so a
+    row-sharded batch scatters on each device without gathering every row's columns (an explicit
+    row index made XLA all-gather them, and that collective could run out of order with others)."""
+    row = lambda buf, cols, v: buf.at[cols].set(v.astype(buf.dtype), mode="drop")  # noqa: E731
+    return jax.vmap(row)(buffer, columns, values)
+
+
 def check_batch(mesh: Mesh, **batch_sizes: int) -> None:
     """Every batch the step splits into rows must divide evenly over ``data × fsdp``: e.g.
     ``check_batch(mesh, rollout_batch=128, micro_batch_size=4)``."""

@@ -1,4 +1,4 @@
-"""The StarPO / StarPO-S training iteration as one compiled program (spec §3.1).
+"""The StarPO / StarPO-S training iteration as one compiled program (ragen-reference.md §3.1).
 
 The file reads as the iteration runs: what it carries (``TrainState``), the iteration itself
 (``make_train_step``, ``jit_iteration``), its steps in the order they run, one pure function each
@@ -75,6 +75,7 @@ from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
 from starpo_jax.sampling import sampling_policy
+from starpo_jax.sharding import scatter_rows
 from starpo_jax.settings import Hyperparams, TrainSettings, check_batch_split  # declared beside their config keys
 
 
@@ -589,7 +590,8 @@ def token_logprobs(graphdef, params, tokens, length, needed, temperature: float,
     h = hidden_predicting(model, tokens, length, safe, split, layout, share)
     t = jnp.take_along_axis(tokens, safe, axis=1)
     logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, temperature), h, t, chunk)
-    return _scatter_rows(logp, index, tokens.shape), _scatter_rows(entropy, index, tokens.shape)
+    zeros = jnp.zeros(tokens.shape, jnp.float32)
+    return scatter_rows(zeros, index, logp), scatter_rows(zeros, index, entropy)
 
 
 def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: int,
@@ -602,7 +604,7 @@ def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: i
     split = jnp.zeros(length.shape, jnp.int32) if split is None else split
     h = hidden_predicting(model, tokens, length, jnp.where(real, index, 0), split, layout, share)
     values = jnp.einsum("bkd,d->bk", h.astype(jnp.float32), critic.head_w) + critic.head_b
-    return _scatter_rows(values, index, tokens.shape)
+    return scatter_rows(jnp.zeros(tokens.shape, jnp.float32), index, values)
 
 
 def hidden_predicting(model, tokens, length, index, split, layout: UpdateLayout, share: int):
@@ -644,15 +646,6 @@ def policy_positions(mask, max_tokens: int):
     """Indices [B, K] of each row's masked positions (K = max_tokens, static), and which are real."""
     index = jax.vmap(lambda m: jnp.nonzero(m, size=max_tokens, fill_value=m.shape[0])[0])(mask)
     return index, index < mask.shape[1]
-
-
-def _scatter_rows(values, index, shape):
-    """[B, K] values at positions ``index`` [B, K] of a zero [B, L] array (out-of-range dropped)."""
-    # Row by row (vmapped): a scatter whose batch dimension is the rows', so a row-sharded batch
-    # scatters on each device without gathering the positions of every row (an explicit row index
-    # made XLA all-gather them, and that collective could run out of order with the update's).
-    row = lambda v, i: jnp.zeros(shape[1:], jnp.float32).at[i].set(v, mode="drop")
-    return jax.vmap(row)(values, index)
 
 
 # ---- helpers: which positions the forward passes compute -----------------------------------------

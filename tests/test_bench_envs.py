@@ -12,7 +12,7 @@ import pytest
 
 import envs_jax
 from envs_jax.countdown_score import ragen_check_format, ragen_score
-from experiments import bench_envs
+from experiments.bench import envs as bench_envs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,7 +151,7 @@ def test_cpu_devices_split_the_batch(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run(
-        [sys.executable, "-m", "experiments.bench_envs", "--quick",
+        [sys.executable, "-m", "experiments.bench.envs", "--quick",
          "--envs", "FrozenLake,SimpleSokoban", "--batch-sizes", "3,4", "--max-steps", "8",
          "--out", str(out)],
         cwd=REPO, env={**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}, check=True, capture_output=True,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import bench_generate
+from experiments.bench import generate as bench_generate
 
 
 def test_quick_benchmark_writes_json(tmp_path):
@@ -31,7 +31,7 @@ def test_roofline_of_qwen25_half_b_on_h100():
     kv_per_token = 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 kv heads, 64 dims, bf16: 12 KiB
     assert r["bytes_per_step"] == 494_032_768 * 2 + 128 * (256 + 127.5) * kv_per_token
     assert r["tokens_per_s"] == pytest.approx(128 * 3.35e12 / r["bytes_per_step"])
-    from experiments.bench_report import hbm_bandwidth
+    from experiments.bench.common import hbm_bandwidth
 
     assert hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12

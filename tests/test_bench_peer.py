@@ -7,7 +7,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from experiments import bench_peer
+from experiments.bench import peer as bench_peer
 
 QUICKSTART = "configs/quickstart.py"
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import bench_rollout, rollout_timing
+from experiments.bench import rollout as bench_rollout, rollout_timing
 
 ROWS, TURNS, RESPONSE = 2 * 2, 2, 8
 METRICS = {
@@ -57,7 +57,7 @@ def test_speedup_compares_token_rates(report):
 
 
 def test_baseline_episode_follows_ragen_turn_semantics():
-    """Seed 10001 is solved by Right, Up, Left (spec §1.10); the host turn must run valid actions in
+    """Seed 10001 is solved by Right, Up, Left (ragen-reference.md §1.6); the host turn must run valid actions in
     order, drop unknown names, stop at the solve, and record RAGEN's reward text."""
     import envs_jax
     from starpo_jax.rollout import RolloutPlan, TagPlan

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import bench_step
+from experiments.bench import step as bench_step
+from experiments.bench.hlo_bytes import hlo_bytes
 
 ROWS, TURNS, N = 4 * 2, 2, 8  # bench_step.TINY: 4 groups x 2, 2 turns; --tiny forces N = 8
 
@@ -106,8 +107,8 @@ def _scan_of_matmuls(layers: int) -> str:
 def test_hlo_bytes_counts_loop_bodies_by_trip_count():
     """XLA's own cost analysis counts a loop body once; hlo_bytes multiplies by the trip count."""
     weight = 256 * 256 * 4
-    six, _ = bench_step.hlo_bytes(_scan_of_matmuls(6))
-    twelve, _ = bench_step.hlo_bytes(_scan_of_matmuls(12))
+    six, _ = hlo_bytes(_scan_of_matmuls(6))
+    twelve, _ = hlo_bytes(_scan_of_matmuls(12))
     assert 12 * weight <= twelve <= 4 * 12 * weight  # every layer's weights read, at most a few times
     assert twelve / six == pytest.approx(2.0, rel=0.1)
 

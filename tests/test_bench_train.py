@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import bench_train
+from experiments.bench import train as bench_train
 
 
 def test_quick_benchmark_compares_full_and_lora(tmp_path):

@@ -1,4 +1,4 @@
-"""RAGEN's prompt text (spec §2.3) and its token-id assembly inside jit."""
+"""RAGEN's prompt text (ragen-reference.md §2.3) and its token-id assembly inside jit."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from envs_jax.base import symbols_to_text
 from starpo_jax import prompts as P
 from starpo_jax.env_turn import execute_turn, reward_categories
 
-SOKOBAN_PREFIX = (  # spec §2.3, verbatim
+SOKOBAN_PREFIX = (  # ragen-reference.md §2.3, verbatim
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
     "When you are right next to a box, you can push it by moving in the same direction. You cannot push "
     "a box through a wall, and you cannot pull a box. The answer should be a sequence of actions, like "
@@ -82,7 +82,7 @@ def test_sokoban_turn_texts():
         rewards.append(values[int(reward_categories(ts.reward, jnp.asarray(values, jnp.float32)))])
     history = [
         {"state": first, "actions_left": 10, "llm_response": "<think>a</think><answer>Up || Down || Left</answer>",
-         "reward": P.turn_reward(rewards)},
+         "reward": P.accumulated_reward(rewards)},
         {"state": env.render_text(state), "actions_left": 7},
     ]
     messages = P.build_messages(history, SOKOBAN_PREFIX, 100, enable_think=True)
@@ -117,7 +117,7 @@ def test_bandit_turn_texts(think):
     rules = THINK_RULES if think else NO_THINK_RULES
     history = [
         {"state": env.render_text(state), "actions_left": 1, "llm_response": "<answer>?</answer>",
-         "reward": P.turn_reward([])},  # no valid action: no step, reward int 0
+         "reward": P.accumulated_reward([])},  # no valid action: no step, reward int 0
         {"state": env.render_text(state), "actions_left": 1},
     ]
     messages = P.build_messages(history, P.env_instruction(env, 1), 100, think)
@@ -257,7 +257,7 @@ def test_assembled_turns_equal_tokenized_chat(name, which, think, request):
             keys.append(P.reward_sequence_index(categories, len(values)))
             ep.history[-1].update(
                 llm_response=P.forced_prefix(think) + response,
-                reward=P.turn_reward([values[c] for c in categories]),
+                reward=P.accumulated_reward([values[c] for c in categories]),
             )
             ep.ids += tokenizer(response, add_special_tokens=False)["input_ids"]
             ep.ids += [tables.stop_token_id] if stops[b] else []

@@ -65,11 +65,11 @@ COMMANDS = {
         (("--levels", "2", "--batch", "2", "--response-length", "8"), "the tiny quick start's run folder, 2 levels", False),
     ".venv/bin/python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
         (("--levels", "1", "--batch", "1", "--max-turn", "1", "--response-length", "8"), "1 level per env", True),
-    "JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.bench_envs": (QUICK_BENCH, "smoke run", True),
-    ".venv/bin/python -m experiments.bench_generate": (QUICK_BENCH, "smoke run", True),
-    ".venv/bin/python -m experiments.bench_rollout": (QUICK_BENCH, "smoke run", True),
-    ".venv/bin/python -m experiments.bench_train": (QUICK_BENCH, "smoke run", True),
-    ".venv/bin/python -m experiments.bench_step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
+    "JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.bench.envs": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench.generate": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench.rollout": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench.train": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench.step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
     ".venv/bin/python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
         ((), "compiles the quick start's programs for abstract shapes (tests/test_plan.py checks the figures)", True),
     ".venv/bin/python -m experiments.report runs/quickstart": ((), "on the tiny quick start's run folder", False),
@@ -77,7 +77,7 @@ COMMANDS = {
         (SKIP, "downloads ~5 GB of wheels for another machine; its pip resolution was checked with --dry-run", False),
     "bash setup.sh --wheelhouse wheelhouse": (SKIP, "needs the wheelhouse the command above builds", False),
     ".venv/bin/pip install -e '.[peer]'": (SKIP, "installs trl, which CI does not (it installs .[test])", False),
-    ".venv/bin/python -m experiments.bench_peer":
+    ".venv/bin/python -m experiments.bench.peer":
         (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
     LEARN: (TINY_LEARN, "tiny model, 2 groups, 2 steps", False),
     CURVES: ((), "on the tiny learning run's folder", False),
@@ -118,7 +118,7 @@ def run_command(command: str, tmp: Path, extra=(), replace=None) -> subprocess.C
     module = words[2]
     if module in ("experiments.run", "experiments.sweep"):
         words.append(f"--config.trainer.output_dir={tmp / 'run'}")
-    elif module == "experiments.evaluate" or module.startswith("experiments.bench_"):
+    elif module == "experiments.evaluate" or module.startswith("experiments.bench."):
         words += ["--out", str(tmp / "out.json")]
     proc = subprocess.run(words, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"

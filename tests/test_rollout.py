@@ -1,4 +1,4 @@
-"""The compiled rollout against a plain-Python reference of RAGEN's agent loop (spec §2.2-2.6).
+"""The compiled rollout against a plain-Python reference of RAGEN's agent loop (ragen-reference.md §2.2-2.6).
 
 A scripted responder replaces the model (forced token sequences per row and turn), so every path is
 reachable on purpose: valid, invalid and unknown actions, too many actions, an early solve, the
@@ -57,7 +57,7 @@ class ScriptedResponder:
 # with a letter: a response starting with "</" would merge with the forced "<think>" when the text
 # is re-encoded ("></"), so only the ids the model sampled reproduce it (token-in / token-out).
 SCRIPTS = [
-    # seed 10001 is solved by Right, Up, Left (spec §1.10): solve in turn 2
+    # seed 10001 is solved by Right, Up, Left (ragen-reference.md §1.6): solve in turn 2
     ["go</think><answer>Right || Up</answer>", "<think>now</think> <answer>left</answer>"],
     # no tags; an unknown name beside a valid one; a clean turn
     ["I will just move up", "x</think><answer>Up || Jump</answer>", "ok</think><answer>Down</answer>"],
@@ -128,8 +128,8 @@ def reference_episode(tok, env, seed, responses, plan):
                 break
         out["num_actions"] += len(step_rewards)
         out["penalties"] += int(parsed.format_error)
-        out["turn_rewards"].append(prompts.turn_reward(step_rewards))
-        history[-1].update(llm_response=text, reward=prompts.turn_reward(step_rewards))
+        out["turn_rewards"].append(prompts.accumulated_reward(step_rewards))
+        history[-1].update(llm_response=text, reward=prompts.accumulated_reward(step_rewards))
         history.append({"state": env.render_text(state), "actions_left": budget - out["num_actions"]})
         if done or out["num_actions"] >= budget:
             out["success"] = done and success
@@ -208,7 +208,7 @@ def first_turn(scripted):
     init = initial_states_from_seeds(plan, 10001)
     carry = R_.initial_carry(plan, responder, None, tables, init)
     active, exhausted = R_.turn_rows(plan, carry)
-    out, n_new, n_out = R_.generate(responder, None, carry, active, jax.random.PRNGKey(0), 1.0, 0)
+    out, n_new, n_out = R_.sample_turn(responder, None, carry, active, jax.random.PRNGKey(0), 1.0, 0)
     return dict(tok=tok, env=env, plan=plan, tables=tables, responder=responder, init=init, carry=carry,
                 active=active, out=out, n_new=n_new, n_out=n_out)
 
@@ -233,7 +233,7 @@ def test_turn_rows_stop_rows_whose_next_turn_cannot_fit(first_turn):
     active, exhausted = R_.turn_rows(plan, carry)
     assert np.asarray(active).tolist() == [False, False, True, True, True]
     assert np.asarray(exhausted).tolist() == [False, True, False, False, False]
-    _, _, n_out = R_.generate(t["responder"], None, carry, active, jax.random.PRNGKey(0), 1.0, 0)
+    _, _, n_out = R_.sample_turn(t["responder"], None, carry, active, jax.random.PRNGKey(0), 1.0, 0)
     assert np.asarray(n_out)[:2].tolist() == [0, 0]
 
 

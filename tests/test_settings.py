@@ -1,6 +1,6 @@
-"""The settings table (starpo_jax/settings.py): each config key of the rollout and update sections is
-declared once, and the config defaults, checks, update settings, hyperparameters and sweepable keys
-all follow from it."""
+"""The settings table (starpo_jax/settings.py): each config key is declared once (the env sides
+apart), and the config defaults, checks, update settings, hyperparameters and sweepable keys all
+follow from it."""
 
 import dataclasses
 import math
@@ -10,8 +10,11 @@ import pytest
 
 from configs import base
 from starpo_jax import experiment, losses
+from starpo_jax.models.config import ModelConfig
 from starpo_jax.rollout import RolloutPlan
-from starpo_jax.settings import BY_KEY, SECTIONS, SETTINGS, SWEEPABLE, ConfigError, Hyperparams, TrainSettings
+from starpo_jax.settings import (
+    BY_KEY, SECTIONS, SETTINGS, SWEEPABLE, UNDECLARED, ConfigError, Hyperparams, TrainSettings,
+)
 
 # The fields of TrainSettings that no config key sets: derived from the plan, or fixed.
 UNSET_FIELDS = {"kept_groups", "logprob_chunk"}
@@ -21,10 +24,15 @@ def config_keys(config, sections):
     return [f"{section}.{key}" for section in sections for key in config[section]]
 
 
-def test_every_update_config_key_has_exactly_one_declaration():
-    assert SECTIONS == ("rollout", "reward", "filter", "algorithm", "actor", "critic", "lora")
+def test_every_config_key_has_exactly_one_declaration():
+    config = base.get_config()
+    assert SECTIONS == ("model", "envs", "rollout", "reward", "filter", "algorithm", "actor", "critic", "lora", "mesh",
+                        "distributed", "trainer")
+    assert sorted(SECTIONS) == sorted(config)  # every section of the config
     keys = [s.key for s in SETTINGS]
-    assert sorted(config_keys(base.get_config(), SECTIONS)) == sorted(keys)  # a repeated key fails too
+    declared = [k for k in config_keys(config, SECTIONS) if k not in UNDECLARED]
+    assert sorted(declared) == sorted(keys)  # a repeated key fails too
+    assert set(UNDECLARED) <= set(config_keys(config, ["envs"]))
 
 
 def test_every_target_is_a_field_and_every_field_is_filled():
@@ -32,10 +40,10 @@ def test_every_target_is_a_field_and_every_field_is_filled():
         "TrainSettings": {f.name for f in dataclasses.fields(TrainSettings)},
         "Hyperparams": {f.name for f in dataclasses.fields(Hyperparams)},
         "RolloutPlan": {f.name for f in dataclasses.fields(RolloutPlan)},
-        "run": {"val_temperature"},
+        "ModelConfig": {f.name for f in dataclasses.fields(ModelConfig)},
     }
     for s in SETTINGS:
-        assert s.field in fields[s.owner], s.key
+        assert s.owner == "run" or s.field in fields[s.owner], s.key
     filled = {owner: {s.field for s in SETTINGS if s.owner == owner} for owner in fields}
     assert filled["TrainSettings"] == fields["TrainSettings"] - UNSET_FIELDS
     assert filled["Hyperparams"] == fields["Hyperparams"]

@@ -30,7 +30,7 @@ Layout choices:
 
 Known cost: the layer scan hands each block its cache slice (and its weights) through a dynamic
 slice, which XLA:CPU materialises: a copy of one layer's cache per block, 27 % of the bytes of a
-Qwen2.5-0.5B decode step at batch 128 (``python -m experiments.bench_step --cost-only``; carrying
+Qwen2.5-0.5B decode step at batch 128 (``python -m experiments.bench.step --cost-only``; carrying
 the cache through the scan or unrolling it made XLA copy more, docs/benchmarks.md). Removing it
 needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
 Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a

@@ -1,6 +1,6 @@
 """LoRA adapters (Hu et al., 2021) on every linear layer of the decoder's blocks.
 
-RAGEN's LoRA (spec §5): rank 64, alpha 64, peft's ``target_modules="all-linear"`` — the q/k/v/o and
+RAGEN's LoRA (ragen-reference.md §5): rank 64, alpha 64, peft's ``target_modules="all-linear"`` — the q/k/v/o and
 gate/up/down projections of every block (peft leaves the output head out), no bias adapters. For a
 weight W (ours ``[in..., out...]``, i.e. ``[in, out]`` once flattened) the adapter is a pair
 A ``[in, r]``, B ``[r, out]`` and the adapted weight is ``W + (alpha / r) · A B``. A starts random

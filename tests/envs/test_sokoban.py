@@ -38,7 +38,7 @@ def play(env, step, text, actions):
     return state, timesteps
 
 
-# ---- golden vectors (spec §1.10) -----------------------------------------------------------------
+# ---- golden vectors (ragen-reference.md §1.6) ----------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Sokoban levels: the in-graph generator (valid, solvable, RAGEN-like difficulty, deterministic)
-and the reference generator's difficulty on RAGEN's validation seeds (spec §1.2 table)."""
+and the reference generator's difficulty on RAGEN's validation seeds (ragen-reference.md §1.3's table)."""
 
 from collections import Counter
 

@@ -1,15 +1,15 @@
 """Memory and time of one update (the learn phase): full fine-tuning over whole rows, over the
 batch's layout (each group's first prompt once, rows cut to their used width), and LoRA.
 
-    python -m experiments.bench_train                  # SmolLM2-135M shape (random weights), PPO + KL loss
-    python -m experiments.bench_train --quick          # seconds: tiny model, smoke test
+    python -m experiments.bench.train                  # SmolLM2-135M shape (random weights), PPO + KL loss
+    python -m experiments.bench.train --quick          # seconds: tiny model, smoke test
 
 Workload: one compiled rollout of the untrained policy on the Bandit (``--groups`` × ``--group-size``
 trajectories of up to ``--max-len`` tokens) gives a fixed batch; then ``learn`` — filter, old and
 reference log-probs, values, advantages, critic and actor updates — is compiled and timed for each
 mode on that same batch. PPO with a critic and the KL loss, so every copy of the weights that a run
 holds is there: full fine-tuning keeps actor, critic and reference weights and Adam moments for
-actor and critic; LoRA keeps one frozen base and small adapters (spec §5, paper App. D).
+actor and critic; LoRA keeps one frozen base and small adapters (ragen-reference.md §5, paper App. D).
 
 Reported per mode: bytes of the train state (trained weights, frozen weights, optimizer moments),
 XLA's compiled memory analysis of ``learn`` (arguments, outputs and temporaries: what the device
@@ -27,7 +27,7 @@ import time
 import jax
 from tqdm import tqdm
 
-from experiments.bench_report import machine, write_report
+from experiments.bench.common import machine, write_report
 
 
 def tree_bytes(tree) -> int:

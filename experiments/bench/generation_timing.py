@@ -1,4 +1,4 @@
-"""Timing one batched generation, shared by ``bench_generate`` and ``bench_step``: starpo_jax's
+"""Timing one batched generation, shared by ``bench.generate`` and ``bench.step``: starpo_jax's
 sampler (``bench_jax``: prefill + decode, and prefill alone) and transformers' ``generate`` on the
 same prompts, the same number of new tokens and the same kind of device.
 """

@@ -40,10 +40,10 @@ as ``Countdown.reset`` draws them, answers like ``random_expressions``', scored 
 ``eval``-based scorer (``countdown_score.ragen_score``). ``speedup`` is JAX steps/s over NumPy
 steps/s for the same env and mode.
 
-    python -m experiments.bench_envs                       # full grid, writes bench_results/bench_envs.json
-    python -m experiments.bench_envs --quick               # smoke run
-    python -m experiments.bench_envs --envs FrozenLake --batch-sizes 256,4096 --modes reset
-    JAX_NUM_CPU_DEVICES=2 python -m experiments.bench_envs  # both cores of a 2-core machine
+    python -m experiments.bench.envs                       # full grid, writes bench_results/bench_envs.json
+    python -m experiments.bench.envs --quick               # smoke run
+    python -m experiments.bench.envs --envs FrozenLake --batch-sizes 256,4096 --modes reset
+    JAX_NUM_CPU_DEVICES=2 python -m experiments.bench.envs  # both cores of a 2-core machine
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from envs_jax.base import hash_words
 from envs_jax.countdown import MAX_NUMS, Countdown
 from envs_jax.countdown_score import ragen_score
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
-from experiments.bench_report import machine, write_report
+from experiments.bench.common import machine, write_report
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban", "Countdown")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
@@ -439,7 +439,7 @@ QUICK = {"batch_sizes": "1,16", "seconds": 0.05, "repeats": 2, "numpy_seconds": 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.bench_envs",
+        prog="python -m experiments.bench.envs",
         description="Steps/s of the JAX envs under jit+vmap versus a single-env NumPy baseline.",
         epilog="The batch is split over the local devices; on CPU, JAX_NUM_CPU_DEVICES=N in the "
                "environment makes N host devices (N cores stepping rows side by side).",

@@ -1,12 +1,12 @@
 """The benchmarks' tables as PNG charts (matplotlib), written beside their JSON.
 
-``experiments.bench_report.write_report`` calls :func:`write_chart` for every benchmark; to redraw
+``experiments.bench.common.write_report`` calls :func:`write_chart` for every benchmark; to redraw
 the charts of JSON files already written:
 
-    python -m experiments.bench_charts bench_results/*.json
+    python -m experiments.bench.charts bench_results/*.json
 
-Each chart is recognised by the shape of its report (the four ``bench_*`` scripts write different
-tables) and drawn from the measured figures only.
+Each chart is recognised by the shape of its report (each benchmark writes a different table) and
+drawn from the measured figures only.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def write_chart(report: dict, png: str | Path) -> Path | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_charts",
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.charts",
                                      description="Draw PNG charts beside benchmark JSON files (bench_*.json).")
     parser.add_argument("json_files", nargs="+", type=Path, metavar="JSON")
     args = parser.parse_args(argv)

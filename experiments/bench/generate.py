@@ -1,8 +1,8 @@
 """Generation throughput of starpo_jax's sampler next to transformers' ``generate``.
 
-    python -m experiments.bench_generate                      # smollm2-135m-instruct + Qwen2.5-0.5B shape
-    python -m experiments.bench_generate --batch-sizes 1,8,32 --out bench_results/bench_cpu.json
-    python -m experiments.bench_generate --quick              # seconds: tiny model, smoke test
+    python -m experiments.bench.generate                      # smollm2-135m-instruct + Qwen2.5-0.5B shape
+    python -m experiments.bench.generate --batch-sizes 1,8,32 --out bench_results/bench_cpu.json
+    python -m experiments.bench.generate --quick              # seconds: tiny model, smoke test
 
 Workload (fixed, stop tokens disabled): B random prompts of --prompt-len tokens, --new-tokens new
 tokens per row, sampled at temperature 1 with top-k off and top-p 1 (RAGEN's training setting).
@@ -20,7 +20,7 @@ current length. With the average context P + (N - 1) / 2 over the run:
     bytes/step = weight bytes + B * (P + (N - 1) / 2) * 2 * layers * kv_heads * head_dim * dtype bytes
     roofline tokens/s = B * HBM bandwidth / bytes/step
 and the fraction is decode tokens/s divided by that. Bandwidths: H100 SXM 3.35 TB/s, H100 PCIe
-2.0 TB/s, H200 4.8 TB/s, A100 80GB 2.04 TB/s (``experiments.bench_report.HBM_BYTES_PER_S``).
+2.0 TB/s, H200 4.8 TB/s, A100 80GB 2.04 TB/s (``experiments.bench.common.HBM_BYTES_PER_S``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench_report import hbm_bandwidth, machine, write_report
-from experiments.generation_timing import bench_jax, bench_transformers, hf_model, transformers_device
+from experiments.bench.common import hbm_bandwidth, machine, write_report
+from experiments.bench.generation_timing import bench_jax, bench_transformers, hf_model, transformers_device
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
 
 

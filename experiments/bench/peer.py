@@ -1,9 +1,9 @@
 """The same Bandit learning in Hugging Face TRL (``GRPOTrainer``) and in starpo-jax, side by side.
 
-    python -m experiments.bench_peer                                   # DEFAULT_CONFIG, its steps
-    python -m experiments.bench_peer --steps 2 --val-levels 4          # a smoke run
-    python -m experiments.bench_peer --config configs/quickstart.py --config.actor.lr=3e-6
-    python -m experiments.bench_peer --keep-filter                     # StarPO-S's filter on the starpo-jax side
+    python -m experiments.bench.peer                                   # DEFAULT_CONFIG, its steps
+    python -m experiments.bench.peer --steps 2 --val-levels 4          # a smoke run
+    python -m experiments.bench.peer --config configs/quickstart.py --config.actor.lr=3e-6
+    python -m experiments.bench.peer --keep-filter                     # StarPO-S's filter on the starpo-jax side
 
 Both sides start from the config's model (``model.source``), exported once as a Hugging Face
 folder with the project's exporter; both see the prompt text starpo-jax's rollout shows the model
@@ -41,7 +41,7 @@ NO_TRL = "bench_peer needs trl, which is not installed: pip install -e '.[peer]'
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m experiments.bench_peer", description=__doc__.split("\n\n")[0],
+        prog="python -m experiments.bench.peer", description=__doc__.split("\n\n")[0],
         epilog="Any --config.KEY=VALUE is a config override, as for experiments.run; both sides get it.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -218,19 +218,15 @@ def bandit_prompts(config, tokenizer) -> dict[bool, str]:
     tables and its ``first_prompts``, for both arm orders, decoded as they are."""
     import jax.numpy as jnp
 
-    from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, first_prompts
+    from starpo_jax.experiment import rollout_plan, tokenized_plan
+    from starpo_jax.rollout import first_prompts
 
-    plan = rollout_plan(config, "train", tokenizer)
+    plan = rollout_plan(config, "train")
     tag = _bandit_tag(plan)
-    tables = build_tables(
-        tokenizer, dataclasses.replace(plan, tags=(tag,)), max_tokens=config.envs.prompt_max_tokens,
-        legend_from_env_symbols=config.envs.legend_from_env_symbols,
-        chat_template=config.model.get("chat_template", "") or None,
-    )
+    plan, tables = tokenized_plan(config, "train", dataclasses.replace(plan, tags=(tag,)), tokenizer, None)
     states = tag.env.reset_from_seed(0)
     states = type(states)(hi_first=jnp.asarray([False, True]), key=jnp.stack([states.key, states.key]))
-    ids, lengths = first_prompts(dataclasses.replace(plan, tags=(tag,)), tables, (states,))
+    ids, lengths = first_prompts(plan, tables, (states,))
     return {hi: tokenizer.decode([int(t) for t in ids[i, : int(lengths[i])]], skip_special_tokens=False,
                                  clean_up_tokenization_spaces=False)
             for i, hi in enumerate((False, True))}
@@ -380,8 +376,7 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, stop_tokens_for
+    from starpo_jax.experiment import rollout_plan, tokenized_plan
 
     kwargs, _ = trl_settings(config)
     per_iteration = iteration_batch(config) // int(config.actor.ppo_mini_batch_size) * kwargs["num_iterations"]
@@ -390,8 +385,9 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
     bf16 = config.model.dtype == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    plan = rollout_plan(config, "train", tokenizer)
-    stops = stop_tokens_for(tokenizer, build_tables(tokenizer, dataclasses.replace(plan, tags=plan.tags[:1])))
+    plan = rollout_plan(config, "train")
+    first_tag = dataclasses.replace(plan, tags=plan.tags[:1])
+    stops = tokenized_plan(config, "train", first_tag, tokenizer, None)[0].stop_tokens
     # Fresh levels every step, as starpo-jax draws them: a fair coin for the arm order per group.
     rng = np.random.default_rng(kwargs["seed"])
     n_groups = int(sum(config.envs.train.n_groups))
@@ -514,7 +510,7 @@ def main(argv=None) -> int:
         return 2
     from tqdm import tqdm
 
-    from experiments import bench_report
+    from experiments.bench import common
     from starpo_jax.experiment import ConfigError, check_config
 
     log = tqdm.write
@@ -577,7 +573,7 @@ def main(argv=None) -> int:
         "starpo_jax": side_report("starpo-jax", starpo_run, scored["starpo_jax"], starpo_folders),
         "trl": side_report(f"TRL {trl_module.__version__} GRPOTrainer", trl_run, scored["trl"], trl_run["folders"]),
         "wall_s": time.perf_counter() - t_start,
-        "machine": bench_report.machine(),
+        "machine": common.machine(),
     }
     path = out / "bench_peer.json"
     path.write_text(json.dumps(report, indent=2, default=str))

@@ -1,12 +1,13 @@
-"""What every benchmark shares: the machine it ran on, its memory bandwidth, and writing the report
-(the JSON, its table drawn as a PNG chart beside it (``experiments/bench_charts.py``), and a markdown
-table where the benchmark has one)."""
+"""What every benchmark shares: the machine it ran on, its memory bandwidth, the clock (``timed``),
+and writing the report (the JSON, its table drawn as a PNG chart beside it
+(``experiments/bench/charts.py``), and a markdown table where the benchmark has one)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import jax
@@ -22,6 +23,13 @@ def hbm_bandwidth(device_kind: str) -> float | None:
         if name in device_kind:
             return bandwidth
     return None
+
+
+def timed(fn):
+    """``fn()``, blocked on until its arrays are ready, and the seconds that took."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - start
 
 
 def machine(note: str = "") -> dict:
@@ -40,7 +48,7 @@ def write_report(report: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"[bench] wrote {path}")
-    from experiments.bench_charts import write_chart
+    from experiments.bench.charts import write_chart
 
     png = write_chart(report, path.with_suffix(".png"))
     if png:

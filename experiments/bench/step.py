@@ -1,10 +1,10 @@
 """One StarPO-S training iteration at the paper's size, timed by phase.
 
-    python -m experiments.bench_step                       # Qwen2.5-0.5B shape, random weights, N = 100 and 400
-    python -m experiments.bench_step --model PATH          # a checkpoint (HF folder or GGUF) instead
-    python -m experiments.bench_step --cost-analysis       # + XLA's bytes per decode step (compiled for CPU)
-    python -m experiments.bench_step --cost-only           # only those bytes (a minute or two on a CPU)
-    python -m experiments.bench_step --tiny                # CPU smoke run: tiny model, 8 rows, 2 turns of 8 tokens
+    python -m experiments.bench.step                       # Qwen2.5-0.5B shape, random weights, N = 100 and 400
+    python -m experiments.bench.step --model PATH          # a checkpoint (HF folder or GGUF) instead
+    python -m experiments.bench.step --cost-analysis       # + XLA's bytes per decode step (compiled for CPU)
+    python -m experiments.bench.step --cost-only           # only those bytes (a minute or two on a CPU)
+    python -m experiments.bench.step --tiny                # CPU smoke run: tiny model, 8 rows, 2 turns of 8 tokens
 
 Workload: ``configs/sokoban.py`` unchanged unless a flag says otherwise — SimpleSokoban, 8 groups
 × 16, 5 turns, ``response_length`` 400, ``max_model_len`` 3,600, PPO with a critic (GAE), filter
@@ -35,14 +35,14 @@ are short.
 
 Side by side, in the same run:
 
-- ``host_loop``: ``bench_rollout``'s baseline (``rollout_timing.bench_baseline``; per turn: rebuild the conversation text, tokenise,
+- ``host_loop``: ``bench.rollout``'s baseline (``rollout_timing.bench_baseline``; per turn: rebuild the conversation text, tokenise,
   re-prefill the whole history, decode, decode to text, parse and step the envs on the host) on
   the same batch, the same N and the same device.
 - ``generate``: the decode part alone — B random prompts of the first turn's prompt length, N new
   tokens, stop tokens off — with ``starpo_jax.sampling.generate`` (cache of ``max_model_len``
-  slots, as the rollout) and transformers' ``generate`` on the same device (``bench_generate``'s timers, ``generation_timing``).
+  slots, as the rollout) and transformers' ``generate`` on the same device (``bench.generate``'s timers, ``generation_timing``).
 
-Roofline (``experiments.bench_report.hbm_bandwidth``; H100 SXM 3.35 TB/s, H200 4.8 TB/s; a CPU
+Roofline (``experiments.bench.common.hbm_bandwidth``; H100 SXM 3.35 TB/s, H200 4.8 TB/s; a CPU
 has none unless ``--bandwidth`` declares one): ``rollout_timing.decode_roofline`` on the rollout's
 trajectories — the bytes a decode must read (every weight once per step, each generated token's
 context once) over the bandwidth, as a fraction of the measured rollout time.
@@ -53,7 +53,7 @@ of ``collect`` and ``learn`` (arguments, outputs, temporaries).
 ``--cost-analysis``: ``decode_cost`` compiles one decode step (``sampling.decode_step``) of the
 paper's model (batch 128) for the CPU from abstract shapes (no weights allocated), in float32 and
 bfloat16 and in each cache window a 3,600-slot cache decodes in, and reports the bytes it accesses
-per generated token, read off the optimised HLO (``hlo_bytes``), next to the ideal: weights / batch
+per generated token, read off the optimised HLO (``bench.hlo_bytes``), next to the ideal: weights / batch
 + the KV cache of one row filling the window.
 
 Writes JSON (``--out``) and a markdown table next to it (``.md``); every record carries the device
@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import re
 import statistics
 import time
 
@@ -74,8 +73,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import generation_timing, rollout_timing
-from experiments.bench_report import hbm_bandwidth, machine, markdown_table, write_markdown, write_report
+from experiments.bench import generation_timing, rollout_timing
+from experiments.bench.common import hbm_bandwidth, machine, markdown_table, timed, write_markdown, write_report
+from experiments.bench.hlo_bytes import hlo_bytes
 
 # ---- the workload ------------------------------------------------------------------------------
 
@@ -109,12 +109,6 @@ def experiment_config(args):
 
 
 # ---- timing ------------------------------------------------------------------------------------
-
-
-def timed(fn):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - start
 
 
 def compiled(fn, *args):
@@ -214,7 +208,7 @@ HOST_LOOP_SEED = 10000  # RAGEN's seed.train: the host loop plays RAGEN's first 
 
 
 def host_loop(exp, policy, n: int, steps: int, bar) -> dict:
-    """``bench_rollout``'s baseline on the same batch and device, every turn N tokens."""
+    """``bench.rollout``'s baseline on the same batch and device, every turn N tokens."""
     plan = dataclasses.replace(exp.train_plan, response_length=n, stop_tokens=())
     from starpo_jax.rollout import initial_states_from_seeds
 
@@ -242,111 +236,6 @@ def decode_side_by_side(exp, policy, n: int, args) -> dict:
 
 
 # ---- XLA cost analysis of one decode step ------------------------------------------------------
-
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
-         "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64}  # fmt: skip
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*?)\)(.*)$")
-TOP = 12  # items listed by hlo_bytes
-_IN_PLACE = {"dynamic-update-slice", "scatter"}  # XLA updates the operand's buffer in place
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
-         "after-all", "partition-id", "replica-id", "iota"}  # fmt: skip
-
-
-def _shape_bytes(text: str) -> int:
-    return sum(_BITS[t] // 8 * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for t, dims in _SHAPE.findall(text))  # fmt: skip
-
-
-def _sliced_parameters(parsed) -> dict[int, int]:
-    """Fused parameters read only through (dynamic-)slices or as a gather's table: parameter index ->
-    bytes read (the slices, or the rows gathered)."""
-    params = {inst: int(re.search(r"parameter\((\d+)\)", f"{op}({operands})").group(1))
-              for inst, _, op, operands, _ in parsed if op == "parameter"}  # fmt: skip
-    uses: dict[str, list[tuple[str, str, bool]]] = {p: [] for p in params}
-    for inst, shape, op, operands, _ in parsed:
-        for i, name in enumerate(re.findall(r"%([\w.-]+)", operands)):
-            if name in uses:
-                uses[name].append((op, shape, i == 0))
-    return {
-        params[p]: sum(_shape_bytes(shape) for _, shape, _ in u)
-        for p, u in uses.items()
-        if u and all(op in ("dynamic-slice", "slice", "gather") and first for op, _, first in u)
-    }
-
-
-def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
-    """Bytes an optimised HLO module reads and writes, loops counted by their trip counts.
-
-    XLA's own ``cost_analysis`` counts a while loop's body once, and a decode step is a loop over
-    the layers. Here every executed instruction outside fused computations (fusions, copies, dots,
-    custom calls, slices, updates, ...) counts its operands' and result's bytes, times the known
-    trip counts of the loops around it; an operand that is only sliced or gathered from counts the
-    part read. An
-    in-place update (``dynamic-update-slice``, or a fusion
-    whose result aliases its first operand and whose root is one) counts the bytes it writes twice
-    (read and write) instead of the whole buffer. Returns the total and the biggest items
-    (bytes, instruction name and ``op_name``).
-    """
-    computations: dict[str, list[str]] = {}
-    name = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
-        if header:
-            name = header.group(1)
-            computations[name] = []
-            if line.startswith("ENTRY"):
-                entry = name
-        elif name and line.strip() and line.strip() != "}":
-            computations[name].append(line)
-    fused_roots, sliced = {}, {}
-    for comp, lines in computations.items():
-        parsed = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
-        fused_roots[comp] = next((op for line, (_, _, op, _, _) in zip(lines, parsed) if "ROOT" in line), "")
-        sliced[comp] = _sliced_parameters(parsed)
-
-    items: list[tuple[int, str]] = []
-
-    def walk(comp: str, times: int) -> int:
-        shapes, total = {}, 0
-        for line in computations[comp]:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            inst, shape, op, operands, attrs = m.groups()
-            shapes[inst] = shape
-            if op == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-                body = re.search(r"body=%(\S+?)[,\s]", attrs + " ")
-                total += walk(body.group(1), times * (int(trips.group(1)) if trips else 1))
-                continue
-            if op in ("call", "conditional"):  # conditional: every branch counted (an upper bound)
-                for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.-]+)", attrs):
-                    if called in computations:
-                        total += walk(called, times)
-                continue
-            if op in _FREE:
-                continue
-            names = re.findall(r"%([\w.-]+)", operands)
-            called = re.search(r"calls=%([\w.-]+)", attrs)
-            root = fused_roots.get(called.group(1), "") if called else op
-            read = {i: _shape_bytes(shapes.get(n, "")) for i, n in enumerate(names)}
-            if called:  # a fused operand that is only sliced is read only in part
-                read |= sliced.get(called.group(1), {})
-            if op in ("dynamic-slice", "slice", "gather"):
-                read[0] = _shape_bytes(shape)
-            if root in _IN_PLACE and names:  # the first operand is the buffer updated in place
-                nbytes = 2 * sum(v for i, v in read.items() if i > 0)
-            else:
-                nbytes = _shape_bytes(shape) + sum(read.values())
-            meta = re.search(r'op_name="([^"]*)"', attrs)
-            items.append((nbytes * times, f"{op} {inst} {shape} x{times} {meta.group(1) if meta else ''}"))
-            total += nbytes * times
-        return total
-
-    total = walk(entry, 1)
-    return total, sorted(items, reverse=True)[:TOP]
-
 
 def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     """Bytes one decode step of ``config`` accesses per generated token, batch ``batch`` in a

@@ -1,9 +1,9 @@
 """One full multi-turn rollout: the compiled rollout next to a host-orchestrated baseline.
 
-    python -m experiments.bench_rollout                      # smollm2-135m-instruct + qwen2.5-0.5b-random
-    python -m experiments.bench_rollout --models smollm2-135m-instruct --groups 2 --group-size 4 \\
+    python -m experiments.bench.rollout                      # smollm2-135m-instruct + qwen2.5-0.5b-random
+    python -m experiments.bench.rollout --models smollm2-135m-instruct --groups 2 --group-size 4 \\
         --max-turn 3 --response-length 64                    # a CPU-sized run
-    python -m experiments.bench_rollout --quick              # seconds: tiny random model, smoke test
+    python -m experiments.bench.rollout --quick              # seconds: tiny random model, smoke test
 
 Workload: ``--groups`` × ``--group-size`` SimpleSokoban episodes (default 8 × 16 = 128 rows), up to
 ``--max-turn`` turns of up to ``--response-length`` tokens each, RAGEN's prompts, sampling at
@@ -42,7 +42,7 @@ env-step and render functions and is reported as ``first_run_s``);
 ``env_steps_per_s`` (median over the timed runs of count / wall time); ``speedup`` =
 compiled ``tokens_per_s`` / baseline ``tokens_per_s``.
 
-Roofline (GPUs with a known HBM bandwidth, see ``experiments.bench_report.hbm_bandwidth``;
+Roofline (GPUs with a known HBM bandwidth, see ``experiments.bench.common.hbm_bandwidth``;
 H100 SXM is taken as 3.35 TB/s): a decode step must read every weight once, and each generated
 token must read the keys and values of its context. From the compiled rollout's trajectories:
 ``decode_steps`` = Σ over turns of the longest response of that turn (the decode loop runs until
@@ -77,8 +77,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments.bench_report import hbm_bandwidth, machine, write_report
-from experiments.rollout_timing import Episodes, Subject, bench_baseline, decode_roofline, summarise, timed
+from experiments.bench.common import hbm_bandwidth, machine, timed, write_report
+from experiments.bench.rollout_timing import Episodes, Subject, bench_baseline, decode_roofline, summarise
 
 import envs_jax
 from starpo_jax import bundled
@@ -149,7 +149,7 @@ def bench_compiled(subject: Subject, plan, tables, init_states, key, repeats: in
     bar.update()
     runs = []
     for _ in range(repeats):
-        traj, seconds = timed(lambda: jax.block_until_ready(rollout(*args)))
+        traj, seconds = timed(lambda: rollout(*args))
         traj = jax.device_get(traj)
         runs.append((Episodes(traj.response_tokens, traj.num_actions, traj.num_turns, traj.success), seconds))
         bar.update()

@@ -1,7 +1,7 @@
-"""Timing a multi-turn rollout, shared by ``bench_rollout`` and ``bench_step``: the model under
+"""Timing a multi-turn rollout, shared by ``bench.rollout`` and ``bench.step``: the model under
 test (``Subject``), what a rollout did per row and its rates (``Episodes``, ``summarise``), the
 host-orchestrated baseline (``bench_baseline``: RAGEN's loop of re-rendered prompts, fresh prefills
-and host env steps, described in ``experiments/bench_rollout.py``) and the HBM roofline of the
+and host env steps, described in ``experiments/bench/rollout.py``) and the HBM roofline of the
 compiled rollout's decode (``decode_roofline``).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from typing import Any
 
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 from jumanji.types import StepType
 
 from envs_jax.base import GridEnv, symbols_to_text
+from experiments.bench.common import timed
 from starpo_jax import prompts, sampling
 from starpo_jax.models import ModelState
 from starpo_jax.parsing import decode_response, parse_response_text
@@ -55,12 +55,6 @@ class Episodes:
 
     def signature(self) -> np.ndarray:
         return np.stack([self.response_tokens, self.num_actions, self.num_turns], axis=1)
-
-
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
 
 
 def summarise(runs: list[tuple[Episodes, float]], compile_s: float) -> dict:
@@ -150,7 +144,7 @@ def host_turn(episode: HostEpisode, host: HostEnv, text: str, plan: RolloutPlan)
     episode.num_actions += len(step_rewards)
     episode.num_turns += 1
     response = prompts.forced_prefix(plan.enable_think) + text
-    episode.history[-1].update(llm_response=response, reward=prompts.turn_reward(step_rewards))
+    episode.history[-1].update(llm_response=response, reward=prompts.accumulated_reward(step_rewards))
     episode.history.append({"state": host.render(episode.state), "actions_left": episode.budget - episode.num_actions})
     episode.done = env_done or episode.num_actions >= episode.budget
 
@@ -239,7 +233,7 @@ def bench_baseline(subject: Subject, plan, init_states, key, repeats: int, bucke
 
 
 def decode_roofline(traj, subject: Subject, plan: RolloutPlan, wall_s: float, bandwidth: float) -> dict:
-    """HBM-bound time of the compiled rollout's decode (see ``experiments/bench_rollout.py``'s docstring)."""
+    """HBM-bound time of the compiled rollout's decode (see ``experiments/bench/rollout.py``'s docstring)."""
     config = subject.model.merge().config
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(subject.model.params))
     kv_itemsize = jnp.dtype(config.dtype).itemsize

@@ -1,0 +1,114 @@
+"""Bytes an optimised HLO module moves (``hlo_bytes``), read off its text: what a memory-bound
+program such as one decode step costs, loops counted by their trip counts. ``bench.step
+--cost-analysis`` uses it on the decode step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+         "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*?)\)(.*)$")
+TOP = 12  # items listed by hlo_bytes
+_IN_PLACE = {"dynamic-update-slice", "scatter"}  # XLA updates the operand's buffer in place
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "iota"}  # fmt: skip
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_BITS[t] // 8 * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for t, dims in _SHAPE.findall(text))  # fmt: skip
+
+
+def _sliced_parameters(parsed) -> dict[int, int]:
+    """Fused parameters read only through (dynamic-)slices or as a gather's table: parameter index ->
+    bytes read (the slices, or the rows gathered)."""
+    params = {inst: int(re.search(r"parameter\((\d+)\)", f"{op}({operands})").group(1))
+              for inst, _, op, operands, _ in parsed if op == "parameter"}  # fmt: skip
+    uses: dict[str, list[tuple[str, str, bool]]] = {p: [] for p in params}
+    for inst, shape, op, operands, _ in parsed:
+        for i, name in enumerate(re.findall(r"%([\w.-]+)", operands)):
+            if name in uses:
+                uses[name].append((op, shape, i == 0))
+    return {
+        params[p]: sum(_shape_bytes(shape) for _, shape, _ in u)
+        for p, u in uses.items()
+        if u and all(op in ("dynamic-slice", "slice", "gather") and first for op, _, first in u)
+    }
+
+
+def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
+    """Bytes an optimised HLO module reads and writes, loops counted by their trip counts.
+
+    XLA's own ``cost_analysis`` counts a while loop's body once, and a decode step is a loop over
+    the layers. Here every executed instruction outside fused computations (fusions, copies, dots,
+    custom calls, slices, updates, ...) counts its operands' and result's bytes, times the known
+    trip counts of the loops around it; an operand that is only sliced or gathered from counts the
+    part read. An
+    in-place update (``dynamic-update-slice``, or a fusion
+    whose result aliases its first operand and whose root is one) counts the bytes it writes twice
+    (read and write) instead of the whole buffer. Returns the total and the biggest items
+    (bytes, instruction name and ``op_name``).
+    """
+    computations: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name and line.strip() and line.strip() != "}":
+            computations[name].append(line)
+    fused_roots, sliced = {}, {}
+    for comp, lines in computations.items():
+        parsed = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+        fused_roots[comp] = next((op for line, (_, _, op, _, _) in zip(lines, parsed) if "ROOT" in line), "")
+        sliced[comp] = _sliced_parameters(parsed)
+
+    items: list[tuple[int, str]] = []
+
+    def walk(comp: str, times: int) -> int:
+        shapes, total = {}, 0
+        for line in computations[comp]:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            inst, shape, op, operands, attrs = m.groups()
+            shapes[inst] = shape
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+                body = re.search(r"body=%(\S+?)[,\s]", attrs + " ")
+                total += walk(body.group(1), times * (int(trips.group(1)) if trips else 1))
+                continue
+            if op in ("call", "conditional"):  # conditional: every branch counted (an upper bound)
+                for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.-]+)", attrs):
+                    if called in computations:
+                        total += walk(called, times)
+                continue
+            if op in _FREE:
+                continue
+            names = re.findall(r"%([\w.-]+)", operands)
+            called = re.search(r"calls=%([\w.-]+)", attrs)
+            root = fused_roots.get(called.group(1), "") if called else op
+            read = {i: _shape_bytes(shapes.get(n, "")) for i, n in enumerate(names)}
+            if called:  # a fused operand that is only sliced is read only in part
+                read |= sliced.get(called.group(1), {})
+            if op in ("dynamic-slice", "slice", "gather"):
+                read[0] = _shape_bytes(shape)
+            if root in _IN_PLACE and names:  # the first operand is the buffer updated in place
+                nbytes = 2 * sum(v for i, v in read.items() if i > 0)
+            else:
+                nbytes = _shape_bytes(shape) + sum(read.values())
+            meta = re.search(r'op_name="([^"]*)"', attrs)
+            items.append((nbytes * times, f"{op} {inst} {shape} x{times} {meta.group(1) if meta else ''}"))
+            total += nbytes * times
+        return total
+
+    total = walk(entry, 1)
+    return total, sorted(items, reverse=True)[:TOP]
