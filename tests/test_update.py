@@ -317,6 +317,15 @@ def test_update_layout_of_stacked_batches_holds_every_setting():
     assert update_layout(a, L, N) == (24, 16) and update_layout(stacked, L, N) == (32, 16)
 
 
+def assert_same_adam_step(params, expected, lr: float) -> None:
+    """Weights after one Adam step from the same start, their gradients equal up to float32
+    rounding (see the caller)."""
+    diff = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel()
+                           for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected))])
+    assert diff.max() <= 2 * lr * (1 + 1e-3)
+    assert np.mean(diff > 0.01 * lr) <= 3e-4, f"{np.sum(diff > 0.01 * lr)} of {diff.size} weights moved differently"
+
+
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
     """Computing each group's first prompt once (and only the rows' used width) gives the same
@@ -334,10 +343,11 @@ def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
         new_state, metrics = learn(state, traj, HYPER, layout)
         for key in ("rollout/old_log_prob", "actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"):
             np.testing.assert_allclose(metrics[key], full_metrics[key], rtol=2e-5, atol=1e-6, err_msg=key)
-        # Adam's step is lr·m/√v per weight: where a gradient is near 0 its rounding moves the step,
-        # so weights are compared to 1 % of the step size (lr = 1e-3)
-        for new, old in zip(jax.tree.leaves(new_state.actor), jax.tree.leaves(full_state.actor)):
-            np.testing.assert_allclose(new, old, rtol=1e-4, atol=1e-5)
+        # Adam's first step moves each weight by lr·g/(|g| + eps): ±lr wherever |g| ≫ eps, whatever
+        # rounding does to g, and anything up to ±lr where |g| is as small as the rounding itself. So
+        # no weight may differ by more than a sign flip (2·lr), and all but a few in 10⁴ agree to 1 %
+        # of lr; a wrong gradient flips the step of many weights.
+        assert_same_adam_step(new_state.actor, full_state.actor, lr=float(HYPER.actor_lr))
         if estimator == "gae":
             np.testing.assert_allclose(metrics["critic/values/mean"], full_metrics["critic/values/mean"], rtol=2e-5, atol=1e-6)
             np.testing.assert_allclose(metrics["critic/grad_norm"], full_metrics["critic/grad_norm"], rtol=2e-5)
