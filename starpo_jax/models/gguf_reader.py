@@ -153,10 +153,17 @@ def undo_llama_rope_permutation(weights: np.ndarray, n_heads: int) -> np.ndarray
 
 
 def _metadata(reader, path: Path, key: str, default=...):
-    """One metadata value (ints, floats, strings, lists decoded by ``ReaderField.contents``)."""
+    """One metadata value (ints, floats, strings, lists decoded by ``ReaderField.contents``). A
+    float32 value as the shortest decimal that rounds to it, as config.json writes it: the file's
+    1e-05 is float32 9.99999974738e-06, which would make the model's config unequal to the preset's
+    (and its compiled programs another cache entry) while computing with the same float32."""
+    from gguf import GGUFValueType
+
     field = reader.get_field(key)
     if field is None:
         if default is ...:
             raise ModelLoadError(f"{path} lacks the metadata key {key!r}, so its model shape is unknown.")
         return default
+    if field.types == [GGUFValueType.FLOAT32]:
+        return float(str(np.float32(field.contents())))
     return field.contents()

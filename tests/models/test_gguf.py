@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from starpo_jax import bundled
-from starpo_jax.models.config import ModelConfig
+from starpo_jax.models.config import ModelConfig, preset
 from starpo_jax.models.decoder import ModelState, decoder_from_hf_tensors, decoder_to_hf_tensors
 from starpo_jax.models.gguf_reader import read_gguf
 from starpo_jax.models.loading import ModelLoadError, load_model, save_model
@@ -138,6 +138,7 @@ def test_f32_file_gives_back_the_original_weights_exactly(tmp_path, model_type, 
         np.testing.assert_array_equal(tensors[name], value, err_msg=name)
     assert hf_config["model_type"] == model_type
     assert_same_config(hf_config, model.config)
+    assert hf_config["rms_norm_eps"] == model.config.rms_norm_eps == 1e-5  # the decimal, not float32's 9.99999974738e-06
     assert hf_config["attention_bias"] == (model_type == "qwen2")
 
 
@@ -261,6 +262,14 @@ def prompt_tokens(tokenizer, kind: str) -> np.ndarray:
     else:
         text = "The capital of France is"
     return np.asarray([tokenizer(text)["input_ids"]])
+
+
+def test_bundled_model_has_the_presets_config(smollm2):
+    """The memory planner plans the bundled model from its preset; with an equal config the loaded
+    model's structure is the planned one, so a run calls the programs its memory check compiled."""
+    model, _ = smollm2
+    c = model.config
+    assert c == preset("smollm2-135m-instruct", dtype=c.dtype, param_dtype=c.param_dtype, remat=c.remat)
 
 
 def test_bundled_model_holds_exactly_the_tensors_transformers_reads(smollm2, smollm2_reference):
