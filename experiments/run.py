@@ -87,16 +87,16 @@ def main(argv) -> int:
     from starpo_jax.checkpoint import CheckpointError
     from starpo_jax.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.planning import PlanError, available_bytes, check_fits
+    from starpo_jax.planning import PlanError, check_fits
 
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
         checked = check_config(cfg)
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
-        plan = check_fits(checked)  # refuse a run that cannot fit its devices (on CPU: the host) before loading it
-        if plan is not None and plan.runtime and distributed.is_writer():  # CPU: say what the host is asked for
-            print(plan.host_line(available_bytes() or 0), file=sys.stderr, flush=True)
+        fit = check_fits(checked)  # refuse a run that cannot fit its devices (on CPU: the host) before loading it
+        if fit is not None and fit.available is not None and distributed.is_writer():  # CPU: what the host is asked for
+            print(fit.plan.host_line(fit.available), file=sys.stderr, flush=True)
         exp = build_experiment(checked)
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
@@ -104,7 +104,7 @@ def main(argv) -> int:
     if cfg.trainer.overwrite and not cfg.trainer.resume and distributed.is_writer():
         clear_run(out)
     with sharding.use_mesh(exp.mesh):
-        return train(exp)
+        return train(exp, fit.iteration_for(exp) if fit is not None else None)
 
 
 # What a run writes into its output folder (``clear_run`` deletes exactly these).
@@ -143,8 +143,9 @@ def clear_run(out: Path) -> None:
             path.unlink()
 
 
-def train(exp) -> int:
-    """The training loop of a built experiment (inside its mesh)."""
+def train(exp, iteration=None) -> int:
+    """The training loop of a built experiment (inside its mesh). ``iteration``: its
+    ``train.jit_iteration`` when already compiled (``planning.Fit.iteration_for``), else jitted here."""
     import jax
     from flax import nnx
     from tensorboardX import SummaryWriter
@@ -166,8 +167,9 @@ def train(exp) -> int:
 
     # Rollout and update jitted apart (timed apart); the update computes only the positions the
     # batch holds (train.update_layout), a static argument picked per batch on the host.
-    iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
-                              exp.train_plan)
+    if iteration is None:
+        iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
+                                  exp.train_plan)
     val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
     val_rollout = chunked_rollout(exp.val_plan, cfg.trainer.val_chunks,
                                   first_prompts=distinct_first_prompts(exp.val_plan, exp.val_tables, val_init))

@@ -4,13 +4,16 @@ read: the model's shapes come from ``nnx.eval_shape``.
 
 ``plan_memory(exp)`` for an experiment built with ``load=abstract_policy``; ``check_fits(config)``
 is ``experiments.run``'s refusal of a config that cannot fit its accelerators, or on CPU the host's
-available memory. The command line is ``python -m experiments.plan`` (docs/scaling.md).
+available memory. The programs it compiles are the run's own (``train.jit_iteration``'s), and it
+hands them to the run (``Fit.iteration_for``), which so compiles its rollout once. The command line
+is ``python -m experiments.plan`` (docs/scaling.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -192,23 +195,23 @@ def _peak(stats) -> int:
     return stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
 
 
-def compile_programs(exp):
-    """The run's rollout and update (jitted as ``experiments.run`` jits them) compiled for abstract
-    inputs on ``exp.mesh``: (compiled collect, compiled learn, abstract sharded train state)."""
+def compile_programs(exp, iteration):
+    """``iteration``'s rollout and update (``train.jit_iteration``'s, the jitted functions the run
+    calls) compiled for abstract inputs on ``exp.mesh``, the update for every position
+    (``full_layout``, the largest it runs): (compiled collect, compiled learn, abstract sharded train
+    state)."""
     import jax
 
     from starpo_jax import sharding
-    from starpo_jax.train import init_train_state, make_train_step
+    from starpo_jax.train import full_layout, init_train_state
 
-    step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
-    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
     with sharding.use_mesh(exp.mesh):
         state = jax.eval_shape(lambda m: init_train_state(exp.settings, m, jax.random.PRNGKey(0)), exp.model)
         state = _abstract(state, sharding.shardings(state, exp.mesh))
         key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
-        collect_c = collect.lower(state, exp.train_tables, key).compile()
-        traj = _abstract(jax.eval_shape(step_fn.collect, state, exp.train_tables, key), collect_c.output_shardings)
-        learn_c = learn.lower(state, traj, exp.hyper).compile()
+        collect_c = iteration.collect.lower(state, exp.train_tables, key).compile()
+        traj = _abstract(jax.eval_shape(iteration.collect, state, exp.train_tables, key), collect_c.output_shardings)
+        learn_c = iteration.learn.lower(state, traj, exp.hyper, full_layout(exp.train_plan.max_len)).compile()
     return collect_c, learn_c, state
 
 
@@ -223,11 +226,31 @@ def kv_cache_bytes(exp) -> int:
     return 2 * c.num_layers * rows * c.num_kv_heads * plan.max_len * c.head_dim * jnp.dtype(c.dtype).itemsize
 
 
+def iteration_program(exp) -> tuple:
+    """What a run's jitted iteration is a function of (``make_train_step``'s static arguments): two
+    experiments with equal ones run the same programs on the same shapes."""
+    return exp.settings, exp.model.graphdef, exp.train_plan
+
+
+def plan_programs(exp):
+    """The memory plan of a built experiment (its model may be abstract), and the run's iteration
+    (``train.jit_iteration``) whose rollout is the program the plan compiled: a run of an equal
+    ``iteration_program`` calls it instead of compiling its rollout again."""
+    from starpo_jax.train import jit_iteration, make_train_step
+
+    iteration = jit_iteration(make_train_step(*iteration_program(exp)), exp.settings, exp.train_plan)
+    collect_c, learn_c, state = compile_programs(exp, iteration)
+    return _memory_plan(exp, collect_c, learn_c, state), iteration._replace(collect=collect_c)
+
+
 def plan_memory(exp) -> MemoryPlan:
     """The memory plan of a built experiment (its model may be abstract)."""
+    return plan_programs(exp)[0]
+
+
+def _memory_plan(exp, collect_c, learn_c, state) -> MemoryPlan:
     from starpo_jax import sharding
 
-    collect_c, learn_c, state = compile_programs(exp)
     runtime = resident_bytes()
     rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
     train_state = _bytes_per_device(state)
@@ -293,11 +316,29 @@ def available_bytes(meminfo: str | None = None) -> int | None:
     return _proc_field(meminfo, "MemAvailable")
 
 
-def check_fits(config, available: int | None = None) -> MemoryPlan | None:
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """``check_fits``'s answer for a run that fits: the plan, the memory it was checked against, and
+    the run's iteration with the plan's compiled rollout."""
+
+    plan: MemoryPlan
+    available: int | None  # CPU: the host's available memory the plan was checked against; else None
+    iteration: Any  # train.JittedIteration, its collect the program the plan compiled
+    program: tuple  # iteration_program of the planned experiment
+
+    def iteration_for(self, exp):
+        """The planned iteration if ``exp`` (built with the real weights) runs the planned programs,
+        else None: a loaded model whose structure differs from the planner's (a checkpoint's
+        config.json against a preset, say) gets programs of its own."""
+        return self.iteration if iteration_program(exp) == self.program else None
+
+
+def check_fits(config, available: int | None = None) -> Fit | None:
     """``experiments.run``'s check before anything is allocated: plan on the real devices and raise
     ``PlanError`` (with the knob to turn) when the peak exceeds a device's memory. On CPU devices
     the budget is the host's available memory (``available``, default MemAvailable), measured after
-    planning, so what the planning compiles already holds is no longer in it.
+    planning, so what the planning compiles already holds is no longer in it. None where nothing can
+    be checked (a CPU host without /proc, or a model source only loading can read).
     ``config``: a config or ``experiment.check_config``'s result (then it is not checked again)."""
     import jax
 
@@ -313,17 +354,18 @@ def check_fits(config, available: int | None = None) -> MemoryPlan | None:
         if budget is not None:
             raise
         return None  # CPU: a source the planner cannot read without loading (e.g. a missing file) is the load's to report
-    plan = plan_memory(exp)
+    plan, iteration = plan_programs(exp)
     if budget is not None:
         if plan.peak > budget:
             raise PlanError(f"the run does not fit in device memory.\n{plan.report(budget)}")
-        return plan
-    # CPU: the devices share the host's memory, and this process already holds its runtime.
-    budget = (available_bytes() if available is None else available) // len(devices)
-    if plan.peak > budget:
-        _, knob = plan.largest_part()
-        raise PlanError(
-            f"the run needs {gib(plan.peak * len(devices))} of host memory beyond this process's "
-            f"{gib(plan.runtime)}, but only {gib(budget * len(devices))} is available: {knob}.\n{plan.report(budget)}"
-        )
-    return plan
+        available = None  # an accelerator's memory is its own, not the host's
+    else:  # CPU: the devices share the host's memory, and this process already holds its runtime.
+        available = available_bytes() if available is None else available
+        budget = available // len(devices)
+        if plan.peak > budget:
+            _, knob = plan.largest_part()
+            raise PlanError(
+                f"the run needs {gib(plan.peak * len(devices))} of host memory beyond this process's "
+                f"{gib(plan.runtime)}, but only {gib(budget * len(devices))} is available: {knob}.\n{plan.report(budget)}"
+            )
+    return Fit(plan, available, iteration, iteration_program(exp))

@@ -1,6 +1,7 @@
 """The memory planner: its figures for a tiny config are those of the programs that really run, it
 names the knob to turn when a run does not fit, and its command line fails with one sentence."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -169,7 +170,34 @@ def test_a_cpu_run_that_does_not_fit_the_host_is_refused_in_one_sentence():
     sentence = str(err.value).splitlines()[0]
     assert sentence.startswith("the run needs ") and "but only 0.00 GiB is available: " in sentence
     assert "lower" in sentence or "raise" in sentence  # names the knob
-    assert planner.check_fits(config, available=64 * 2**30).runtime > 0  # fits: the plan, with the host's runtime
+
+
+def test_a_run_calls_the_programs_its_memory_check_compiled(caplog):
+    """``check_fits`` hands the run its iteration: the model loaded with real weights has the planned
+    structure, the rollout is the plan's compiled program (which refuses inputs of other shapes or
+    shardings), and the update for every position runs without compiling again."""
+    from starpo_jax import sharding
+    from starpo_jax.experiment import check_config
+    from starpo_jax.train import full_layout, init_train_state
+
+    checked = check_config(base.with_overrides(base.get_config(), TINY))
+    fit = planner.check_fits(checked, available=64 * 2**30)
+    assert fit.available == 64 * 2**30 and fit.plan.runtime > 0  # fits: the plan, with the host's runtime
+    exp = build_experiment(checked)
+    iteration = fit.iteration_for(exp)
+    assert iteration is fit.iteration and isinstance(iteration.collect, jax.stages.Compiled)
+    key = jax.random.PRNGKey(0)
+    with jax.log_compiles(True), sharding.use_mesh(exp.mesh):
+        state = sharding.shard(init_train_state(exp.settings, exp.model, key), exp.mesh)
+        traj = iteration.collect(state, exp.train_tables, key)
+        state, metrics = iteration.learn(state, traj, exp.hyper, full_layout(exp.train_plan.max_len))
+        jax.jit(lambda x: x + 1)(1.0)  # a compile, seen: the log is read
+    assert int(state.step) == 1 and bool(jax.numpy.isfinite(metrics["actor/pg_loss"]))
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert any(m.startswith("Compiling jit(<lambda>)") for m in compiled), compiled
+    assert not [m for m in compiled if m.startswith(("Compiling jit(collect)", "Compiling jit(learn)"))], compiled
+    qwen = planner.abstract_policy(base.with_overrides(checked.config, {"model.random_init_preset": "tiny-qwen2"}))[0]
+    assert fit.iteration_for(dataclasses.replace(exp, model=qwen)) is None  # another structure: the run jits its own
 
 
 def test_proc_readers():
