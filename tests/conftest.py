@@ -3,9 +3,11 @@ import os
 import shutil
 import tempfile
 
-# Tests run on CPU with deterministic float32 math; keep XLA from grabbing every core per process.
+from helpers import simulated_devices  # noqa: E402 (imports no jax)
+
+# Tests run on CPU with deterministic float32 math, on one device, compiled as helpers.py says.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+os.environ.setdefault("XLA_FLAGS", simulated_devices(1)["XLA_FLAGS"])
 
 # One persistent compilation cache for the session (starpo_jax/compilation_cache.py): a program one
 # test process compiled is loaded, not compiled again, by the next. The suite's own folder, removed

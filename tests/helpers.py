@@ -36,6 +36,15 @@ CACHE_VARS = ("STARPO_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
+# Test processes compile with LLVM's optimisations off. XLA:CPU's code generation is most of the
+# compile time of the suite's tiny programs, which run for milliseconds either way (measured on 2
+# loaded cores: a tiny run 178 -> 112 s, tests/test_train.py + test_update.py 915 -> 671 s); the
+# few tests that run the real 135M model run somewhat slower. Matrix products call the same library
+# kernels; elementwise code may round differently from an optimised build (fused multiply-adds),
+# which the suite's tolerances allow, and exact comparisons are between processes compiled alike.
+XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def simulated_devices(devices: int) -> dict[str, str]:
     """The environment of a process with ``devices`` simulated CPU devices.
 
@@ -46,14 +55,14 @@ def simulated_devices(devices: int) -> dict[str, str]:
     collectives, each for the other's device, until XLA aborts (a rendezvous timeout, seen on
     2-device steps). Enough threads that a blocked one never starves the rest: ``PJRT_NPROC``
     sizes the pool."""
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {XLA_TEST_FLAGS}",
             "PJRT_NPROC": str(max(os.cpu_count() or 1, 4 * devices))}
 
 
 def command_env(devices: int | None = None, **extra: str) -> dict[str, str]:
-    """A clean environment for a command (CPU, no inherited XLA flags), with the suite's
-    compilation cache; ``devices`` simulated CPU devices."""
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    """A clean environment for a command (CPU, the suite's XLA flags, none inherited), with the
+    suite's compilation cache; ``devices`` simulated CPU devices."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "XLA_FLAGS": XLA_TEST_FLAGS}
     env |= {k: os.environ[k] for k in CACHE_VARS if k in os.environ}
     if devices is not None:
         env |= simulated_devices(devices)
