@@ -149,7 +149,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     from tqdm import tqdm
 
     from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
+    from starpo_jax.rollout import build_tables, fit_to_tables, initial_states_from_seeds, make_rollout, stop_tokens_for
     from starpo_jax.metrics import rollout_metrics
 
     results, seed = {}, args.seed
@@ -164,7 +164,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
             chat_template=config.model.get("chat_template", "") or None,
             vocab_size=policy.merge().config.vocab_size,
         )
-        plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables))
+        plan = dataclasses.replace(fit_to_tables(plan, tables), stop_tokens=stop_tokens_for(tokenizer, tables))
         rollout = make_rollout(plan)
         sums, t0 = {}, time.perf_counter()
         for chunk in range(args.levels // batch):

@@ -20,7 +20,7 @@ from starpo_jax.contract import check_env
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
 from starpo_jax.prompts import PieceCutError
-from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
+from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, fit_to_tables, stop_tokens_for
 from starpo_jax.settings import (
     ConfigError, Hyperparams, TrainSettings, check_batch_split, check_settings, read_settings,
 )
@@ -219,13 +219,16 @@ def build_experiment(config: ConfigDict | CheckedConfig, load=load_policy) -> Ex
         except PieceCutError as err:  # an env's pieces cut where this tokenizer merges: one sentence
             raise ConfigError(f"envs.{name}.tags: {err}") from err
     stops = stop_tokens_for(tokenizer, tables["train"])
+    # Buffers, KV cache and the update's widest rows sized to what the prompts can reach, not to
+    # rollout.max_model_len when that is more (the same rows play; see fit_to_tables).
+    plans = {name: dataclasses.replace(fit_to_tables(plan, tables[name]), stop_tokens=stops) for name, plan in plans.items()}
     return Experiment(
         config=config,
         model=model,
         tokenizer=tokenizer,
-        train_plan=dataclasses.replace(plans["train"], stop_tokens=stops),
+        train_plan=plans["train"],
         train_tables=tables["train"],
-        val_plan=dataclasses.replace(plans["val"], stop_tokens=stops),
+        val_plan=plans["val"],
         val_tables=tables["val"],
         settings=checked.settings,
         hyper=checked.hyper,
