@@ -20,7 +20,7 @@ from starpo_jax.contract import check_env
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
 from starpo_jax.prompts import PieceCutError
-from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, stop_tokens_for
+from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, fit_to_tables, stop_tokens_for
 from starpo_jax.settings import (
     ConfigError, Hyperparams, TrainSettings, check_batch_split, check_settings, read_settings,
 )
@@ -226,4 +226,7 @@ def tokenized_plan(config: ConfigDict, side: str, plan: RolloutPlan, tokenizer, 
         )
     except PieceCutError as err:  # an env's pieces cut where this tokenizer merges: one sentence
         raise ConfigError(f"envs.{side}.tags: {err}") from err
-    return dataclasses.replace(plan, stop_tokens=stop_tokens_for(tokenizer, tables)), tables
+    # Buffers, KV cache and the update's widest rows sized to what the prompts can reach, not to
+    # rollout.max_model_len when that is more (the same rows play; see fit_to_tables).
+    plan = dataclasses.replace(fit_to_tables(plan, tables), stop_tokens=stop_tokens_for(tokenizer, tables))
+    return plan, tables

@@ -69,7 +69,7 @@ class RolloutPlan:
     max_turn: int
     max_actions_per_turn: int
     response_length: int  # max new tokens per turn
-    max_len: int  # tokens per trajectory, all turns (rollout.max_model_len)
+    max_len: int  # tokens per trajectory, all turns (rollout.max_model_len; ``fit_to_tables`` lowers it to what can be reached)
     enable_think: bool
     format_penalty: float
     top_k: int  # <= 0: no top-k filter
@@ -189,6 +189,22 @@ def stop_tokens_for(tokenizer, tables: RolloutTables) -> tuple[int, ...]:
     if isinstance(end_of_text, int) and end_of_text != tokenizer.unk_token_id:
         ids.add(end_of_text)
     return tuple(sorted(ids))
+
+
+def longest_trajectory(plan: RolloutPlan, tables: RolloutTables) -> int:
+    """The most tokens a trajectory of ``plan`` can hold, whatever ``max_len``: the first prompt,
+    ``max_turn - 1`` later prompts (each opens with the assistant end that closes a cut response)
+    and ``max_turn`` full responses, at the widths of the prompt tables (the widest tag's)."""
+    prompt_tokens = max(t.prompts.first_len + (plan.max_turn - 1) * t.prompts.next_len for t in tables.tags)
+    return prompt_tokens + plan.max_turn * plan.response_length
+
+
+def fit_to_tables(plan: RolloutPlan, tables: RolloutTables) -> RolloutPlan:
+    """``plan`` with ``max_len`` lowered to ``longest_trajectory`` where that is less. The KV cache,
+    the trajectory buffers and the update's widest rows are sized by it (Countdown: 648 tokens of
+    RAGEN's 3,600). Nothing else changes: every turn that fits ``rollout.max_model_len`` fits
+    ``longest_trajectory`` too, so the same rows play and ``context_exhausted`` is the same."""
+    return dataclasses.replace(plan, max_len=min(plan.max_len, longest_trajectory(plan, tables)))
 
 
 # ---- initial states ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from configs import base
 from starpo_jax import planning as planner
 from starpo_jax.experiment import build_experiment
+from starpo_jax.rollout import longest_trajectory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,9 +63,11 @@ def test_planner_figures_are_those_of_the_programs_that_run():
     assert plan.rollout_temp == rollout.temp_size_in_bytes
     assert plan.update_temp == update.temp_size_in_bytes
     assert plan.update_peak == planner._peak(update)
-    # The rollout's working memory holds its KV cache (2 · layers · rows · kv heads · length · head dim · 4 B).
-    c = exp.model.merge().config
-    assert plan.kv_cache == 2 * c.num_layers * 4 * c.num_kv_heads * 320 * c.head_dim * 4
+    # The rollout's working memory holds its KV cache (2 · layers · rows · kv heads · length · head dim · 4 B),
+    # its length the longest trajectory the prompts allow (one Bandit turn: ~210 tokens), not max_model_len.
+    c, length = exp.model.merge().config, longest_trajectory(exp.train_plan, exp.train_tables)
+    assert exp.train_plan.max_len == length < 320
+    assert plan.kv_cache == 2 * c.num_layers * 4 * c.num_kv_heads * length * c.head_dim * 4
     assert plan.kv_cache <= plan.rollout_temp
     # The update donates the state: its buffers are reused for the new state.
     assert update.alias_size_in_bytes >= state_bytes - 64
@@ -72,14 +75,14 @@ def test_planner_figures_are_those_of_the_programs_that_run():
 
 @pytest.mark.slow  # two planner compiles, ~1 min on 2 loaded cores; tests/models/test_remat.py checks the same on the decoder's gradient
 def test_remat_lowers_the_updates_working_memory():
-    """The real update of the tiny run (3 layers, 2 rows of 320 tokens per gradient pass): without
+    """The real update of the tiny run (3 layers, 2 rows of T ≈ 210 tokens per gradient pass): without
     remat its backward pass keeps every layer's float32 attention probabilities [rows, heads, T, T];
     recomputing each layer keeps one layer's at a time."""
     configs = {remat: base.with_overrides(base.get_config(), {**TINY, "model.remat": remat}) for remat in ("none", "layer")}
-    plans = {remat: planner.plan_memory(build_experiment(config, load=planner.abstract_policy))
-             for remat, config in configs.items()}
-    c = planner.model_config_and_tokenizer(configs["none"])[0]
-    one_layer_probabilities = 2 * c.num_heads * 320 * 320 * 4
+    exps = {remat: build_experiment(config, load=planner.abstract_policy) for remat, config in configs.items()}
+    plans = {remat: planner.plan_memory(exp) for remat, exp in exps.items()}
+    c, T = planner.model_config_and_tokenizer(configs["none"])[0], exps["none"].train_plan.max_len
+    one_layer_probabilities = 2 * c.num_heads * T * T * 4
     assert plans["none"].update_temp - plans["layer"].update_temp >= (c.num_layers - 1) * one_layer_probabilities
     assert plans["none"].rollout_temp == plans["layer"].rollout_temp  # decoding has no backward pass
     assert (plans["none"].remat, plans["layer"].remat) == ("none", "layer")

@@ -477,3 +477,90 @@ def test_distinct_first_prompts_counts_the_bandits_two_arm_orders(smollm2_tokeni
     init = initial_states_from_seeds(plan, 123)
     orders = {bool(x) for x in np.asarray(init[0].hi_first)}
     assert R_.distinct_first_prompts(plan, tables, init) == len(orders) == 2
+
+
+# ---- the buffers' length: what a trajectory can reach ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FillerResponder:
+    """Every playing row answers with ``length`` filler tokens and no stop token: each response is
+    cut, holds no action and is closed by the next prompt's whole assistant end, so every row plays
+    every turn at full length, the longest conversation a plan allows."""
+
+    filler: int
+    length: int
+
+    def init(self, model, batch_size):
+        return jnp.zeros((), jnp.int32)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        tokens = jnp.full((prompt_ids.shape[0], self.length), self.filler, jnp.int32)
+        lengths = jnp.where(active, self.length, 0)
+        return DecodeOutput(tokens=tokens, logprobs=-jnp.ones(tokens.shape), lengths=lengths, cache=cache, last_logits=None)
+
+
+def assert_same_rows(wide, narrow, logprob_atol=0.0):
+    """The same trajectories in buffers of two widths: equal up to the narrow width (the sampler's
+    log-probs within ``logprob_atol``), nothing past it."""
+    width = narrow.tokens.shape[1]
+    for name, a, b in zip(R_.Trajectories.__dataclass_fields__, jax.tree.leaves(wide), jax.tree.leaves(narrow)):
+        a, b = np.asarray(a), np.asarray(b)
+        if name in ("tokens", "loss_mask", "sampler_logprobs"):
+            assert not a[:, width:].any(), name  # padding (pad id 0) only
+            a = a[:, :width]
+        if name == "sampler_logprobs":
+            np.testing.assert_allclose(b, a, rtol=0, atol=logprob_atol, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_buffers_fit_the_longest_trajectory_and_play_the_same_rows(smollm2_tokenizer, scripted):
+    """``fit_to_tables`` sizes the buffers and the KV cache to ``longest_trajectory``: a true bound
+    (the longest conversations, every turn of four envs at full length, fit it, and no row runs out
+    of context that did not before), and the same rows play to the same end. The responders here
+    ignore the cache, so both widths run the same program on the same values: equal exactly."""
+    tok = smollm2_tokenizer
+    tags = tuple(TagPlan(name, envs_jax.make(name), 2, budget) for name, budget in
+                 (("SimpleSokoban", 10), ("FrozenLake", 10), ("Countdown", 1), ("Bandit", 1)))
+    plan = RolloutPlan(tags=tags, group_size=1, max_turn=3, max_actions_per_turn=2, response_length=R, max_len=4096)
+    tables = build_tables(tok, plan)
+    plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
+    longest = R_.longest_trajectory(plan, tables)
+    filler = FillerResponder(tok.encode(" go", add_special_tokens=False)[0], R)
+    init = initial_states_from_seeds(plan, 123)
+    key = jax.random.PRNGKey(0)
+
+    wide = jax.device_get(make_rollout(plan, filler)(None, tables, init, key, 1.0))
+    assert (wide.num_turns == 3).all() and not wide.context_exhausted.any()
+    assert wide.length.max() <= longest < plan.max_len
+    fitted = R_.fit_to_tables(plan, tables)
+    assert fitted.max_len == longest
+    assert_same_rows(wide, jax.device_get(make_rollout(fitted, filler)(None, tables, init, key, 1.0)))
+    # below the bound the user's max_model_len stays the cap: rows run out of context as before
+    short = dataclasses.replace(plan, max_len=int(wide.length.max()) - 1)
+    assert R_.fit_to_tables(short, tables) == short
+    assert jax.device_get(make_rollout(short, filler)(None, tables, init, key, 1.0)).context_exhausted.any()
+
+    # the scripted Sokoban rows: solves, invalid and unknown actions, the budget spent, a cut response
+    _, _, plan, tables, responder = scripted
+    fitted = R_.fit_to_tables(plan, tables)
+    assert fitted.max_len < plan.max_len
+    init = initial_states_from_seeds(plan, 10001)
+    assert_same_rows(jax.device_get(make_rollout(plan, responder)(None, tables, init, key, 1.0)),
+                     jax.device_get(make_rollout(fitted, responder)(None, tables, init, key, 1.0)))
+
+
+def test_the_model_samples_the_same_in_a_cache_fitted_to_the_longest_trajectory(smollm2_rollout):
+    """SmolLM2 in a cache of ``longest_trajectory`` slots rather than 1,024: the same tokens and
+    turns. The masked slots add exactly zero to attention, but its reductions run over another
+    length (and decode in other windows), so sums are ordered differently: log-probs agree to
+    float32 rounding carried through 30 layers (2.4e-5 at most, measured), not bit for bit. A token
+    drawn within that of a boundary of the sampler's distribution would differ; none of these does."""
+    model, tok, plan, traj = smollm2_rollout
+    tables = build_tables(tok, plan)
+    fitted = R_.fit_to_tables(plan, tables)
+    assert fitted.max_len < plan.max_len
+    init = initial_states_from_seeds(plan, 123)
+    narrow = jax.device_get(make_rollout(fitted)(model, tables, init, jax.random.PRNGKey(0), 1.0))
+    assert_same_rows(traj, narrow, logprob_atol=1e-4)

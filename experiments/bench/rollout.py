@@ -89,6 +89,7 @@ from starpo_jax.rollout import (
     TagPlan,
     build_tables,
     initial_states_from_seeds,
+    longest_trajectory,
     make_rollout,
     stop_tokens_for,
 )
@@ -122,8 +123,8 @@ def load_subject(name: str, dtype: str) -> Subject:
 
 def make_plan(tokenizer, args) -> tuple[RolloutPlan, RolloutTables]:
     """The rollout plan of the benchmark and its token tables; ``max_len`` defaults to the longest
-    conversation the turns can produce (the first prompt, ``max_turn - 1`` later prompts and
-    ``max_turn`` full responses), so no episode runs out of context."""
+    conversation the turns can produce (``rollout.longest_trajectory``), so no episode runs out of
+    context."""
     env = envs_jax.make(args.env)
     plan = RolloutPlan(
         tags=(TagPlan(args.env, env, args.groups, args.max_actions_per_traj),),
@@ -132,8 +133,7 @@ def make_plan(tokenizer, args) -> tuple[RolloutPlan, RolloutTables]:
         response_length=args.response_length,
     )
     tables = build_tables(tokenizer, plan)
-    pieces = tables.tags[0].prompts
-    longest = pieces.first_len + (args.max_turn - 1) * pieces.next_len + args.max_turn * args.response_length
+    longest = longest_trajectory(plan, tables)
     plan = dataclasses.replace(plan, max_len=args.max_len or longest, stop_tokens=stop_tokens_for(tokenizer, tables))
     return plan, tables
 
