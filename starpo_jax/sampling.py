@@ -18,15 +18,23 @@ trainer recomputes from logits (RAGEN/veRL divide logits by the rollout temperat
 top-k off there anyway). Greedy rows (temperature 0) report ``log_softmax(logits)[token]``.
 
 Randomness: step t uses ``jax.random.fold_in(key, t)`` for the whole batch, so the same key gives
-the same tokens bit for bit.
+the same tokens bit for bit. The Gumbel noise over the vocabulary is jax's threefry stream, drawn
+with the hash unrolled (``_threefry_bits_unrolled``, the same bits): jax's CPU lowering is a rolled
+loop that made the noise a fifth of a decode step's bytes.
+
+The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights
+per layer once per call and carries the cache as one buffer per layer (``LayerCache``), split from
+the stacked ``KVCache`` on entry and stacked back on exit; each step runs the blocks unrolled
+(``Decoder.extend_layers``). ``append`` and the callers hold the stacked ``KVCache``
+(models/decoder.py says why, and what it costs).
 
 Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
 of it. ``decode`` therefore runs in the smallest of a few static windows (``decode_windows``: the
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
-budget: the window's slots are copied out once per call, decoded in, and copied back, so each step
-reads only the window. One ``lax.switch`` per call picks it; the results are the same as decoding
-in the whole cache, since no live row can reach the window's end.
+budget: the window's slots are copied out once per call (into the per-layer buffers), decoded in,
+and copied back, so each step reads only the window. One ``lax.switch`` per call picks it; the
+results are the same as decoding in the whole cache, since no live row can reach the window's end.
 """
 
 from __future__ import annotations
@@ -47,8 +55,8 @@ from starpo_jax.models.decoder import KVCache, LayerCache, ModelState
 Array = jax.Array
 
 __all__ = [
-    "KVCache", "LayerCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode", "decode_step",
-    "initial_decode_state", "generate", "sample_logits", "sampling_policy",
+    "KVCache", "LayerCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode",
+    "decode_step", "initial_decode_state", "generate", "sample_logits", "sampling_policy",
 ]
 
 
@@ -139,7 +147,7 @@ def _threefry_bits_unrolled(key_data: Array, bit_width: int, shape: tuple[int, .
     size = math.prod(shape)
     if bit_width != 32 or size >= 2**32 or not jax.config.jax_threefry_partitionable:
         return _THREEFRY.random_bits(key_data, bit_width, shape)
-    counts = jax.lax.iota(jnp.uint32, size).reshape(shape)  # the key's stream: counters 0, 1, ... (high word 0)
+    counts = jax.lax.iota(jnp.uint32, size).reshape(shape)  # counters 0, 1, ...; their high words are 0
     bits1, bits2 = _threefry2x32(key_data[0], key_data[1], jnp.zeros_like(counts), counts)
     return bits1 ^ bits2
 
@@ -234,8 +242,8 @@ def initial_decode_state(cache: LayerCache, last_logits: Array, max_new_tokens: 
     )
 
 
-def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k: int, top_p: float, stops: Array,
-                pad_id: int) -> DecodeState:
+def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k: int, top_p: float,
+                stops: Array, pad_id: int) -> DecodeState:
     """One token for every live row: sample from ``s.logits``, run it through the model, record it.
     ``weights``: the blocks' weights split per layer (``decoder.layers.per_layer()``), once per call."""
     live = ~s.done

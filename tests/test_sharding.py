@@ -155,7 +155,8 @@ with sharding.use_mesh(mesh):
     model = ModelState(graphdef, placed(params, lambda x: P()))
     cache = placed(sampling.init_cache(config, B, 32), lambda x: P(None, sharding.ROWS) if x.ndim == 5 else by_rows(x))
     # The decode loop's state: the cache as one buffer per layer [B, kv_heads, 32, d], rows split.
-    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), jnp.zeros((B, config.vocab_size)), 4, None), cache)
+    logits = jnp.zeros((B, config.vocab_size))
+    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), logits, 4, None), cache)
     state = placed(state, by_rows)
     weights = placed(jax.eval_shape(lambda m: m.merge().layers.per_layer(), model), lambda x: P())
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))

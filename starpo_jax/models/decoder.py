@@ -5,7 +5,7 @@ RMSNorm(x). GQA, RoPE with θ from the config, q/k/v biases for Qwen2, tied or u
 
 Layout choices:
 - Every layer weight is stacked along a leading ``layers`` axis and the forward is one ``lax.scan``,
-  so compile time does not grow with depth.
+  so compile time does not grow with depth (decoding excepted, below).
 - Weights are stored ``[in..., out...]`` (``x @ W``), heads kept as their own axis: q_proj is
   ``[embed, heads, kv]``. Logical axis names (``nnx.Param`` metadata ``out_sharding``): ``layers``,
   ``vocab``, ``embed``, ``heads`` (query heads), ``kv_heads`` (key/value heads, kept apart from
@@ -28,11 +28,17 @@ Layout choices:
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway.
 
-Known cost: the layer scan hands each block its cache slice (and its weights) through a dynamic
-slice, which XLA:CPU materialises: a copy of one layer's cache per block, 27 % of the bytes of a
-Qwen2.5-0.5B decode step at batch 128 (``python -m experiments.bench_step --cost-only``; carrying
-the cache through the scan or unrolling it made XLA copy more, docs/benchmarks.md). Removing it
-needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
+Decoding does not scan. The scan hands each block its weights and its slice of the stacked cache
+through dynamic slices, which XLA materialised at every decoded token: a copy of every weight and of
+the whole live cache per step, 41 % of the bytes of a Qwen2.5-0.5B decode step at batch 128
+(``python -m experiments.bench_step --cost-only``, docs/benchmarks.md). The decode step
+(``extend_layers``) instead takes the blocks' weights split once per decode call
+(``DecoderLayers.per_layer``) and the cache as one buffer per layer (``LayerCache``, split from the
+stacked ``KVCache`` and stacked back once per call), with the blocks unrolled: each writes its
+token's keys and values into its own buffer, then attends to that buffer, so XLA reads and updates
+it in place. (A read the write does not wait for makes XLA copy the buffer first.) The price is a
+second copy of the weights and of the cache window while a call runs, and compile time that grows
+with depth in the decode loop only; prefill (``extend``) and the training passes keep the scan.
 Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
 window of the cache (``KVCache.head``) just large enough for the live rows.
 """
@@ -316,8 +322,10 @@ def _project(x: Array, w: Array, bias: Array | None) -> Array:
 
 def _rounded(x: Array) -> Array:
     """x rounded to its dtype, as a scan over the layers stores each block's output: XLA may keep
-    a half-precision intermediate in float32 (excess precision) unless told to round it."""
+    a bfloat16 intermediate in float32 (excess precision) unless told to round it. float32 as is."""
     info = jnp.finfo(x.dtype)
+    if info.bits >= 32:
+        return x
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
@@ -397,7 +405,8 @@ class DecoderLayers(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training, ``extend`` for the KV-cached sampler."""
+    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training; ``extend`` (prefill) and
+    ``extend_layers`` (the decode step) for the KV-cached sampler."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config

@@ -161,6 +161,18 @@ def test_sample_logits_filters_and_logprobs():
     assert tokens[1] == 0 and np.isclose(logprobs[1], np.log(0.5))  # greedy row: log_softmax(logits)
 
 
+def test_the_unrolled_threefry_draws_jaxs_bits():
+    """The sampler's noise is jax's threefry stream with the hash unrolled: the same bits as
+    ``jax.random.bits`` and the same draws as ``jax.random.categorical``, typed or raw keys."""
+    logits = jax.random.normal(jax.random.key(1), (3, 1000))
+    for key in (jax.random.key(0), jax.random.fold_in(jax.random.key(3), 17), jax.random.PRNGKey(5)):
+        for shape in ((3, 1000), (7,), (2, 3, 4)):
+            bits = jax.jit(lambda k, shape=shape: jax.random.bits(sampling._unrolled(k), shape, jnp.uint32))(key)
+            np.testing.assert_array_equal(bits, jax.random.bits(key, shape, jnp.uint32))
+        draws = jax.jit(lambda k: jax.random.categorical(sampling._unrolled(k), logits))(key)
+        np.testing.assert_array_equal(draws, jax.random.categorical(key, logits))
+
+
 def test_chunked_prefill_equals_one_block(tiny):
     _, _, model = tiny
     rows = [np.random.default_rng(5).integers(0, 256, n) for n in (17, 12, 3)]
@@ -264,7 +276,8 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile().as_text()
     computations, called = _called(hlo)
     layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
-    layer_shapes = {layer_cache} | {tuple(d for d in w.shape if d != 1) for w in model.merge().layers.per_layer()[0].values()}
+    weights = model.merge().layers.per_layer()[0].values()
+    layer_shapes = {layer_cache} | {tuple(d for d in w.shape if d != 1) for w in weights}
     loops = [re.search(r"body=%([\w.-]+)", line).group(1) for lines in computations.values() for line in lines
              if re.search(r" while\(", line)]  # fmt: skip
     body = max(loops, key=lambda b: len(_reachable(b, called)))  # the decode loop holds any other
