@@ -18,34 +18,45 @@ trainer recomputes from logits (RAGEN/veRL divide logits by the rollout temperat
 top-k off there anyway). Greedy rows (temperature 0) report ``log_softmax(logits)[token]``.
 
 Randomness: step t uses ``jax.random.fold_in(key, t)`` for the whole batch, so the same key gives
-the same tokens bit for bit.
+the same tokens bit for bit. The Gumbel noise over the vocabulary is jax's threefry stream, drawn
+with the hash unrolled (``_threefry_bits_unrolled``, the same bits): jax's CPU lowering is a rolled
+loop that made the noise a fifth of a decode step's bytes.
+
+The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights
+per layer once per call and carries the cache as one buffer per layer (``LayerCache``), split from
+the stacked ``KVCache`` on entry and stacked back on exit; each step runs the blocks unrolled
+(``Decoder.extend_layers``). ``append`` and the callers hold the stacked ``KVCache``
+(models/decoder.py says why, and what it costs).
 
 Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
 of it. ``decode`` therefore runs in the smallest of a few static windows (``decode_windows``: the
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
-budget: the window's slots are copied out once per call, decoded in, and copied back, so each step
-reads only the window. One ``lax.switch`` per call picks it; the results are the same as decoding
-in the whole cache, since no live row can reach the window's end.
+budget: the window's slots are copied out once per call (into the per-layer buffers), decoded in,
+and copied back, so each step reads only the window. One ``lax.switch`` per call picks it; the
+results are the same as decoding in the whole cache, since no live row can reach the window's end.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from starpo_jax import sharding
 from starpo_jax.models.config import ModelConfig
-from starpo_jax.models.decoder import KVCache, ModelState
+from starpo_jax.models.decoder import KVCache, LayerCache, ModelState
 
 Array = jax.Array
 
 __all__ = [
-    "KVCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode", "decode_step",
-    "initial_decode_state", "generate", "sample_logits", "sampling_policy",
+    "KVCache", "LayerCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode",
+    "decode_step", "initial_decode_state", "generate", "sample_logits", "sampling_policy",
 ]
 
 
@@ -108,6 +119,56 @@ def _top_p_filter(logits: Array, p: float) -> Array:
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, alternating every 4 rounds
+
+
+def _threefry2x32(k1: Array, k2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
+    """The Threefry-2x32 hash (20 rounds) of counters x1, x2 under key (k1, k2), unrolled as in
+    jax's own lowering for accelerators."""
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x = [x1 + ks[0], x2 + ks[1]]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = x[0] ^ ((x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r)))
+        x[0] = x[0] + ks[(i + 1) % 3]
+        x[1] = x[1] + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x[0], x[1]
+
+
+_THREEFRY = jax.extend.random.threefry_prng_impl
+
+
+def _threefry_bits_unrolled(key_data: Array, bit_width: int, shape: tuple[int, ...]) -> Array:
+    """``jax.random.bits`` of a threefry key, the same bits, with the hash unrolled. jax lowers
+    threefry for the CPU as a rolled loop of 5 steps that reads, writes and copies the [B, V]
+    counters at each (a fifth of a decode step's bytes at Qwen2.5's vocabulary); unrolled, it is
+    one fused pass. Other widths, huge shapes and the non-partitionable stream are left to jax."""
+    size = math.prod(shape)
+    if bit_width != 32 or size >= 2**32 or not jax.config.jax_threefry_partitionable:
+        return _THREEFRY.random_bits(key_data, bit_width, shape)
+    counts = jax.lax.iota(jnp.uint32, size).reshape(shape)  # counters 0, 1, ...; their high words are 0
+    bits1, bits2 = _threefry2x32(key_data[0], key_data[1], jnp.zeros_like(counts), counts)
+    return bits1 ^ bits2
+
+
+_THREEFRY_UNROLLED = jax.extend.random.define_prng_impl(
+    key_shape=(2,), seed=_THREEFRY.seed, split=_THREEFRY.split, random_bits=_threefry_bits_unrolled,
+    fold_in=_THREEFRY.fold_in, name="threefry2x32_unrolled", tag="fru",
+)
+
+
+def _unrolled(key: Array) -> Array:
+    """A threefry key (typed, or raw uint32[2]) as the same key whose bits are drawn unrolled."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if str(jax.random.key_impl(key)) != "threefry2x32":
+            return key
+        key = jax.random.key_data(key)
+    elif jax.config.jax_default_prng_impl != "threefry2x32":
+        return key
+    return jax.random.wrap_key_data(key, impl=_THREEFRY_UNROLLED)
+
+
 def sample_logits(
     logits: Array, key: Array, temperature: Array | float, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[Array, Array]:
@@ -125,7 +186,7 @@ def sample_logits(
         filtered = _top_k_filter(filtered, top_k)
     if top_p < 1.0:
         filtered = _top_p_filter(filtered, top_p)
-    sampled = jax.random.categorical(key, filtered, axis=-1)
+    sampled = jax.random.categorical(_unrolled(key), filtered, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
@@ -158,7 +219,7 @@ class DecodeState:
     """What the decode loop carries from one step to the next."""
 
     step: Array
-    cache: KVCache
+    cache: LayerCache
     logits: Array
     tokens: Array
     logprobs: Array
@@ -166,7 +227,7 @@ class DecodeState:
     done: Array
 
 
-def initial_decode_state(cache: KVCache, last_logits: Array, max_new_tokens: int, active: Array | None,
+def initial_decode_state(cache: LayerCache, last_logits: Array, max_new_tokens: int, active: Array | None,
                          pad_id: int = 0) -> DecodeState:
     B = last_logits.shape[0]
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
@@ -181,14 +242,15 @@ def initial_decode_state(cache: KVCache, last_logits: Array, max_new_tokens: int
     )
 
 
-def decode_step(decoder, s: DecodeState, key: Array, temperature, top_k: int, top_p: float, stops: Array,
-                pad_id: int) -> DecodeState:
-    """One token for every live row: sample from ``s.logits``, run it through the model, record it."""
+def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k: int, top_p: float,
+                stops: Array, pad_id: int) -> DecodeState:
+    """One token for every live row: sample from ``s.logits``, run it through the model, record it.
+    ``weights``: the blocks' weights split per layer (``decoder.layers.per_layer()``), once per call."""
     live = ~s.done
     token, logprob = sample_logits(s.logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
     token = jnp.where(live, token, pad_id)
     logprob = jnp.where(live, logprob, 0.0)
-    hidden, cache = decoder.extend(token[:, None], live.astype(jnp.int32), s.cache)
+    hidden, cache = decoder.extend_layers(token[:, None], live.astype(jnp.int32), s.cache, weights)
     # Finished rows keep the logits after their last real token.
     logits = jnp.where(live[:, None], decoder.logits(hidden[:, 0]), s.logits)
     stopped = jnp.any(token[:, None] == stops, axis=-1)
@@ -228,6 +290,7 @@ def decode(
     ``windowed=False`` always decodes in the whole cache (for comparison; see the module docstring).
     """
     decoder = model.merge()
+    weights = decoder.layers.per_layer()  # once per call, not per token
     B = last_logits.shape[0]
     stops = _stop_table(stop_tokens, B)
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
@@ -236,27 +299,28 @@ def decode(
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
     def body(s: DecodeState) -> DecodeState:
-        return decode_step(decoder, s, key, temperature, top_k, top_p, stops, pad_id)
+        return decode_step(decoder, weights, s, key, temperature, top_k, top_p, stops, pad_id)
 
-    def decode_in(cache: KVCache) -> DecodeState:
-        init = initial_decode_state(cache, last_logits, max_new_tokens, active, pad_id)
-        return jax.lax.while_loop(cond, body, init)
+    def decode_in(cache: KVCache) -> DecodeOutput:
+        # The loop carries the cache as one buffer per layer, split once here and stacked back after.
+        init = initial_decode_state(cache.unstack(), last_logits, max_new_tokens, active, pad_id)
+        s = jax.lax.while_loop(cond, body, init)
+        return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=s.cache.stack(),
+                            last_logits=s.logits)
 
     def in_window(size: int):
-        def decode_in_head(full: KVCache) -> DecodeState:
-            s = decode_in(full.head(size))
-            return s.replace(cache=full.with_head(s.cache))
+        def decode_in_head(full: KVCache) -> DecodeOutput:
+            out = decode_in(full.head(size))
+            return out.replace(cache=full.with_head(out.cache))
 
         return decode_in if size == cache.max_len else decode_in_head
 
     windows = decode_windows(cache.max_len) if windowed else (cache.max_len,)
     if len(windows) == 1:
-        s = decode_in(cache)
-    else:
-        needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
-        branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
-        s = jax.lax.switch(branch, [in_window(size) for size in windows], cache)
-    return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=s.cache, last_logits=s.logits)
+        return decode_in(cache)
+    needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
+    branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
+    return jax.lax.switch(branch, [in_window(size) for size in windows], cache)
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size", "top_k", "top_p", "pad_id", "windowed"))

@@ -154,19 +154,22 @@ by_rows = lambda x: P() if x.ndim == 0 else P(sharding.ROWS)  # batch first; sca
 with sharding.use_mesh(mesh):
     model = ModelState(graphdef, placed(params, lambda x: P()))
     cache = placed(sampling.init_cache(config, B, 32), lambda x: P(None, sharding.ROWS) if x.ndim == 5 else by_rows(x))
-    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c, jnp.zeros((B, config.vocab_size)), 4, None), cache)
-    state = placed(state, by_rows).replace(cache=cache)
+    # The decode loop's state: the cache as one buffer per layer [B, kv_heads, 32, d], rows split.
+    logits = jnp.zeros((B, config.vocab_size))
+    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), logits, 4, None), cache)
+    state = placed(state, by_rows)
+    weights = placed(jax.eval_shape(lambda m: m.merge().layers.per_layer(), model), lambda x: P())
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    step = lambda m, s, k: sampling.decode_step(m.merge(), s, k, 1.0, 0, 1.0, jnp.full((B, 1), -1), 0)
-    decode = jax.jit(step, donate_argnums=1).lower(model, state, key).compile().as_text()
+    step = lambda m, w, s, k: sampling.decode_step(m.merge(), w, s, k, 1.0, 0, 1.0, jnp.full((B, 1), -1), 0)
+    decode = jax.jit(step, donate_argnums=2).lower(model, weights, state, key).compile().as_text()
     tokens = placed(jax.ShapeDtypeStruct((B, T), jnp.int32), by_rows)
     num_new = placed(jax.ShapeDtypeStruct((B,), jnp.int32), by_rows)
     extend = lambda m, c, t, n: m.merge().extend(t, n, c)[1]
     prefill = jax.jit(extend, donate_argnums=1).lower(model, cache, tokens, num_new).compile().as_text()
 collective = r"= ([^=]+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
-local = f"[{config.num_layers},{B // 2},{config.num_kv_heads},32,{config.head_dim}]"  # a device's half of the cache
+local = f"{B // 2},{config.num_kv_heads},32,{config.head_dim}]"  # a device's half of a layer's cache
 print(json.dumps({"decode": re.findall(collective, decode), "prefill": re.findall(collective, prefill),
-                  "partitioned": local in decode and local in prefill}))
+                  "partitioned": f"[{local}" in decode and f"[{config.num_layers},{local}" in prefill}))
 """
 
 

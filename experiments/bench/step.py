@@ -249,15 +249,17 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     on_cpu = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)  # noqa: E731
     model = ModelState(graphdef, jax.tree.map(on_cpu, params))
+    # The blocks' weights split per layer, as the decode loop takes them (once per call).
+    weights = jax.tree.map(on_cpu, jax.eval_shape(lambda m: m.merge().layers.per_layer(), model))
     state = jax.tree.map(on_cpu, jax.eval_shape(lambda: sampling.initial_decode_state(
-        sampling.init_cache(config, batch, window), jnp.zeros((batch, config.vocab_size)), 1, None)))
+        sampling.init_cache(config, batch, window).unstack(), jnp.zeros((batch, config.vocab_size)), 1, None)))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=cpu)
 
-    def step(model, state, key):
-        return sampling.decode_step(model.merge(), state, key, 1.0, 0, 1.0, jnp.full((batch, 1), -1), 0)
+    def step(model, weights, state, key):
+        return sampling.decode_step(model.merge(), weights, state, key, 1.0, 0, 1.0, jnp.full((batch, 1), -1), 0)
 
     # The state is donated, as the decode loop carries it: its cache is updated in place.
-    hlo = jax.jit(step, donate_argnums=1).lower(model, state, key).compile().as_text()
+    hlo = jax.jit(step, donate_argnums=2).lower(model, weights, state, key).compile().as_text()
     total, biggest = hlo_bytes(hlo)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize

@@ -5,7 +5,7 @@ RMSNorm(x). GQA, RoPE with θ from the config, q/k/v biases for Qwen2, tied or u
 
 Layout choices:
 - Every layer weight is stacked along a leading ``layers`` axis and the forward is one ``lax.scan``,
-  so compile time does not grow with depth.
+  so compile time does not grow with depth (decoding excepted, below).
 - Weights are stored ``[in..., out...]`` (``x @ W``), heads kept as their own axis: q_proj is
   ``[embed, heads, kv]``. Logical axis names (``nnx.Param`` metadata ``out_sharding``): ``layers``,
   ``vocab``, ``embed``, ``heads`` (query heads), ``kv_heads`` (key/value heads, kept apart from
@@ -28,11 +28,17 @@ Layout choices:
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway.
 
-Known cost: the layer scan hands each block its cache slice (and its weights) through a dynamic
-slice, which XLA:CPU materialises: a copy of one layer's cache per block, 27 % of the bytes of a
-Qwen2.5-0.5B decode step at batch 128 (``python -m experiments.bench.step --cost-only``; carrying
-the cache through the scan or unrolling it made XLA copy more, docs/benchmarks.md). Removing it
-needs an attention kernel that reads the stacked cache in place (e.g. Pallas).
+Decoding does not scan. The scan hands each block its weights and its slice of the stacked cache
+through dynamic slices, which XLA materialised at every decoded token: a copy of every weight and of
+the whole live cache per step, 41 % of the bytes of a Qwen2.5-0.5B decode step at batch 128
+(``python -m experiments.bench.step --cost-only``, docs/benchmarks.md). The decode step
+(``extend_layers``) instead takes the blocks' weights split once per decode call
+(``DecoderLayers.per_layer``) and the cache as one buffer per layer (``LayerCache``, split from the
+stacked ``KVCache`` and stacked back once per call), with the blocks unrolled: each writes its
+token's keys and values into its own buffer, then attends to that buffer, so XLA reads and updates
+it in place. (A read the write does not wait for makes XLA copy the buffer first.) The price is a
+second copy of the weights and of the cache window while a call runs, and compile time that grows
+with depth in the decode loop only; prefill (``extend``) and the training passes keep the scan.
 Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
 window of the cache (``KVCache.head``) just large enough for the live rows.
 """
@@ -160,28 +166,61 @@ class KVCache:
         (Writing past ``max_len`` is a caller error that cannot raise inside jit: those tokens are
         lost; ``decode`` stops a row when its cache row is full.)
         """
-        real = jnp.arange(positions.shape[1])[None, :] < num_new[:, None]
-        positions = jnp.where(real, positions, self.max_len)
+        slots = _write_slots(positions, num_new, self.max_len)
+        return KVCache(k=_write_rows(self.k, k_new, slots), v=_write_rows(self.v, v_new, slots),
+                       lengths=self.lengths + num_new)
 
-        # One scatter over every row, with the batch a *batching* dimension of the scatter (row b's
-        # update goes to row b), not a scattered index: XLA's SPMD partitioner then keeps each row's
-        # write on the device that holds the row. Indexing by (row, slot) pairs instead made it send
-        # every row's new keys and values to every device (two all-gathers per decoded token on a
-        # data- or fsdp-split batch; docs/scaling.md). ``jax.vmap`` over rows builds the same
-        # scatter but moves the batch axis first, copying the whole cache twice per step.
-        dims = jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(0, 3, 4),  # new's layers, kv_heads, head_dim
-            inserted_window_dims=(3,),  # one slot per update
-            scatter_dims_to_operand_dims=(3,),
-            operand_batching_dims=(1,),
-            scatter_indices_batching_dims=(0,),
-        )
+    def unstack(self) -> "LayerCache":
+        """The same cache as one buffer per layer (a copy): the decode loop's layout."""
+        return LayerCache(k=tuple(self.k), v=tuple(self.v), lengths=self.lengths)
 
-        def put(cache: Array, new: Array) -> Array:
-            return jax.lax.scatter(cache, positions[..., None], new.astype(cache.dtype), dims,
-                                   mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
-        return KVCache(k=put(self.k, k_new), v=put(self.v, v_new), lengths=self.lengths + num_new)
+@struct.dataclass
+class LayerCache:
+    """A ``KVCache`` as one buffer per layer, the layout the decode loop carries: each block reads
+    and writes its own buffer in place, where slicing one layer out of the stacked ``[layers, ...]``
+    cache made XLA copy that layer's whole cache at every token."""
+
+    k: tuple[Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
+    v: tuple[Array, ...]
+    lengths: Array  # [batch] int32: slots [0, length) are valid
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def stack(self) -> KVCache:
+        """The inverse of ``KVCache.unstack`` (a copy)."""
+        return KVCache(k=jnp.stack(self.k), v=jnp.stack(self.v), lengths=self.lengths)
+
+
+def _write_slots(positions: Array, num_new: Array, max_len: int) -> Array:
+    """Each new token's slot [batch, T]: its position if real, else ``max_len`` (out of range, dropped)."""
+    real = jnp.arange(positions.shape[1])[None, :] < num_new[:, None]
+    return jnp.where(real, positions, max_len)
+
+
+def _write_rows(cache: Array, new: Array, slots: Array) -> Array:
+    """Row b's new keys or values ([layers...,] batch, T, kv_heads, head_dim) written at ``slots[b]`` of
+    its row of ``cache`` ([layers...,] batch, kv_heads, max_len, head_dim); out-of-range slots dropped.
+
+    One scatter over every row, with the batch a *batching* dimension of the scatter (row b's
+    update goes to row b), not a scattered index: XLA's SPMD partitioner then keeps each row's
+    write on the device that holds the row. Indexing by (row, slot) pairs instead made it send
+    every row's new keys and values to every device (two all-gathers per decoded token on a
+    data- or fsdp-split batch; docs/scaling.md). ``jax.vmap`` over rows builds the same scatter but
+    moves the batch axis first, copying the whole cache twice per step.
+    """
+    lead = cache.ndim - 4  # a leading layers axis, or none
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(lead)) + (lead + 2, lead + 3),  # new's layers, kv_heads, head_dim
+        inserted_window_dims=(lead + 2,),  # one slot per update
+        scatter_dims_to_operand_dims=(lead + 2,),
+        operand_batching_dims=(lead,),
+        scatter_indices_batching_dims=(0,),
+    )
+    return jax.lax.scatter(cache, slots[..., None], new.astype(cache.dtype), dims,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,24 +320,51 @@ def _project(x: Array, w: Array, bias: Array | None) -> Array:
     return y if bias is None else y + bias.astype(x.dtype)
 
 
+def _rounded(x: Array) -> Array:
+    """x rounded to its dtype, as a scan over the layers stores each block's output: XLA may keep
+    a bfloat16 intermediate in float32 (excess precision) unless told to round it. float32 as is."""
+    info = jnp.finfo(x.dtype)
+    if info.bits >= 32:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def _attend_after(q: Array, k: Array, v: Array, k_prefix: Array, v_prefix: Array, visible: Array) -> Array:
+    """Attention of a block of T new tokens (q [B, T, H, d], k/v [B, T, kv_heads, d]) to a prefix of
+    keys/values [B, kv_heads, S, d] whose slots are ``visible`` [B, 1, S], and causally to each other."""
+    causal = jnp.tril(jnp.ones((q.shape[1],) * 2, bool))[None]  # [1, T, T]
+    new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
+    return attend(q, [(k_prefix, v_prefix, visible), new])
+
+
 Attention = Callable[[Array, Array, Array], Array]  # (q [B,T,H,d], k, v [B,T,kv_heads,d]) -> [B,T,H,d]
 
 
 def decoder_block(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: Array, attention: Attention):
     """One pre-norm block on x [B, T, D]; returns the new x and this block's (k, v) [B, T, kv_heads, d]."""
-    dtype = x.dtype
+    q, k, v = block_qkv(c, p, x, positions)
+    return block_output(c, p, x, attention(q, k, v)), (k, v)
+
+
+def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: Array) -> tuple[Array, Array, Array]:
+    """A block's first half: queries [B, T, heads, d] and keys, values [B, T, kv_heads, d] of x [B, T, D]."""
     h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
     q = rope(_project(h, p["q_proj"], p.get("q_bias")), positions, c.rope_theta)
     k = rope(_project(h, p["k_proj"], p.get("k_bias")), positions, c.rope_theta)
     v = _project(h, p["v_proj"], p.get("v_bias"))
-    q = _constrain(q, ("batch", None, "heads", "kv"))
-    x = x + jnp.einsum("bthk,hkd->btd", attention(q, k, v), p["o_proj"].astype(dtype))
+    return _constrain(q, ("batch", None, "heads", "kv")), k, v
+
+
+def block_output(c: ModelConfig, p: Mapping[str, Array], x: Array, attended: Array) -> Array:
+    """A block's second half: x [B, T, D] plus the projected attention output [B, T, heads, d], then the MLP."""
+    dtype = x.dtype
+    x = x + jnp.einsum("bthk,hkd->btd", attended, p["o_proj"].astype(dtype))
     h = rms_norm(x, p["post_attn_norm"], c.rms_norm_eps)
     gate = jnp.einsum("btd,df->btf", h, p["gate_proj"].astype(dtype))
     up = jnp.einsum("btd,df->btf", h, p["up_proj"].astype(dtype))
     mlp = _constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
     x = x + jnp.einsum("btf,fd->btd", mlp, p["down_proj"].astype(dtype))
-    return _constrain(x, ("batch", None, "embed")), (k, v)
+    return _constrain(x, ("batch", None, "embed"))
 
 
 # What the backward pass of a full-sequence pass keeps of each block (``ModelConfig.remat``); the
@@ -330,9 +396,17 @@ class DecoderLayers(nnx.Module):
     def arrays(self) -> dict[str, Array]:
         return {name: getattr(self, name)[...] for name in self.names}
 
+    def per_layer(self) -> tuple[dict[str, Array], ...]:
+        """Each block's weights as arrays of their own (one copy of the weights): the decode loop
+        takes them split once per call, where the layer scan slices (copies) them at every token."""
+        stacked = self.arrays()
+        num_layers = stacked["input_norm"].shape[0]
+        return tuple({name: w[i] for name, w in stacked.items()} for i in range(num_layers))
+
 
 class Decoder(nnx.Module):
-    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training, ``extend`` for the KV-cached sampler."""
+    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training; ``extend`` (prefill) and
+    ``extend_layers`` (the decode step) for the KV-cached sampler."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -407,12 +481,8 @@ class Decoder(nnx.Module):
                   remat: str) -> tuple[Array, tuple[Array, Array]]:
         """Tokens [B, T] at ``positions`` after a prefix of keys/values [layers, B, kv_heads, S, d]
         whose slots are ``visible`` [B, 1, S]; causal among themselves. Returns (x, each layer's k, v)."""
-        causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))[None]  # [1, T, T]
-
         def attention(q, k, v, layer_prefix):
-            k_prefix, v_prefix = layer_prefix  # [B, kv_heads, S, d]
-            new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
-            return attend(q, [(k_prefix, v_prefix, visible), new])
+            return _attend_after(q, k, v, *layer_prefix, visible)
 
         return self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v), remat=remat)
 
@@ -436,6 +506,31 @@ class Decoder(nnx.Module):
         cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
         x, (k_new, v_new) = self._continue(tokens, positions, cache.k, cache.v, cached, remat="none")
         return x, cache.write(k_new, v_new, positions, num_new.astype(jnp.int32))
+
+    def extend_layers(self, tokens: Array, num_new: Array, cache: LayerCache,
+                      weights: Sequence[Mapping[str, Array]]) -> tuple[Array, LayerCache]:
+        """``extend`` on a cache held as one buffer per layer, with each block's weights apart
+        (``DecoderLayers.per_layer``): the decode step. The blocks are unrolled, so each reads its
+        own weights and cache buffer in place, and the same values as ``extend``.
+
+        Each block writes its new keys and values into its buffer first and then attends to the
+        written buffer (the new slots stay masked: the new block is attended to apart, as in
+        ``extend``). Reading after the write orders the two, so XLA updates the buffer in place;
+        a read that the write does not wait for makes it copy the buffer first."""
+        c = self.config
+        T = tokens.shape[1]
+        num_new = num_new.astype(jnp.int32)
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
+        slots = _write_slots(positions, num_new, cache.max_len)
+        x, ks, vs = self._embed(tokens), [], []
+        for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
+            q, k, v = block_qkv(c, p, x, positions)
+            ks.append(_write_rows(k_cache, k, slots))
+            vs.append(_write_rows(v_cache, v, slots))
+            x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached)))
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        return x, LayerCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
 
 
 @struct.dataclass

@@ -3,6 +3,8 @@
 All decodes share one shape (batch 3, cache 32, 6 new tokens) so they share one compilation.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,6 +161,18 @@ def test_sample_logits_filters_and_logprobs():
     assert tokens[1] == 0 and np.isclose(logprobs[1], np.log(0.5))  # greedy row: log_softmax(logits)
 
 
+def test_the_unrolled_threefry_draws_jaxs_bits():
+    """The sampler's noise is jax's threefry stream with the hash unrolled: the same bits as
+    ``jax.random.bits`` and the same draws as ``jax.random.categorical``, typed or raw keys."""
+    logits = jax.random.normal(jax.random.key(1), (3, 1000))
+    for key in (jax.random.key(0), jax.random.fold_in(jax.random.key(3), 17), jax.random.PRNGKey(5)):
+        for shape in ((3, 1000), (7,), (2, 3, 4)):
+            bits = jax.jit(lambda k, shape=shape: jax.random.bits(sampling._unrolled(k), shape, jnp.uint32))(key)
+            np.testing.assert_array_equal(bits, jax.random.bits(key, shape, jnp.uint32))
+        draws = jax.jit(lambda k: jax.random.categorical(sampling._unrolled(k), logits))(key)
+        np.testing.assert_array_equal(draws, jax.random.categorical(key, logits))
+
+
 def test_chunked_prefill_equals_one_block(tiny):
     _, _, model = tiny
     rows = [np.random.default_rng(5).integers(0, 256, n) for n in (17, 12, 3)]
@@ -215,3 +229,69 @@ def test_windowed_decode_equals_decoding_in_the_whole_cache(tiny, lengths):
     np.testing.assert_array_equal(windowed.cache.lengths, whole.cache.lengths)
     np.testing.assert_allclose(windowed.cache.k, whole.cache.k, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(windowed.cache.k[:, 2], cache.k[:, 2])
+
+
+def _called(hlo: str) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
+    """An optimised HLO module's computations (name -> instruction lines) and what each calls."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+        elif name and line.strip() not in ("", "}"):
+            computations[name].append(line)
+    called = {
+        comp: {c for line in lines for group in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)="
+                                                            r"(\{[^}]*\}|%[\w.-]+)", line)
+               for c in re.findall(r"%([\w.-]+)", group)}
+        for comp, lines in computations.items()
+    }  # fmt: skip
+    return computations, called
+
+
+def _reachable(start: str, called: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        comp = todo.pop()
+        if comp not in seen:
+            seen.add(comp)
+            todo.extend(called.get(comp, ()))
+    return seen
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    """An HLO array shape's dimensions without the 1s: ``f32[1,64,128]{2,1,0}`` -> (64, 128)."""
+    return tuple(int(d) for d in re.search(r"\[([\d,]*)\]", shape).group(1).split(",") if d and d != "1")
+
+
+def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prompts):
+    """In the compiled decode loop (its body and everything it calls) nothing is sliced, gathered or
+    copied to the shape of a layer's weights or cache, and every array of a layer's cache shape is
+    that buffer updated in place (a scatter). Decoding through the layer scan dynamic-sliced (copied)
+    each layer's cache and weights at every token; writing a layer's new keys after attention had
+    read its buffer, in no order XLA could see, made it copy the buffer twice per layer."""
+    config, _, model = tiny
+    cache, logits = prefill(model, prompts)
+    hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile().as_text()
+    computations, called = _called(hlo)
+    layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
+    weights = model.merge().layers.per_layer()[0].values()
+    layer_shapes = {layer_cache} | {tuple(d for d in w.shape if d != 1) for w in weights}
+    loops = [re.search(r"body=%([\w.-]+)", line).group(1) for lines in computations.values() for line in lines
+             if re.search(r" while\(", line)]  # fmt: skip
+    body = max(loops, key=lambda b: len(_reachable(b, called)))  # the decode loop holds any other
+    roots = {c: next(line for line in lines if "ROOT" in line) for c, lines in computations.items()}
+    writes = 0
+    for comp in _reachable(body, called):
+        for line in computations[comp]:
+            m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
+            if not m or m.group(2) in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+                continue
+            shape, op = _dims(m.group(1)), m.group(2)
+            assert not (op in ("dynamic-slice", "slice", "gather", "copy") and shape in layer_shapes), line
+            if shape == layer_cache:
+                fused = re.search(r"calls=%([\w.-]+)", line)
+                assert " scatter(" in (roots[fused.group(1)] if fused else line), line
+                writes += 1
+    assert writes >= 2 * config.num_layers  # each layer's keys and values written in place
