@@ -11,7 +11,7 @@ import pytest
 from configs import base
 from starpo_jax import experiment, losses
 from starpo_jax.models.config import ModelConfig
-from starpo_jax.rollout import RolloutPlan
+from starpo_jax.rollout import RolloutPlan, longest_trajectory
 from starpo_jax.settings import (
     BY_KEY, SECTIONS, SETTINGS, SWEEPABLE, UNDECLARED, ConfigError, Hyperparams, TrainSettings,
 )
@@ -166,10 +166,11 @@ def test_build_experiment_takes_the_checked_config(k3):
     checked, exp = k3
     assert exp.settings is checked.settings and exp.hyper is checked.hyper and exp.mesh is checked.mesh
     assert (exp.settings.kl_loss_type, exp.settings.kl_penalty) == ("k3", "k3")
-    # the tokenizer's ids join the checked plans
+    # the tokenizer's ids join the checked plans, whose length is fitted to what their prompts reach
     assert exp.train_plan.stop_tokens and exp.train_plan.pad_id == exp.tokenizer.pad_token_id
+    assert exp.train_plan.max_len == longest_trajectory(exp.train_plan, exp.train_tables) < checked.train_plan.max_len
     assert exp.train_plan == dataclasses.replace(checked.train_plan, stop_tokens=exp.train_plan.stop_tokens,
-                                                 pad_id=exp.tokenizer.pad_token_id)
+                                                 pad_id=exp.tokenizer.pad_token_id, max_len=exp.train_plan.max_len)
 
 
 def test_a_k3_kl_trains(k3):
