@@ -44,6 +44,9 @@ TINY_LEARN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.v
               "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=2", "--config.trainer.test_freq=2")
 LEARN = ".venv/bin/python -m experiments.run --config configs/learn_bandit.py"
 CURVES = ".venv/bin/python -m experiments.curves runs/learn_bandit --out runs/learn_bandit/curves.png"
+# configs/learn_frozen_lake.py: 2 groups of 8 (one kept), 2 validation levels, 1 step.
+TINY_LEARN_FL = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(2,)",
+                 "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1")
 
 SKIP = "skip"
 # README command (comments stripped) -> (flags appended to shrink it, () as written, or SKIP; why; slow).
@@ -81,6 +84,8 @@ COMMANDS = {
         (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
     LEARN: (TINY_LEARN, "tiny model, 2 groups, 2 steps", False),
     CURVES: ((), "on the tiny learning run's folder", False),
+    ".venv/bin/python -m experiments.run --config configs/learn_frozen_lake.py":
+        (TINY_LEARN_FL, "tiny model, 2 groups, 1 step", True),
 }
 
 
