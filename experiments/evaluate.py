@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else default_out(args.model, args.suite)
     print(out_note(out))
     from starpo_jax.checkpoint import CheckpointError
-    from starpo_jax.compilation_cache import setup_compilation_cache
+    from starpo_jax.caches import setup_compilation_cache
     from starpo_jax.experiment import ConfigError
     from starpo_jax.models.loading import ModelLoadError
 

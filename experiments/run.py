@@ -74,7 +74,7 @@ def main(argv) -> int:
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
     from starpo_jax import distributed
-    from starpo_jax.compilation_cache import setup_compilation_cache
+    from starpo_jax.caches import setup_compilation_cache
 
     setup_compilation_cache()  # before the first compile
 

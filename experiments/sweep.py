@@ -86,7 +86,7 @@ def main(argv) -> int:
 
     logging.set_verbosity(logging.WARNING)
     from starpo_jax import sharding
-    from starpo_jax.compilation_cache import setup_compilation_cache
+    from starpo_jax.caches import setup_compilation_cache
 
     setup_compilation_cache()  # before the first compile
     from starpo_jax.experiment import ConfigError, build_experiment

@@ -65,8 +65,8 @@ def qwen_tokenizer():
 
 @functools.lru_cache(maxsize=None)
 def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer and chat template, read from the bundled GGUF."""
-    from transformers import AutoTokenizer
+    """SmolLM2-135M-Instruct's tokenizer and chat template, read from the bundled GGUF (or from the
+    tokenizer cache, ``models.loading.gguf_tokenizer``)."""
+    from starpo_jax.models.loading import gguf_tokenizer
 
-    path = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return gguf_tokenizer(smollm2_gguf_path())

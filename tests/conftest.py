@@ -9,18 +9,18 @@ from helpers import simulated_devices  # noqa: E402 (imports no jax)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", simulated_devices(1)["XLA_FLAGS"])
 
-# One persistent compilation cache for the session (starpo_jax/compilation_cache.py): a program one
-# test process compiled is loaded, not compiled again, by the next. The suite's own folder, removed
-# at exit, unless STARPO_JAX_COMPILATION_CACHE names one already. jax's own variables too, so that
+# One cache folder for the session (starpo_jax/caches.py): a program one test process compiled, or
+# a tokenizer it read from GGUF, is loaded, not built again, by the next. The suite's own folder,
+# removed at exit, unless STARPO_JAX_CACHE names one already. jax's own variables too, so that
 # `python -c` scripts and the pytest process itself use it (set before jax is imported).
-from starpo_jax import compilation_cache  # noqa: E402 (imports no jax)
+from starpo_jax import caches  # noqa: E402 (imports no jax)
 
-if not os.environ.get(compilation_cache.ENV):
+if not os.environ.get(caches.ENV):
     _cache = tempfile.mkdtemp(prefix="starpo-jax-test-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ[compilation_cache.ENV] = _cache
-if compilation_cache.cache_dir() is not None:
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache.cache_dir()))
+    os.environ[caches.ENV] = _cache
+if caches.compilation_cache_dir() is not None:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(caches.compilation_cache_dir()))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 

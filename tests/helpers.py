@@ -31,8 +31,8 @@ TINY = [
     "--config.trainer.log_trajectories=1",
 ]
 
-# The compilation cache's settings (conftest.py points them at the session's cache folder).
-CACHE_VARS = ("STARPO_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
+# The caches' settings (conftest.py points them at the session's cache folder).
+CACHE_VARS = ("STARPO_JAX_CACHE", "JAX_COMPILATION_CACHE_DIR",
               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 

@@ -153,8 +153,8 @@ def test_cpu_estimate_holds_the_measured_peak(tmp_path):
     start 4.91 GiB against 4.09 (1.20 x); 1.25 leaves room for the allocator's variation."""
     from helpers import command_env
 
-    # A first run as users run it: the compilation cache on (the default) but empty.
-    env = command_env(STARPO_JAX_COMPILATION_CACHE=str(tmp_path / "cache"))
+    # A first run as users run it: the caches on (the default) but empty.
+    env = command_env(STARPO_JAX_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", PEAK, *MEASURED_RUN, f"--config.trainer.output_dir={tmp_path}"],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

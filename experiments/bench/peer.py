@@ -527,7 +527,7 @@ def main(argv=None) -> int:
         return 2
     import jax
 
-    from starpo_jax.compilation_cache import setup_compilation_cache
+    from starpo_jax.caches import setup_compilation_cache
 
     setup_compilation_cache()  # the checkpoints' evaluations reuse one compilation
     steps = int(config.trainer.total_steps)

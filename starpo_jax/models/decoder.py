@@ -194,6 +194,14 @@ class LayerCache:
         return KVCache(k=jnp.stack(self.k), v=jnp.stack(self.v), lengths=self.lengths)
 
 
+def _appended(lengths: Array, T: int, max_len: int) -> tuple[Array, Array]:
+    """The positions [B, T] of T tokens appended to cache rows of ``lengths``, and which of the
+    cache's ``max_len`` slots already hold a token of each row, as an attention mask [B, 1, S]."""
+    positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    cached = (jnp.arange(max_len) < lengths[:, None])[:, None, :]
+    return positions, cached
+
+
 def _write_slots(positions: Array, num_new: Array, max_len: int) -> Array:
     """Each new token's slot [batch, T]: its position if real, else ``max_len`` (out of range, dropped)."""
     real = jnp.arange(positions.shape[1])[None, :] < num_new[:, None]
@@ -501,9 +509,7 @@ class Decoder(nnx.Module):
         ``num_new[b]`` (right padding). Returns the block's hidden states [B, T, D] and the cache with
         the block written at each row's offset and lengths advanced by ``num_new``.
         """
-        T = tokens.shape[1]
-        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
+        positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
         x, (k_new, v_new) = self._continue(tokens, positions, cache.k, cache.v, cached, remat="none")
         return x, cache.write(k_new, v_new, positions, num_new.astype(jnp.int32))
 
@@ -518,10 +524,8 @@ class Decoder(nnx.Module):
         ``extend``). Reading after the write orders the two, so XLA updates the buffer in place;
         a read that the write does not wait for makes it copy the buffer first."""
         c = self.config
-        T = tokens.shape[1]
         num_new = num_new.astype(jnp.int32)
-        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        cached = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # [B, 1, S]
+        positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
         slots = _write_slots(positions, num_new, cache.max_len)
         x, ks, vs = self._embed(tokens), [], []
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):

@@ -217,10 +217,61 @@ def load_tokenizer(path: Path):
                              "tokenizer into the checkpoint folder with tokenizer.save_pretrained(folder).")
     try:
         if path.is_file():
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelLoadError(f"Could not load a tokenizer from {path} ({err}).") from err
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer (with its chat template) of the GGUF file ``path``, as transformers builds it from
+    the file's metadata. Building takes seconds, so the result is saved once in the tokenizer cache
+    (``starpo_jax/caches.py``) under a key of the file's path, size and modification time and
+    transformers' version, and loaded from there by later processes."""
+    from transformers import AutoTokenizer
+
+    saved = _gguf_tokenizer_folder(path)
+    if saved is not None and saved.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except (OSError, ValueError, KeyError, TypeError):
+            shutil.rmtree(saved, ignore_errors=True)  # damaged: build it again below
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if saved is not None:
+        _save_tokenizer_atomically(tokenizer, saved)
+    return tokenizer
+
+
+def _gguf_tokenizer_folder(path: Path) -> Path | None:
+    import hashlib
+
+    import transformers
+
+    from starpo_jax.caches import tokenizer_cache_dir
+
+    root = tokenizer_cache_dir()
+    if root is None:
+        return None
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _save_tokenizer_atomically(tokenizer, folder: Path) -> None:
+    """Save into a temporary folder beside ``folder`` and rename it into place, so that a reader
+    never sees half a tokenizer; a cache that cannot be written is skipped, not an error."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError:
+        return
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        os.rename(tmp, folder)  # fails if another process got there first: theirs is the same
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
