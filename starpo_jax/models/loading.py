@@ -235,10 +235,12 @@ def gguf_tokenizer(path: Path):
         try:
             return AutoTokenizer.from_pretrained(str(saved))
         except (OSError, ValueError, KeyError, TypeError):
-            shutil.rmtree(saved, ignore_errors=True)  # damaged: build it again below
+            pass  # damaged: built again below, and replaced
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if saved is not None:
-        _save_tokenizer_atomically(tokenizer, saved)
+        with contextlib.suppress(OSError):  # a cache that cannot be written is skipped, not an error
+            with atomic_folder(saved) as staging:
+                tokenizer.save_pretrained(str(staging))
     return tokenizer
 
 
@@ -255,23 +257,6 @@ def _gguf_tokenizer_folder(path: Path) -> Path | None:
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def _save_tokenizer_atomically(tokenizer, folder: Path) -> None:
-    """Save into a temporary folder beside ``folder`` and rename it into place, so that a reader
-    never sees half a tokenizer; a cache that cannot be written is skipped, not an error."""
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    except OSError:
-        return
-    try:
-        tokenizer.save_pretrained(str(tmp))
-        os.rename(tmp, folder)  # fails if another process got there first: theirs is the same
-    except OSError:
-        pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
