@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One GPU lease's checks of the in-place decode (docs/benchmarks.md, "Decode in place on a GPU"):
+# the decode step's bytes per token and optimised HLO as XLA:GPU compiles it, and decode speed,
+# for this tree and an older one (OLD_TREE) side by side on the same card, in priority order, each
+# stage bounded so that the whole ends inside BUDGET_S seconds. Every stage's output is a tarball
+# under OUT, written as soon as the stage ends, and session.log holds the lot.
+#
+#   OUT=/tmp/gpu OLD_TREE=.old BUDGET_S=560 bash experiments/bench/gpu_decode_check.sh
+#
+# OLD_TREE: a copy of the older packages (e.g. `git archive REV starpo_jax envs_jax experiments
+# configs | tar -x -C .old`). Python packages the machine lacks come as wheels in .whl (README,
+# "GPU machines").
+set -u
+PY=${PY:-python3}
+DECODE_ARGS=${DECODE_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4" for a CPU smoke run
+GEN_ARGS=${GEN_ARGS:---models qwen2.5-0.5b --batch-sizes 128 --prompt-len 512 --new-tokens 512 --repeats 3}
+STEP_ARGS=${STEP_ARGS:---response-tokens 100 --steps 3}
+OUT=${OUT:-bench_results/gpu}; OLD_TREE=${OLD_TREE:-}; mkdir -p "$OUT"
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
+LOG="$OUT/session.log"; WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+log() { echo "$@" | tee -a "$LOG"; }
+
+# stage NAME CAP_S DIR CMD...: run CMD in DIR for at most CAP_S seconds (less if the budget is
+# nearly spent), its output in WORK/NAME/log, then tar WORK/NAME into OUT/NAME.tar.gz.
+stage() {
+    local name=$1 cap=$2 dir=$3; shift 3
+    local left=$(( DEADLINE - $(date +%s) )); (( left < cap )) && cap=$left
+    if (( cap < 30 )); then log "== $name skipped: ${left}s left"; return; fi
+    mkdir -p "$WORK/$name"; log "== $name (cap ${cap}s) $(date -u +%T)"
+    (cd "$dir" && STAGE_OUT="$WORK/$name" timeout "$cap" "$@") >"$WORK/$name/log" 2>&1
+    log "-- $name rc=$? $(date -u +%T)"; grep -v "^\s*$" "$WORK/$name/log" | tail -n 14 | tee -a "$LOG"
+    tar -czf "$OUT/$name.tar.gz" -C "$WORK" "$name"
+}
+
+ROOT=$(pwd)
+WHEELS=${WHEELS-.whl}
+if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee -a "$LOG"
+$PY -c "import jax, flax, transformers; print('jax', jax.__version__, 'flax', flax.__version__,
+'transformers', transformers.__version__, jax.devices())" 2>&1 | tail -n 2 | tee -a "$LOG"
+
+# The card's copy bandwidth, measured (bytes read + written), the ceiling a decode step is held to.
+stage bandwidth 60 "$ROOT" $PY -c "
+import time, jax, jax.numpy as jnp
+x = jax.random.normal(jax.random.key(0), (2**28,), jnp.float32)  # 1 GiB, many times the L2
+copy = jax.jit(lambda x: x * 1.0001)
+copy(x).block_until_ready(); times = []
+for _ in range(10):
+    t = time.perf_counter(); copy(x).block_until_ready(); times.append(time.perf_counter() - t)
+t = sorted(times)[5]; print(f'copy {2 * x.nbytes / t / 1e12:.2f} TB/s (median of 10, {t * 1e3:.2f} ms)')"
+
+# Bytes per generated token of one decode step (Qwen2.5-0.5B, batch 128, every window of 3,600).
+stage decode_new 110 "$ROOT" sh -c "$PY experiments/bench/decode_hlo.py $DECODE_ARGS --out \$STAGE_OUT"
+[ -n "$OLD_TREE" ] && stage decode_old 90 "$ROOT" sh -c "$PY experiments/bench/decode_hlo.py $DECODE_ARGS --tree $OLD_TREE --out \$STAGE_OUT"
+
+# Decode speed (Qwen2.5-0.5B shape, random bf16 weights, batch 128, 512 + 512 tokens), with the
+# optimised HLO of the generate program; transformers' generate beside the new tree's.
+GEN="-m experiments.bench.generate $GEN_ARGS"
+DUMP="--xla_dump_to=\$STAGE_OUT/xla --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(full|prefill)"
+stage generate_new 170 "$ROOT" sh -c "XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 XLA_FLAGS=\"$DUMP\" $PY $GEN --out \$STAGE_OUT/gen.json; find \$STAGE_OUT/xla -type f ! -name '*after_optimizations*.txt' -delete"
+[ -n "$OLD_TREE" ] && stage generate_old 120 "$OLD_TREE" sh -c "XLA_FLAGS=\"$DUMP\" $PY $GEN --no-hf --out \$STAGE_OUT/gen.json; find \$STAGE_OUT/xla -type f ! -name '*after_optimizations*.txt' -delete"
+
+# With what is left: one training iteration at the paper's size (bench.step, N = 100).
+stage step 600 "$ROOT" sh -c "$PY -m experiments.bench.step $STEP_ARGS --no-baseline --no-hf --out \$STAGE_OUT/step.json"
+log "== done $(date -u +%T)"
