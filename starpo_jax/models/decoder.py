@@ -310,7 +310,16 @@ def self_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
 
 
 def fused_attention(q: Array, k: Array, v: Array, allowed: Array, implementation: str) -> Array:
-    """``jax.nn.dot_product_attention`` with our mask; "cudnn" is flash attention on NVIDIA GPUs."""
+    """``jax.nn.dot_product_attention`` with our mask; "cudnn" is flash attention on NVIDIA GPUs.
+
+    cuDNN's masked backward pass takes only even lengths (jax raises "Unsupported sequence length"
+    under ``jax.grad``), so an odd T gets one padding position at the end: causal masking hides it
+    from every real query, it sees only itself (a finite softmax row), and its output is dropped."""
+    T = q.shape[1]
+    if T % 2:
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))  # noqa: E731
+        allowed = jnp.pad(allowed, ((0, 0), (0, 1), (0, 1))).at[:, T, T].set(True)
+        return fused_attention(pad(q), pad(k), pad(v), allowed, implementation)[:, :T]
     return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], is_causal=True, implementation=implementation)
 
 

@@ -183,16 +183,32 @@ def test_presets_and_config_errors():
         preset("tiny-llama", dtype="float16")
 
 
-def test_fused_attention_call_matches_dense_attention():
-    """The jax.nn.dot_product_attention call used on GPU (run here with XLA) agrees with ours."""
+@pytest.mark.parametrize("segments", [[[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2]], [[1, 1, 1, 1, 1], [0, 1, 1, 2, 2]]])
+def test_fused_attention_call_matches_dense_attention(segments, monkeypatch):
+    """The jax.nn.dot_product_attention call used on GPU (run here with XLA) agrees with ours, its
+    gradients too, and is handed only even lengths (cuDNN's masked backward refuses odd ones)."""
     from starpo_jax.models.decoder import attend, fused_attention, sequence_mask
 
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (2, 6, 4, 16))
-    k, v = (jax.random.normal(key, (2, 6, 2, 16)) for key in keys[1:])
-    allowed = sequence_mask(jnp.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2]]))
-    dense = attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
-    np.testing.assert_allclose(fused_attention(q, k, v, allowed, "xla"), dense, atol=1e-5)
+    lengths, call = [], jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, *a, **kw: lengths.append(q.shape[1]) or call(q, *a, **kw))
+    T = len(segments[0])
+    keys = jax.random.split(jax.random.key(T), 4)
+    q = jax.random.normal(keys[0], (2, T, 4, 16))
+    k, v = (jax.random.normal(key, (2, T, 2, 16)) for key in keys[1:3])
+    weight = jax.random.normal(keys[3], q.shape)
+    allowed = sequence_mask(jnp.array(segments))
+
+    def dense(q, k, v):
+        return attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
+
+    def fused(q, k, v):
+        return fused_attention(q, k, v, allowed, "xla")
+
+    np.testing.assert_allclose(fused(q, k, v), dense(q, k, v), atol=1e-5)
+    grads = [jax.grad(lambda *x, f=f: (f(*x) * weight).sum(), argnums=(0, 1, 2))(q, k, v) for f in (fused, dense)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert lengths and all(n % 2 == 0 for n in lengths), lengths
 
 
 def test_joint_softmax_over_blocks_equals_softmax_of_their_concatenation():
