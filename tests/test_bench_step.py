@@ -113,6 +113,42 @@ def test_hlo_bytes_counts_loop_bodies_by_trip_count():
     assert twelve / six == pytest.approx(2.0, rel=0.1)
 
 
+_GPU_HLO = """HloModule gpu_like
+
+%fused_dynamic_slice (param_0: f32[24,1000], param_1: s32[]) -> f32[1,1000] {
+  %param_0 = f32[24,1000]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %constant_0 = s32[] constant(0)
+  ROOT %dynamic-slice.1 = f32[1,1000]{1,0} dynamic-slice(%param_0, %param_1, %constant_0), dynamic_slice_sizes={1,1000}
+}
+
+%async_computation (param_0.1: f32[24,1000], param_1.1: s32[]) -> f32[1,1000] {
+  %param_0.1 = f32[24,1000]{1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  ROOT %fusion.1 = f32[1,1000]{1,0} fusion(%param_0.1, %param_1.1), kind=kLoop, calls=%fused_dynamic_slice
+}
+
+ENTRY %main (p0: f32[24,1000], p1: s32[], p2: f32[8,1000]) -> f32[8,1] {
+  %p0 = f32[24,1000]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[8,1000]{1,0} parameter(2)
+  %fusion-start = ((f32[24,1000]{1,0}, s32[]), f32[1,1000]{1,0}, u32[]) async-start(%p0, %p1), calls=%async_computation
+  %fusion-done = f32[1,1000]{1,0} async-done(%fusion-start)
+  %custom-call = (f32[8,1]{1,0}, s8[33554432]{0}) custom-call(%p2, %fusion-done), custom_call_target="__cublas$lt$matmul"
+  ROOT %get-tuple-element = f32[8,1]{1,0} get-tuple-element(%custom-call), index=0
+}
+"""
+
+
+def test_hlo_bytes_reads_xla_gpu_async_pairs_and_library_calls():
+    """XLA:GPU runs a layer's slice as an async pair wrapping a fusion (counted once: the slice read,
+    its index, the slice written) and cuBLAS returns a scratch buffer beside its result (not data)."""
+    total, _ = hlo_bytes(_GPU_HLO)
+    dynamic_slice = 1000 * 4 + 4 + 1000 * 4
+    matmul = 8 * 1000 * 4 + 1000 * 4 + 8 * 4
+    assert total == dynamic_slice + matmul
+
+
 def test_decode_cost_of_a_tiny_model_is_at_least_its_ideal():
     from starpo_jax.models import preset
 

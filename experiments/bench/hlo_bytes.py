@@ -24,6 +24,12 @@ def _shape_bytes(text: str) -> int:
                for t, dims in _SHAPE.findall(text))  # fmt: skip
 
 
+def _without_workspace(shape: str) -> str:
+    """A library call's result without its scratch buffer (cuBLAS returns ``(result, s8[bytes])``):
+    scratch space is not data the program moves."""
+    return re.sub(r",\s*s8\[\d+\]\{0\}\)$", ")", shape)
+
+
 def _sliced_parameters(parsed) -> dict[int, int]:
     """Fused parameters read only through (dynamic-)slices or as a gather's table: parameter index ->
     bytes read (the slices, or the rows gathered)."""
@@ -65,22 +71,34 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
                 entry = name
         elif name and line.strip() and line.strip() != "}":
             computations[name].append(line)
-    fused_roots, sliced = {}, {}
+    fused_roots, sliced, wrapped = {}, {}, {}
     for comp, lines in computations.items():
         parsed = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
-        fused_roots[comp] = next((op for line, (_, _, op, _, _) in zip(lines, parsed) if "ROOT" in line), "")
+        root = next(((op, attrs) for line, (_, _, op, _, attrs) in zip(lines, parsed) if "ROOT" in line), ("", ""))
+        fused_roots[comp] = root[0]
         sliced[comp] = _sliced_parameters(parsed)
+        inner = re.search(r"calls=%([\w.-]+)", root[1]) if root[0] == "fusion" else None
+        if inner:  # XLA:GPU's async computations wrap one fusion, their parameters passed through
+            wrapped[comp] = inner.group(1)
 
     items: list[tuple[int, str]] = []
 
     def walk(comp: str, times: int) -> int:
-        shapes, total = {}, 0
+        shapes, starts, total = {}, {}, 0
         for line in computations[comp]:
             m = _INSTRUCTION.match(line)
             if not m:
                 continue
             inst, shape, op, operands, attrs = m.groups()
             shapes[inst] = shape
+            # An asynchronous pair (XLA:GPU's fusion-start/-done, copy-start/-done) counts once, at its
+            # end, as the fusion or copy it runs: the start's result only echoes its operands.
+            if op.endswith("-start"):
+                starts[inst] = operands, attrs
+                continue
+            if op.endswith("-done"):
+                operands, attrs = starts[re.search(r"%([\w.-]+)", operands).group(1)]
+                op = "copy" if op == "copy-done" else "fusion"
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
                 body = re.search(r"body=%(\S+?)[,\s]", attrs + " ")
@@ -95,16 +113,17 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
                 continue
             names = re.findall(r"%([\w.-]+)", operands)
             called = re.search(r"calls=%([\w.-]+)", attrs)
-            root = fused_roots.get(called.group(1), "") if called else op
+            called = called and wrapped.get(called.group(1), called.group(1))
+            root = fused_roots.get(called, "") if called else op
             read = {i: _shape_bytes(shapes.get(n, "")) for i, n in enumerate(names)}
             if called:  # a fused operand that is only sliced is read only in part
-                read |= sliced.get(called.group(1), {})
+                read |= sliced.get(called, {})
             if op in ("dynamic-slice", "slice", "gather"):
                 read[0] = _shape_bytes(shape)
             if root in _IN_PLACE and names:  # the first operand is the buffer updated in place
                 nbytes = 2 * sum(v for i, v in read.items() if i > 0)
             else:
-                nbytes = _shape_bytes(shape) + sum(read.values())
+                nbytes = _shape_bytes(_without_workspace(shape) if op == "custom-call" else shape) + sum(read.values())
             meta = re.search(r'op_name="([^"]*)"', attrs)
             items.append((nbytes * times, f"{op} {inst} {shape} x{times} {meta.group(1) if meta else ''}"))
             total += nbytes * times
