@@ -30,7 +30,7 @@ the stacked ``KVCache`` on entry and stacked back on exit; each step runs the bl
 
 Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
-of it. ``decode`` therefore runs in the smallest of a few static windows (``decode_windows``: the
+of it. ``decode`` and ``append`` therefore run in the smallest of a few static windows (``decode_windows``: the
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
 budget: the window's slots are copied out once per call (into the per-layer buffers), decoded in,
 and copied back, so each step reads only the window. One ``lax.switch`` per call picks it; the
@@ -74,16 +74,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
     return KVCache.init(config, batch_size, max_len)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size",))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "windowed"))
 def append(
-    model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = 128
+    model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = 128, windowed: bool = True
 ) -> tuple[KVCache, Array]:
     """Prefill / continue: append tokens [B, T] (row b's first ``num_new[b]`` are real) to the cache.
 
     Returns the cache and the float32 logits [B, V] after each row's last new token. A row with
     ``num_new == 0`` is left unchanged and its logits are meaningless: mark it inactive in ``decode``.
     Long blocks go through the model ``chunk_size`` tokens at a time (a lax.scan), so attention
-    scores never exceed [B, heads, chunk_size, cache length] whatever the prompt length.
+    scores never exceed [B, heads, chunk_size, cache length] whatever the prompt length. Like
+    ``decode``, it runs in the smallest window holding every row it writes (``windowed=False``: the
+    whole cache).
     """
     decoder = model.merge()
     B, T = tokens.shape
@@ -91,16 +93,21 @@ def append(
     size = min(T, chunk_size)
     chunks = jnp.pad(tokens, ((0, 0), (0, num_chunks * size - T))).reshape(B, num_chunks, size).swapaxes(0, 1)
 
-    def step(carry, xs):
-        cache, last_hidden = carry
-        index, chunk = xs
-        real = jnp.clip(num_new - index * size, 0, size)
-        hidden, cache = decoder.extend(chunk, real, cache)
-        at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
-        return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
+    def append_in(cache: KVCache) -> tuple[KVCache, Array]:
+        def step(carry, xs):
+            cache, last_hidden = carry
+            index, chunk = xs
+            real = jnp.clip(num_new - index * size, 0, size)
+            hidden, cache = decoder.extend(chunk, real, cache)
+            at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
+            return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
 
-    init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
-    (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+        init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
+        (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+        return cache, last_hidden
+
+    needed = jnp.max(jnp.where(num_new > 0, cache.lengths + num_new, 0))
+    cache, last_hidden = in_smallest_window(append_in, cache, needed, windowed)
     return cache, decoder.logits(last_hidden)
 
 
@@ -214,6 +221,27 @@ def decode_windows(max_len: int) -> tuple[int, ...]:
     return tuple(sorted({max_len} | {(max_len >> k) // 128 * 128 for k in (1, 2, 3)}))
 
 
+def in_smallest_window(run, cache: KVCache, needed: Array, windowed: bool = True):
+    """``run(cache) -> (cache, out)`` in the smallest of ``decode_windows`` holding ``needed`` slots
+    of every row it touches: the window's slots copied out, run in, and written back (one
+    ``lax.switch``). The same results as running in the whole cache, up to the order of sums over
+    the masked slots: no row it writes reaches past the window, and the rows it leaves alone are
+    copied back as they were."""
+    windows = decode_windows(cache.max_len) if windowed else (cache.max_len,)
+    if len(windows) == 1:
+        return run(cache)
+
+    def in_window(size: int):
+        def run_in_head(full: KVCache):
+            head, out = run(full.head(size))
+            return full.with_head(head), out
+
+        return run if size == cache.max_len else run_in_head
+
+    branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
+    return jax.lax.switch(branch, [in_window(size) for size in windows], cache)
+
+
 @struct.dataclass
 class DecodeState:
     """What the decode loop carries from one step to the next."""
@@ -301,26 +329,15 @@ def decode(
     def body(s: DecodeState) -> DecodeState:
         return decode_step(decoder, weights, s, key, temperature, top_k, top_p, stops, pad_id)
 
-    def decode_in(cache: KVCache) -> DecodeOutput:
+    def decode_in(cache: KVCache) -> tuple[KVCache, DecodeState]:
         # The loop carries the cache as one buffer per layer, split once here and stacked back after.
         init = initial_decode_state(cache.unstack(), last_logits, max_new_tokens, active, pad_id)
         s = jax.lax.while_loop(cond, body, init)
-        return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=s.cache.stack(),
-                            last_logits=s.logits)
+        return s.cache.stack(), s.replace(cache=None)
 
-    def in_window(size: int):
-        def decode_in_head(full: KVCache) -> DecodeOutput:
-            out = decode_in(full.head(size))
-            return out.replace(cache=full.with_head(out.cache))
-
-        return decode_in if size == cache.max_len else decode_in_head
-
-    windows = decode_windows(cache.max_len) if windowed else (cache.max_len,)
-    if len(windows) == 1:
-        return decode_in(cache)
     needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
-    branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
-    return jax.lax.switch(branch, [in_window(size) for size in windows], cache)
+    cache, s = in_smallest_window(decode_in, cache, needed, windowed)
+    return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=cache, last_logits=s.logits)
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size", "top_k", "top_p", "pad_id", "windowed"))
@@ -346,7 +363,7 @@ def generate(
     B, T = prompts.shape
     config = model.merge().config
     cache = init_cache(config, B, cache_size or T + max_new_tokens)
-    cache, logits = append(model, cache, prompts, prompt_lengths)
+    cache, logits = append(model, cache, prompts, prompt_lengths, windowed=windowed)
     return decode(
         model,
         cache,

@@ -231,6 +231,27 @@ def test_windowed_decode_equals_decoding_in_the_whole_cache(tiny, lengths):
     np.testing.assert_array_equal(windowed.cache.k[:, 2], cache.k[:, 2])
 
 
+@pytest.mark.parametrize("lengths", [(8, 5), (300, 5), (600, 5)], ids=["window 128", "window 512", "whole"])
+def test_windowed_append_equals_appending_in_the_whole_cache(tiny, lengths):
+    """A turn appended to a long cache runs in the smallest window holding the rows it writes; the
+    third row gets nothing, is longer than any window, and is left exactly as it was."""
+    _, _, model = tiny
+    rng = np.random.default_rng(6)
+    rows = [rng.integers(0, 256, n) for n in lengths] + [rng.integers(0, 256, 900)]
+    tokens, prompt_lengths = right_padded(rows, 900)
+    cache, _ = sampling.append(model, sampling.init_cache(preset("tiny-qwen2"), B, 1024), tokens, prompt_lengths,
+                               windowed=False)
+    turn, turn_lengths = right_padded([rng.integers(0, 256, 20), rng.integers(0, 256, 7), np.zeros(0, int)], 20)
+    (windowed, windowed_logits), (whole, whole_logits) = (
+        sampling.append(model, cache, turn, turn_lengths, windowed=windowed) for windowed in (True, False))
+    np.testing.assert_array_equal(windowed.lengths, whole.lengths)
+    np.testing.assert_array_equal(windowed.lengths, np.asarray(prompt_lengths) + np.asarray(turn_lengths))
+    np.testing.assert_allclose(windowed.k, whole.k, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(windowed.v, whole.v, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(windowed_logits[:2], whole_logits[:2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(windowed.k[:, 2], cache.k[:, 2])
+
+
 def _called(hlo: str) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
     """An optimised HLO module's computations (name -> instruction lines) and what each calls."""
     computations, name = {}, None
