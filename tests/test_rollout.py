@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import envs_jax
-from starpo_jax import prompts
+from starpo_jax import prompts, sampling
 from starpo_jax import rollout as R_
 from starpo_jax.parsing import parse_response_text
 from starpo_jax.rollout import (
@@ -296,7 +296,10 @@ def smollm2_rollout():
         TagPlan("FrozenLake", envs_jax.make("FrozenLake"), 1, 10),
         TagPlan("Bandit", envs_jax.make("Bandit"), 1, 1),
     )
-    plan = RolloutPlan(tags=tags, group_size=2, max_turn=2, response_length=16, max_len=1024)
+    # 1,000 slots, under sampling.MIN_WINDOWED_CACHE: one cache window, so the 30-layer decode is
+    # compiled once a turn, not once per window (windows are tested on the tiny model).
+    plan = RolloutPlan(tags=tags, group_size=2, max_turn=2, response_length=16, max_len=1000)
+    assert plan.max_len < sampling.MIN_WINDOWED_CACHE
     tables = build_tables(tok, plan)
     plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
     init = initial_states_from_seeds(plan, 123)
@@ -552,9 +555,9 @@ def test_buffers_fit_the_longest_trajectory_and_play_the_same_rows(smollm2_token
 
 
 def test_the_model_samples_the_same_in_a_cache_fitted_to_the_longest_trajectory(smollm2_rollout):
-    """SmolLM2 in a cache of ``longest_trajectory`` slots rather than 1,024: the same tokens and
+    """SmolLM2 in a cache of ``longest_trajectory`` slots rather than 1,000: the same tokens and
     turns. The masked slots add exactly zero to attention, but its reductions run over another
-    length (and decode in other windows), so sums are ordered differently: log-probs agree to
+    length, so sums are ordered differently: log-probs agree to
     float32 rounding carried through 30 layers (2.4e-5 at most, measured), not bit for bit. A token
     drawn within that of a boundary of the sampler's distribution would differ; none of these does."""
     model, tok, plan, traj = smollm2_rollout
