@@ -46,7 +46,7 @@ def pytest_xdist_auto_num_workers(config):
     return cores if available is None else max(1, min(cores, available // (8 * 2**30)))
 
 
-# The files that take longest (pytest --durations, 2026-11-27: 2-7 minutes each on 2 cores), started
+# The files that take longest (pytest --durations, 2026-11-27: 1.5-7 minutes each on 2 cores), started
 # first: the workers take files in collection order, and a long file started last would leave the
 # other worker idle at the end.
 LONGEST_FIRST = ("test_run.py", "test_rollout.py", "test_train.py", "envs/test_countdown.py", "test_readme.py",
