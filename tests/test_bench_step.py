@@ -186,3 +186,23 @@ def test_bad_arguments_are_refused_before_work(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_step.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_append_window_times_both_appends_in_and_out_of_the_window(capsys):
+    from experiments.bench import append_window
+
+    argv = ["--model", "tiny-qwen2", "--batch", "2", "--cache", "1100", "--prompt", "20", "--held", "300",
+            "--turn", "8", "--repeats", "1"]
+    records = append_window.main(argv)
+    assert [(r["case"], r["windowed"]) for r in records] == [
+        ("first turn", True), ("first turn", False), ("later turn", True), ("later turn", False)]
+    assert all(r["seconds"] > 0 and r["compile_s"] > 0 for r in records)
+    assert "cache 1100" in capsys.readouterr().out
+
+
+def test_gpu_decode_check_script_says_what_it_does():
+    import subprocess
+
+    script = Path(bench_step.__file__).with_name("gpu_decode_check.sh")
+    proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "OLD_TREE" in proc.stdout and "BUDGET_S" in proc.stdout
