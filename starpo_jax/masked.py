@@ -26,11 +26,23 @@ def masked_mean(x, mask, axis=None, keepdims=False):
     return masked_sum(x, mask, axis, keepdims) / jnp.maximum(count, 1.0)
 
 
+def a_member(x, mask, axis=None, keepdims=False):
+    """One selected value of `x` (the largest), 0 where nothing is selected. Sums taken relative to
+    it are exact for equal values: a float32 sum of eight −0.3s is not eight times −0.3, so a group
+    whose members all scored the same had a mean one rounding away from their score, a std ~1e-8,
+    and GRPO advantages of ±0.03 (that rounding over the 1e-6 of its denominator) instead of 0."""
+    selected = jnp.where(jnp.asarray(mask).astype(bool), x, -jnp.inf)
+    top = jnp.max(selected, axis=axis, keepdims=keepdims)
+    return jnp.where(jnp.isfinite(top), top, 0)
+
+
 def masked_var(x, mask, axis=None, keepdims=False, unbiased=True):
     """Variance over the masked positions, Bessel-corrected (n − 1) by default like torch and veRL.
 
-    Fewer than two selected positions give 0 (torch would give NaN).
+    Fewer than two selected positions give 0 (torch would give NaN). Equal values give exactly 0
+    (the sums are taken relative to one of them, `a_member`).
     """
+    x = x - a_member(x, mask, axis, keepdims=True)
     mean = masked_mean(x, mask, axis, keepdims=True)
     squared_deviation = masked_sum(jnp.square(x - mean), mask, axis, keepdims)
     count = masked_count(x, mask, axis, keepdims)
@@ -56,11 +68,13 @@ def same_group_stats(x, group_id, valid=None):
     optional) leaves samples out of every group's statistics (padding rows); their own outputs
     are those of the valid members of their group. Uses a [B, B] same-group matrix, which is tiny
     for rollout batches (B ≤ a few thousand) and keeps everything static-shaped. A singleton group
-    has std 0.
+    has std 0, and a group of equal values has exactly its value as mean and std 0.
     """
     same = group_id[:, None] == group_id[None, :]
     if valid is not None:
         same = same & jnp.asarray(valid).astype(bool)[None, :]
     values = jnp.broadcast_to(x[None, :], same.shape)
     size = masked_count(values, same, axis=1)
-    return size, masked_mean(values, same, axis=1), masked_std(values, same, axis=1)
+    member = a_member(values, same, axis=1, keepdims=True)  # a group that agrees has mean exactly its value
+    mean = member[:, 0] + masked_mean(values - member, same, axis=1)
+    return size, mean, masked_std(values, same, axis=1)

@@ -95,6 +95,23 @@ def test_grpo_normalises_within_groups():
     np.testing.assert_allclose(singletons[:, 0], score / (1 + 1e-6), rtol=1e-6)
 
 
+@pytest.mark.parametrize("value", [-0.3, -0.1, 0.1, 0.7])
+@pytest.mark.parametrize("groups", [2, 3, 8])
+def test_a_group_whose_scores_agree_has_no_advantage(value, groups):
+    """Equal scores give advantage exactly 0 and std exactly 0, as veRL's torch statistics do. Summed
+    in float32, eight −0.3s are not 8 × −0.3: before, 2 such groups of 8 got advantages of −0.029
+    (one rounding over the 1e-6 in the denominator), pushing down every response they sampled."""
+    from starpo_jax.masked import masked_std, same_group_stats
+
+    score = jnp.full((groups * 8,), value, jnp.float32)
+    group_id = jnp.repeat(jnp.arange(groups), 8)
+    adv, _ = advantages.grpo_outcome(score, group_id, jnp.ones((groups * 8, 3)))
+    assert not np.asarray(adv).any()
+    _, mean, std = same_group_stats(score, group_id)
+    assert (np.asarray(mean) == np.float32(value)).all() and not np.asarray(std).any()
+    assert masked_std(score, jnp.ones_like(score)) == 0.0
+
+
 @pytest.mark.parametrize("estimator", ["gae", "bilevel"])
 def test_traced_hyperparameters_jit_and_vmap(estimator):
     rewards = jnp.zeros((1, 8)).at[0, 3].set(0.2).at[0, 6].set(1.0)
