@@ -13,13 +13,13 @@ the cache it is given; the window bounds that to the slots the rows can reach.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
+from experiments.bench.generation_timing import median_time
 from starpo_jax import sampling
 from starpo_jax.models import Decoder, ModelState, preset
 
@@ -34,16 +34,6 @@ def parse_args(argv=None):
     p.add_argument("--turn", type=int, default=64, help="later turn's tokens")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per setting (median)")
     return p.parse_args(argv)
-
-
-def timed(program, args, repeats: int) -> float:
-    jax.block_until_ready(program(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(program(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv=None) -> list[dict]:
@@ -67,7 +57,9 @@ def main(argv=None) -> list[dict]:
             program = jax.jit(lambda m, c, t, n, w=windowed: sampling.append(m, c, t, n, windowed=w))
             program = program.lower(model, cache, tokens, num_new).compile()
             compile_s = time.perf_counter() - start
-            seconds = timed(program, (model, cache, tokens, num_new), args.repeats)
+            run = lambda i, p=program: jax.block_until_ready(p(model, cache, tokens, num_new))  # noqa: E731
+            run(0)  # warm-up
+            seconds, _ = median_time(run, args.repeats)
             records.append({"case": name, "windowed": windowed, "seconds": seconds, "compile_s": compile_s})
             print(f"{name}: {'window' if windowed else 'whole cache':12} {seconds * 1e3:9.2f} ms "
                   f"(compile {compile_s:.1f} s)", flush=True)
