@@ -75,6 +75,6 @@ def same_group_stats(x, group_id, valid=None):
         same = same & jnp.asarray(valid).astype(bool)[None, :]
     values = jnp.broadcast_to(x[None, :], same.shape)
     size = masked_count(values, same, axis=1)
-    member = a_member(values, same, axis=1, keepdims=True)  # a group that agrees has mean exactly its value
-    mean = member[:, 0] + masked_mean(values - member, same, axis=1)
-    return size, mean, masked_std(values, same, axis=1)
+    member = a_member(values, same, axis=1, keepdims=True)
+    relative = values - member  # all zeros for a group that agrees: mean exactly its value, std 0
+    return size, member[:, 0] + masked_mean(relative, same, axis=1), masked_std(relative, same, axis=1)
