@@ -9,6 +9,7 @@ and what to do.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from flax import nnx
@@ -103,13 +104,25 @@ def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
         except ValueError as err:
             raise ConfigError(f"envs.{'overrides.' + tag if overrides else side + '.tags'}: {err}") from err
         try:
-            check_env(env, tag)
+            _check_env_once(env, tag, overrides)
         except ValueError as err:
             raise ConfigError(f"envs.{side}.tags: {err}") from err
         # The config's per-tag budget (RAGEN's envs.yaml), else the env's own default.
         budget = config.envs.max_actions_per_traj.get(tag, env.default_max_actions_per_traj)
         plans.append(TagPlan(tag, env, int(n), int(budget)))
     return tuple(plans)
+
+
+_CHECKED_ENVS: set = set()
+
+
+def _check_env_once(env, tag: str, overrides: dict) -> None:
+    """``check_env``, once per process for each env class and constructor arguments: training and
+    validation usually share envs, and the check compiles the env's step."""
+    key = (type(env), tag, repr(sorted(overrides.items())))
+    if key not in _CHECKED_ENVS:
+        check_env(env, tag)
+        _CHECKED_ENVS.add(key)
 
 
 def rollout_plan(config: ConfigDict, side: str, tokenizer=None) -> RolloutPlan:
@@ -219,7 +232,7 @@ def tokenized_plan(config: ConfigDict, side: str, plan: RolloutPlan, tokenizer, 
     builds its plans with it too). ``vocab_size``: the model's logit count (None: the tokenizer's)."""
     plan = dataclasses.replace(plan, pad_id=_pad_id(tokenizer))
     try:
-        tables = build_tables(
+        tables = _built_tables(
             tokenizer, plan, max_tokens=config.envs.prompt_max_tokens,
             legend_from_env_symbols=config.envs.legend_from_env_symbols,
             chat_template=config.model.get("chat_template", "") or None, vocab_size=vocab_size,
@@ -230,3 +243,17 @@ def tokenized_plan(config: ConfigDict, side: str, plan: RolloutPlan, tokenizer, 
     # rollout.max_model_len when that is more (the same rows play; see fit_to_tables).
     plan = dataclasses.replace(fit_to_tables(plan, tables), stop_tokens=stop_tokens_for(tokenizer, tables))
     return plan, tables
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(plan, options): tables}
+
+
+def _built_tables(tokenizer, plan: RolloutPlan, **options) -> RolloutTables:
+    """``build_tables``, once per process for each tokenizer, plan and options: ``experiments.run``
+    builds the experiment twice (``planning.check_fits`` plans it without weights first), and the
+    tables (immutable arrays) are the same both times."""
+    built = _TABLES.setdefault(tokenizer, {})
+    key = (plan, tuple(sorted(options.items())))
+    if key not in built:
+        built[key] = build_tables(tokenizer, plan, **options)
+    return built[key]

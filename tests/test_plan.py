@@ -73,6 +73,25 @@ def test_planner_figures_are_those_of_the_programs_that_run():
     assert update.alias_size_in_bytes >= state_bytes - 64
 
 
+def test_an_experiment_built_twice_checks_its_envs_and_tokenizes_its_prompts_once(monkeypatch):
+    """``experiments.run`` checks the config, plans without weights, then builds the run: the env
+    contract is checked once per env (training and validation share Bandit here), and the prompt
+    tables are tokenized once, the real build reusing the planner's."""
+    from starpo_jax import experiment
+
+    checked_tags = []
+    monkeypatch.setattr(experiment, "_CHECKED_ENVS", set())
+    monkeypatch.setattr(experiment, "check_env", lambda env, tag: checked_tags.append(tag))
+    config = base.with_overrides(base.get_config(), TINY)
+    checked = experiment.check_config(config)
+    experiment.check_config(config)
+    assert checked_tags == ["Bandit"]
+    planned, real = build_experiment(checked, load=planner.abstract_policy), build_experiment(checked)
+    assert real.train_tables is planned.train_tables and real.val_tables is planned.val_tables
+    other = base.with_overrides(config, {"envs.prompt_max_tokens": 50})  # the prompt states another length
+    assert build_experiment(other, load=planner.abstract_policy).train_tables is not planned.train_tables
+
+
 @pytest.mark.slow  # two planner compiles, ~1 min on 2 loaded cores; tests/models/test_remat.py checks the same on the decoder's gradient
 def test_remat_lowers_the_updates_working_memory():
     """The real update of the tiny run (3 layers, 2 rows of T ≈ 210 tokens per gradient pass): without
