@@ -87,6 +87,7 @@ def test_a_gguf_tokenizer_loaded_from_the_cache_is_the_one_built_from_the_file(t
     [saved] = (tmp_path / "tokenizers").iterdir()
     cached = gguf_tokenizer(path)
     assert cached.name_or_path == str(saved) and built.name_or_path != str(saved)
+    assert type(cached) is type(built)  # loaded by the class transformers built (not through AutoTokenizer)
 
     messages = [{"role": "system", "content": "You're a helpful assistant."},
                 {"role": "user", "content": "Sokoban:\n#####\n#_PX#\n<answer>Up || Left</answer> ü 日本 🙂"},
