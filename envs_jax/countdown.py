@@ -88,10 +88,12 @@ def read_task_rows(source: str) -> list[dict]:
 
 def _hub_rows(dataset: str) -> list[dict]:
     try:
-        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub import snapshot_download
 
-        files = [f for f in HfApi().list_repo_files(dataset, repo_type="dataset") if f.endswith(".parquet")]
-        local = hf_hub_download(dataset, sorted(files)[0], repo_type="dataset")
+        # A snapshot fails at once when the hub cannot be reached (listing the files first retried
+        # for ~23 s); the first parquet file by name is the tasks, as before.
+        folder = Path(snapshot_download(dataset, repo_type="dataset", allow_patterns="*.parquet", etag_timeout=5))
+        local = str(sorted(folder.rglob("*.parquet"), key=lambda p: p.relative_to(folder).as_posix())[0])
     except Exception as err:  # offline, unknown data set, no parquet file
         raise ValueError(
             f"Could not download the Countdown data set {dataset!r} from the Hugging Face hub ({type(err).__name__}); "

@@ -12,10 +12,10 @@ from helpers import REPO, TINY, command_env, read_metrics, run, train_lines
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """Two steps on a 1 × 2 × 1 mesh (weights and Adam moments split over fsdp), saved after each."""
+    """Two steps on a 1 × 2 × 1 mesh (weights and Adam moments split over fsdp), saved after each,
+    validated at steps 0 and 2, the policy exported from its sharded weights."""
     out = tmp_path_factory.mktemp("fsdp")
-    run(f"--config.trainer.output_dir={out}", "--config.mesh.data=1", "--config.mesh.fsdp=-1",
-        "--config.trainer.test_freq=0", "--config.trainer.export_hf=False", devices=2)
+    run(f"--config.trainer.output_dir={out}", "--config.mesh.data=1", "--config.mesh.fsdp=-1", devices=2)
     return out
 
 
@@ -34,6 +34,8 @@ def _resume_from_step_1(fsdp_run, out, *args, devices):
 
 
 def test_fsdp_checkpoint_resumes_on_one_device(fsdp_run, tmp_path):
+    assert [r["step"] for r in read_metrics(fsdp_run) if "val-env/FrozenLake/success" in r] == [0, 2]
+    assert (fsdp_run / "hf_policy" / "model.safetensors").exists()
     _resume_from_step_1(fsdp_run, tmp_path / "one", devices=1)
 
 

@@ -1,5 +1,4 @@
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 import envs_jax
 from envs_jax.countdown_score import ragen_check_format, ragen_score
 from experiments.bench import envs as bench_envs
+from helpers import command_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,9 +111,10 @@ def test_countdown_answers_use_the_tasks_numbers_and_score_as_ragens_python():
     """The JAX loop's random answers and the Python baseline's are of one kind: the task's numbers
     joined by operators, a quarter with a stray byte; the env scores them as RAGEN's code does."""
     env = envs_jax.make("Countdown")
-    states, _ = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(0), 128))
-    data, length = bench_envs.random_expressions(jax.random.PRNGKey(1), 0, states, env.answer_width)
-    _, ts = jax.vmap(env.step)(states, (data, length))
+    states, _ = jax.jit(jax.vmap(env.reset))(jax.random.split(jax.random.PRNGKey(0), 128))
+    data, length = jax.jit(bench_envs.random_expressions, static_argnums=3)(
+        jax.random.PRNGKey(1), 0, states, env.answer_width)
+    _, ts = jax.jit(jax.vmap(env.step))(states, (data, length))
     texts = [bytes(np.asarray(d[:n])).decode() for d, n in zip(data, length)]
     tasks = [(np.asarray(n)[:c].tolist(), int(t)) for n, c, t in zip(states.nums, states.num_count, states.target)]
     np.testing.assert_allclose(ts.reward, [ragen_score(text, *task) for text, task in zip(texts, tasks)])
@@ -149,12 +150,11 @@ def test_cpu_devices_split_the_batch(tmp_path):
     """Two host devices (a fresh process: JAX's device count is fixed at start): batches that split
     evenly run on both devices, odd ones on one; every row-step is still counted once."""
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run(
+    subprocess.run(  # the devices as the README's command asks for them (not through XLA_FLAGS)
         [sys.executable, "-m", "experiments.bench.envs", "--quick",
          "--envs", "FrozenLake,SimpleSokoban", "--batch-sizes", "3,4", "--max-steps", "8",
          "--out", str(out)],
-        cwd=REPO, env={**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}, check=True, capture_output=True,
+        cwd=REPO, env=command_env(JAX_NUM_CPU_DEVICES="2"), check=True, capture_output=True,
     )
     rows = {(r["env"], r["batch"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
     for (name, batch, mode), r in rows.items():

@@ -148,6 +148,7 @@ QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py
 EVAL_QUICKSTART = ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit"
 REPORT_QUICKSTART = ".venv/bin/python -m experiments.report runs/quickstart"
 RESUME = ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
+SWEEP = ".venv/bin/python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0"
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +178,21 @@ def test_learning_preset_and_its_curves(tmp_path):
     assert "Bandit" in proc.stdout and "step   0" in proc.stdout
 
 
-@pytest.mark.parametrize("command", [c for c in cases(slow=False) if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES)])
+def test_the_sweep_trains_its_grid_in_one_program(tmp_path):
+    """The README's sweep: its four settings, in grid order, each trained with its own learning rate
+    and filter (the quick start's 2 groups: ratio 0.5 keeps one, 1.0 both)."""
+    run_command(SWEEP, tmp_path, shrunk(SWEEP))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["setting"] for r in rows] == [
+        {"actor.lr": 1e-6, "filter.ratio": 0.5}, {"actor.lr": 1e-6, "filter.ratio": 1.0},
+        {"actor.lr": 3e-6, "filter.ratio": 0.5}, {"actor.lr": 3e-6, "filter.ratio": 1.0},
+    ]
+    assert [r["actor/lr"] for r in rows] == pytest.approx([1e-6, 1e-6, 3e-6, 3e-6])
+    assert [r["rollout/filter_kept_groups"] for r in rows] == [1, 2, 1, 2]
+
+
+@pytest.mark.parametrize("command", [c for c in cases(slow=False)
+                                     if c.values[0] not in (QUICKSTART, EVAL_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES, SWEEP)])
 def test_readme_command(command, tmp_path):
     run_command(command, tmp_path, shrunk(command))
 

@@ -94,13 +94,17 @@ def test_tasks_from_a_file_follow_ragens_rows(tmp_path):
     assert task_of(Countdown(tasks=str(as_json)).reset_from_seed(1)) == ([1, 2, 3, 4], 10)
 
 
-def test_bad_task_sources_are_one_clear_error(tmp_path):
+def test_bad_task_sources_are_one_clear_error(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     with pytest.raises(ValueError, match="does not exist"):
         Countdown(tasks=str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"target": 5}))
     with pytest.raises(ValueError, match="row 0 needs integer 'target' and a 'nums' list"):
         Countdown(tasks=str(bad))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # a cached copy must not hide the error
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once, as offline
     with pytest.raises(ValueError, match="Could not download .* offline, download it elsewhere and pass the local file"):
         Countdown(tasks="hub:Jiayi-Pan/Countdown-Tasks-3to4")
 
