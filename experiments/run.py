@@ -148,11 +148,10 @@ def train(exp, iteration=None) -> int:
     ``train.jit_iteration`` when already compiled (``planning.Fit.iteration_for``), else jitted here."""
     import jax
     from flax import nnx
-    from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
     from starpo_jax import checkpoint, distributed, sharding
-    from starpo_jax.metrics import CollapseWatch, write_scalars
+    from starpo_jax.metrics import CollapseWatch, summary_writer, write_scalars
     from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
@@ -197,7 +196,7 @@ def train(exp, iteration=None) -> int:
             _truncate_log(metrics_path, start)
         log(f"resumed from step {start} in {out}")
     # purge_step: TensorBoard drops the events a killed run logged after its checkpoint.
-    board = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None) if writer else None
+    board = summary_writer(out / "tb", purge_step=start + 1 if start else None) if writer else None
 
     def record(step: int, metrics: dict) -> None:
         if not writer:

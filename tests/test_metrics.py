@@ -44,3 +44,24 @@ def test_rollout_metrics_per_tag_and_over_the_batch():
     assert m["val/reward/mean"] == pytest.approx(0.2) and m["val/reward/std"] == pytest.approx(float(jnp.std(f(0, 1, -0.1, -0.1))))
     assert (m["val/response_length"], m["val/think_length"], m["val/num_turns"]) == (25.0, 3.0, 2.0)
     assert (m["val/context_exhausted"], m["val/generated_tokens"], m["val/env_steps"]) == (0.25, 100.0, 7.0)
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """A run's TensorBoard writer leaves torch unimported (seconds of every start where torch is
+    installed), writes the exact metric names, and torch still imports afterwards."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, command_env, tensorboard_scalars
+
+    script = f"""
+import sys
+from starpo_jax.metrics import summary_writer, write_scalars
+with summary_writer({str(tmp_path / "tb")!r}) as board:
+    write_scalars(board, {{"train/Bandit/pass@2": 0.5}}, 1)
+assert "torch" not in sys.modules
+import torch
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, env=command_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert tensorboard_scalars(tmp_path) == {"train/Bandit/pass@2": [(1, 0.5)]}

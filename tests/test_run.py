@@ -134,6 +134,7 @@ def test_evaluate_a_run_folder(full_run, tmp_path):
     assert "FrozenLake" in proc.stdout and "success %" in proc.stdout
 
 
+@pytest.mark.slow  # the real 135M model, ~35 s; tests/test_readme.py checks the Bandit suite's results on the quick start's folder, tests/envs/test_countdown.py evaluates the bundled model
 def test_evaluate_the_bundled_model_on_bandit(tmp_path):
     out = tmp_path / "eval.json"
     proc = evaluate("--model", "smollm2-135m-instruct", "--suite", "bandit", "--levels", "2", "--batch", "2",
