@@ -36,13 +36,35 @@ CACHE_VARS = ("STARPO_JAX_CACHE", "JAX_COMPILATION_CACHE_DIR",
               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
-# Test processes compile with LLVM's optimisations off. XLA:CPU's code generation is most of the
-# compile time of the suite's tiny programs, which run for milliseconds either way (measured on 2
-# loaded cores: a tiny run 178 -> 112 s, tests/test_train.py + test_update.py 915 -> 671 s); the
-# few tests that run the real 135M model run somewhat slower. Matrix products call the same library
-# kernels; elementwise code may round differently from an optimised build (fused multiply-adds),
-# which the suite's tolerances allow, and exact comparisons are between processes compiled alike.
-XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
+# Test processes compile for compile time. XLA:CPU's code generation is most of the compile time of
+# the suite's tiny programs, which run for milliseconds either way. So: LLVM's optimisations off
+# (measured on 2 loaded cores: a tiny run 178 -> 112 s, tests/test_train.py + test_update.py 915 ->
+# 671 s), its expensive passes off, and XLA's older elemental emitters instead of its MLIR fusion
+# emitters, which took half of what was left (measured idle, 2026-11-27: compiling a tiny run's
+# rollout 12.2 -> 5.9 s and its update 6.0 -> 2.4 s, a tiny run from a cold cache 80-89 -> 50-67 s,
+# tests/test_train.py + test_update.py 248 -> 190 s, the real 135M model's rollout fixture 69 -> 50 s;
+# the programs run as fast). Matrix products call the same library kernels; elementwise code may
+# round differently from an optimised build (fused multiply-adds), which the suite's tolerances
+# allow, and exact comparisons are between processes compiled alike. A flag this jaxlib does not
+# know is left out (XLA aborts on an unknown flag, and flags come and go between releases).
+def _known_to_jaxlib(flags: list[str]) -> str:
+    import importlib.util
+    import mmap
+
+    known = set()
+    for library in Path(importlib.util.find_spec("jaxlib").origin).parent.glob("*.so"):
+        with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
+            known |= {flag for flag in flags if text.find(flag[2:].split("=")[0].encode() + b"\0") >= 0}
+    return " ".join(flag for flag in flags if flag in known)
+
+
+XLA_TEST_FLAGS = _known_to_jaxlib(["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                                   "--xla_cpu_use_fusion_emitters=false"])
+
+# Compiler options that undo XLA_TEST_FLAGS where they change a program's HLO, for a test that reads
+# a compiled program as a run compiles it (the fusion emitters decide which slices fuse into their
+# consumers; LLVM's settings change only the machine code).
+AS_A_RUN_COMPILES = {"xla_cpu_use_fusion_emitters": True}
 
 
 def simulated_devices(devices: int) -> dict[str, str]:

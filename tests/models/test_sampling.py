@@ -14,6 +14,7 @@ import transformers
 
 from starpo_jax import sampling
 from starpo_jax.models import ModelState, decoder_from_hf_tensors, preset
+from helpers import AS_A_RUN_COMPILES
 
 B, CACHE, NEW = 3, 32, 6
 
@@ -294,7 +295,7 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     read its buffer, in no order XLA could see, made it copy the buffer twice per layer."""
     config, _, model = tiny
     cache, logits = prefill(model, prompts)
-    hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile().as_text()
+    hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile(AS_A_RUN_COMPILES).as_text()
     computations, called = _called(hlo)
     layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
     weights = model.merge().layers.per_layer()[0].values()
