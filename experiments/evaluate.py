@@ -176,7 +176,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     from tqdm import tqdm
 
     from starpo_jax.experiment import rollout_plan, tokenized_plan
-    from starpo_jax.metrics import rollout_metrics
+    from starpo_jax.metrics import jitted_rollout_metrics
     from starpo_jax.rollout import initial_states_from_seeds, make_rollout
 
     results, seed = {}, args.seed
@@ -192,7 +192,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
             init = initial_states_from_seeds(plan, seed)
             seed += batch
             traj = rollout(policy, tables, init, jax.random.PRNGKey(chunk), args.temperature)
-            m = rollout_metrics(traj, plan, "val")
+            m = jitted_rollout_metrics(traj, plan, "val")
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * batch / args.levels
             bar.update(batch)

@@ -40,7 +40,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
 
     from starpo_jax import distributed, dumps
     from starpo_jax.diversity import think_diversity_metrics
-    from starpo_jax.metrics import rollout_metrics
+    from starpo_jax.metrics import jitted_rollout_metrics
 
     cfg = exp.config
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
@@ -51,7 +51,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
         traj = jax.block_until_ready(
             val_rollout(policy_of(state), exp.val_tables, val_init, key, cfg.rollout.val_temperature, bar.update))
     seconds = time.perf_counter() - t0
-    metrics = {k: float(v) for k, v in rollout_metrics(traj, exp.val_plan, "val-env").items()}
+    metrics = {k: float(v) for k, v in jitted_rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds
     traj = distributed.to_host(traj)  # with several processes, every row on every process
     if not distributed.is_writer():

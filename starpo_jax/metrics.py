@@ -42,6 +42,11 @@ def rollout_metrics(traj: Trajectories, plan: RolloutPlan, prefix: str) -> dict[
     return metrics
 
 
+# Validation and evaluation call it outside the iteration: as one program, where op by op it
+# compiled (or loaded from the cache) a dozen small programs in every process.
+jitted_rollout_metrics = jax.jit(rollout_metrics, static_argnums=(1, 2))
+
+
 @dataclasses.dataclass
 class CollapseWatch:
     """Warns when training shows the paper's collapse signs, judged against the medians of the last

@@ -338,7 +338,7 @@ class PromptTables:
                 "a special stop token; the rollout cannot tell a finished response from a cut one."
             )
         observation = PieceTable.build(tokenizer, env.piece_texts, observation_budget(env), TAIL_START)
-        check_cuts(tokenizer, texts.sample_prompts(env), env.piece_texts, observation, getattr(env, "name", ""))
+        check_cuts(tokenizer, texts.sample_prompts(env, observation.num_pieces), env.piece_texts, observation, getattr(env, "name", ""))
 
         head = TokenRuns.from_texts(tokenizer, [texts.head])
         tail = TokenRuns.from_texts(tokenizer, texts.tails)
@@ -399,12 +399,12 @@ class PromptPieces:
             turn_headers=["\n" + turn_header_text(k) + "State:\n" for k in range(max_turn + 1)],
         )
 
-    def sample_prompts(self, env, samples: int = 24, seed: int = 0) -> list[list]:
+    def sample_prompts(self, env, num_pieces: int, samples: int = 24, seed: int = 0) -> list[list]:
         """Random first and later turns, as lists of pieces (texts, and ints for observation
-        pieces); the observations are the env's ``sample_observation_pieces``."""
+        pieces); the observations are the env's ``sample_observation_pieces`` of ``num_pieces``
+        (``observation_budget``)."""
         rng = np.random.default_rng(seed)
         pick = lambda options: options[rng.integers(len(options))]  # noqa: E731
-        num_pieces = observation_budget(env)
         prompts = []
         for i in range(samples):
             observation = env.sample_observation_pieces(rng, num_pieces)

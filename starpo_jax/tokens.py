@@ -95,7 +95,8 @@ class PieceTable:
 
     def piece_ids(self, piece: int) -> list[int]:
         """Host: the token ids of one piece."""
-        return np.asarray(self.ids[piece, : self.lengths[piece]]).tolist()
+        # On the host (numpy): slicing the device array would compile a program per piece length.
+        return np.asarray(self.ids)[piece, : int(np.asarray(self.lengths)[piece])].tolist()
 
 
 @functools.lru_cache(maxsize=8)  # several tags / thinking modes share one env's pieces
