@@ -106,6 +106,15 @@ def evaluate(*args):
     return run(*args, check=False, devices=None, module="experiments.evaluate", tiny=False)
 
 
+def assert_bandit_suite(results: dict, levels: int) -> None:
+    """``experiments.evaluate --suite bandit``'s results on ``levels`` levels are consistent."""
+    assert set(results) == {"Bandit", "BanditTest"}
+    for r in results.values():
+        assert r["levels"] == levels and r["success"] * levels in range(levels + 1)  # a share of the levels
+        # One pull at most, always effective, and success means pulling the risky arm.
+        assert r["success"] <= r["num_actions"] == r["action_is_effective"] <= 1
+
+
 def read_metrics(path):
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_bandit_suite
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
@@ -166,11 +168,7 @@ def test_quickstart_and_evaluating_its_run_folder(quickstart_run, tmp_path):
     assert (quickstart_run / "hf_policy" / "config.json").is_file()
     run_command(EVAL_QUICKSTART, tmp_path, shrunk(EVAL_QUICKSTART), replace={"runs/quickstart": str(quickstart_run)})
     results = json.loads((tmp_path / "out.json").read_text())["results"]
-    assert set(results) == {"Bandit", "BanditTest"}
-    for r in results.values():
-        assert r["levels"] == 2 and r["success"] * 2 in (0, 1, 2)  # a share of the 2 levels
-        # One pull at most, always effective, and success means pulling the risky arm.
-        assert r["success"] <= r["num_actions"] == r["action_is_effective"] <= 1
+    assert_bandit_suite(results, levels=2)
     run_command(REPORT_QUICKSTART, tmp_path, replace={"runs/quickstart": str(quickstart_run)})
     assert "train/Bandit/success" in (quickstart_run / "report.html").read_text()  # the run's curves embedded
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, command_env, evaluate, read_metrics, run, tensorboard_scalars, train_lines
+from helpers import REPO, TINY, assert_bandit_suite, command_env, evaluate, read_metrics, run, tensorboard_scalars, train_lines
 
 
 def test_outputs(full_run):
@@ -141,11 +141,7 @@ def test_evaluate_the_bundled_model_on_bandit(tmp_path):
                     "--max-turn", "1", "--response-length", "24", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"Bandit", "BanditTest"}
-    for r in results.values():
-        assert r["levels"] == 2 and r["success"] * 2 in (0, 1, 2)  # a share of the 2 levels
-        # One pull at most, always effective, and success means pulling the risky arm.
-        assert r["success"] <= r["num_actions"] == r["action_is_effective"] <= 1
+    assert_bandit_suite(results, levels=2)
 
 
 def test_evaluate_writes_beside_the_model_and_says_when_it_replaces(tmp_path):
