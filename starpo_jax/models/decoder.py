@@ -274,6 +274,20 @@ def _joint_softmax(block_scores: list[Array]) -> list[Array]:
     return [u / total for u in unnormalised]
 
 
+#: Up to this many queries per (row, kv head), a CPU computes the scores keys-first (below).
+KEYS_LEAD_MAX_QUERIES = 48
+
+
+def _keys_lead_the_product(queries: int) -> bool:
+    """Whether the scores are computed as keys @ queries^T ([S, q], then transposed) rather than
+    queries @ keys^T ([q, S]): the same sums, other rounding. XLA:CPU hands both to YNNPACK, whose
+    product with a few rows against a long [S, d] operand ran at ~1 GB/s once a decode step's keys
+    passed ~20 MiB (SmolLM2, 64 rows x 640 slots: 25 ms per layer, 3-15x slower than keys-first),
+    half of a FrozenLake rollout's time; with many queries (prefill, training) queries-first is the
+    faster (docs/benchmarks.md, "Decode attention on CPU"). Other backends keep queries-first."""
+    return jax.default_backend() == "cpu" and queries <= KEYS_LEAD_MAX_QUERIES
+
+
 def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
     """Grouped-query softmax attention of q [B, T, heads, d] over key blocks, normalised jointly.
 
@@ -286,9 +300,16 @@ def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
     kv_heads = blocks[0][0].shape[1]
     G = H // kv_heads
     qg = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+    keys_lead = _keys_lead_the_product(T * G)
 
     def scores(k: Array, allowed: Array) -> Array:
-        s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+        if keys_lead:
+            s = jnp.einsum("bksd,bkqd->bksq", k, qg, preferred_element_type=jnp.float32)
+            # The barrier keeps XLA from folding the transpose back into the product; the transpose
+            # itself fuses into the masking pass below, which reads the scores anyway.
+            s = jnp.swapaxes(jax.lax.optimization_barrier(s), 2, 3) * D**-0.5
+        else:
+            s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * D**-0.5
         allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
         return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
 

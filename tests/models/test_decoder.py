@@ -224,3 +224,36 @@ def test_joint_softmax_over_blocks_equals_softmax_of_their_concatenation():
     np.testing.assert_allclose(per_block, whole, rtol=1e-6, atol=1e-7)
     (single,) = _joint_softmax([jnp.asarray(blocks[0])])  # one block (training): jax.nn.softmax itself
     np.testing.assert_array_equal(single, jax.nn.softmax(blocks[0], axis=-1))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_size_scores_computed_keys_first_agree_and_stay_keys_first(T, monkeypatch):
+    """On CPU a few queries per kv head (a decode step) take their scores as keys @ queries^T: the
+    same attention up to the order of float32 sums, over a cached block and a new block, a fully
+    masked cache row included; and the compiled program keeps the product keys-first (XLA would
+    fold the transpose back into a queries-first product, the slow one, without the barrier)."""
+    from starpo_jax.models import decoder
+
+    B, H, kv, D, S = 2, 4, 2, 16, 24
+    keys = jax.random.split(jax.random.key(T), 5)
+    q = jax.random.normal(keys[0], (B, T, H, D))
+    cached = [jax.random.normal(key, (B, kv, S, D)) for key in keys[1:3]]
+    new = [jax.random.normal(key, (B, kv, T, D)) for key in keys[3:5]]
+    allowed_cached = jnp.arange(S)[None, None, :] < jnp.array([0, 17])[:, None, None]  # row 0: empty cache
+    allowed_cached = jnp.broadcast_to(allowed_cached, (B, T, S))
+    allowed_new = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+    def run(q, ck, cv, nk, nv):
+        return decoder.attend(q, [(ck, cv, allowed_cached), (nk, nv, allowed_new)])
+
+    assert decoder._keys_lead_the_product(T * H // kv)
+    program = jax.jit(run).lower(q, *cached, *new).compile().as_text()
+    keys_first = f"f32[{B},{kv},{S},{T * H // kv}]"
+    assert any(keys_first in line and " dot(" in line or keys_first in line and "dot_general" in line
+               for line in program.splitlines()), "the scores' product is not keys-first"
+    got = run(q, *cached, *new)
+    monkeypatch.setattr(decoder, "KEYS_LEAD_MAX_QUERIES", 0)
+    assert not decoder._keys_lead_the_product(T * H // kv)
+    want = run(q, *cached, *new)
+    # scores are sums of 16 float32 products in another order: ~16 eps relative; outputs are O(1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
