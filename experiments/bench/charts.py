@@ -18,8 +18,10 @@ from pathlib import Path
 
 
 def kind_of(report: dict) -> str | None:
-    """Which benchmark wrote ``report``: envs, generate, rollout, train, step, or None."""
+    """Which benchmark wrote ``report``: envs, generate, rollout, train, step, decode_attention, or None."""
     results = report.get("results")
+    if isinstance(results, dict) and results and all("speedup" in r for r in results.values()):
+        return "decode_attention"
     if "decode_cost" in report or (isinstance(results, list) and results and "phases_s" in results[0]):
         return "step"
     if "numpy" in report and isinstance(results, list):
@@ -154,7 +156,22 @@ def draw_step(report: dict):
     return fig
 
 
-DRAW = {"envs": draw_envs, "generate": draw_generate, "rollout": draw_rollout, "train": draw_train, "step": draw_step}
+def draw_decode_attention(report: dict):
+    """Seconds per decode call with the scores queries-first and keys-first, per workload."""
+    results = report["results"]
+    fig, (ax,) = _figure(width=1.6 + 1.4 * len(results))
+    names = list(results)
+    for i, orientation in enumerate(("queries-first", "keys-first")):
+        ax.bar([j + i * 0.4 for j in range(len(names))], [results[n]["median_s"][orientation] for n in names], 0.4,
+               label=orientation)
+    ax.set_xticks([j + 0.2 for j in range(len(names))], [f"{n}\n{results[n]['speedup']:.2f}x" for n in names])
+    ax.set(ylabel="seconds per decode call", title="decode attention's score product on this device")
+    ax.legend(fontsize=7)
+    return fig
+
+
+DRAW = {"envs": draw_envs, "generate": draw_generate, "rollout": draw_rollout, "train": draw_train, "step": draw_step,
+        "decode_attention": draw_decode_attention}
 
 
 def write_chart(report: dict, png: str | Path) -> Path | None:

@@ -1,0 +1,30 @@
+"""The decode-attention benchmark's smoke mode: both orientations compiled as asked, timed, compared."""
+
+import json
+
+from experiments.bench import decode_attention
+
+
+def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
+    from starpo_jax.models import decoder
+
+    seen = []
+    choose = decoder._keys_lead_the_product
+    monkeypatch.setattr(decoder, "_keys_lead_the_product",
+                        lambda queries: seen.append((decoder.KEYS_LEAD_MAX_QUERIES, choose(queries))) or seen[-1][1])
+    out = tmp_path / "attention.json"
+    report = decode_attention.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (row,) = report["results"].values()
+    assert (row["model"], row["batch"], row["new_tokens"]) == ("tiny-llama", 4, 8)
+    assert all(len(row["seconds"][o]) == 2 for o in ("keys-first", "queries-first"))  # one ABBA round
+    assert row["speedup"] == row["median_s"]["queries-first"] / row["median_s"]["keys-first"]
+    # tiny-llama decodes with 2 queries per kv head: keys-first under the library's threshold, not under 0
+    assert {(limit, keys_first) for limit, keys_first in seen} == {(decoder.KEYS_LEAD_MAX_QUERIES, True), (0, False)}
+    assert 0.0 <= row["same_tokens"] <= 1.0
+    assert "| tiny |" in out.with_suffix(".md").read_text()
+    from experiments.bench import charts
+
+    assert charts.kind_of(report) == "decode_attention" and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    bars = charts.draw_decode_attention(report).axes[0].patches
+    assert [b.get_height() for b in bars] == [row["median_s"]["queries-first"], row["median_s"]["keys-first"]]
