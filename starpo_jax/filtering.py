@@ -31,6 +31,9 @@ import jax.numpy as jnp
 from starpo_jax.masked import masked_mean, masked_std
 
 MODES = ("std", "std_rev", "top_p_var")
+#: What a group's spread is measured on: RAGEN's raw env reward, or the score the advantages read
+#: (format penalties included, so a group whose members differ only in format has a spread).
+RANK_BY = ("env_reward", "score")
 
 
 def group_reward_stats(rewards):
@@ -67,21 +70,23 @@ def _top_p_keep(std, p, selection_eps):
     return keep_sorted[rank] | (p >= 1)
 
 
-def select_groups(rewards, ratio, mode="std", selection_eps=0.01):
+def select_groups(rewards, ratio, mode="std", selection_eps=0.01, rank_by=None):
     """Which groups of rewards [G, N] to train on: (keep mask [G] bool, metrics).
 
-    `ratio` (the keep fraction, or p for "top_p_var") may be a traced scalar. Metrics are RAGEN's
-    rollout/in_group_{std,max,mean} (mean over all groups) and rollout/chosen_in_group_* (mean
-    over kept groups), plus rollout/filter_kept_groups.
+    `ratio` (the keep fraction, or p for "top_p_var") may be a traced scalar. The groups are ranked
+    by the spread of ``rank_by`` [G, N] (default: ``rewards`` themselves). Metrics are RAGEN's
+    rollout/in_group_{std,max,mean} of ``rewards`` (mean over all groups) and
+    rollout/chosen_in_group_* (mean over kept groups), plus rollout/filter_kept_groups.
     """
     if mode not in MODES:
         raise ValueError(f"Unknown rollout filter mode {mode!r}: use one of {MODES}.")
     stats = group_reward_stats(rewards)
+    spread = stats["std"] if rank_by is None else group_reward_stats(rank_by)["std"]
     num_groups = rewards.shape[0]
     if mode == "top_p_var":
-        keep = _top_p_keep(stats["std"], ratio, selection_eps)
+        keep = _top_p_keep(spread, ratio, selection_eps)
     else:
-        score = stats["std"] if mode == "std" else -stats["std"]
+        score = spread if mode == "std" else -spread
         keep = descending_rank(score) < num_kept_groups(ratio, num_groups)
     metrics = {f"rollout/in_group_{name}": value.mean() for name, value in stats.items()}
     metrics |= {f"rollout/chosen_in_group_{name}": masked_mean(value, keep) for name, value in stats.items()}

@@ -123,6 +123,8 @@ SETTINGS: tuple[Setting, ...] = (
     # filter: StarPO-S keeps the top 25 % of groups by in-group reward std
     S("filter.ratio", 0.25, "Hyperparams.filter_ratio", rule=FRACTION),
     S("filter.type", "std", "TrainSettings.filter_type", filtering.MODES),
+    # what the spread is measured on: RAGEN's raw env reward, or the trajectory score (penalties in)
+    S("filter.rank_by", "env_reward", "TrainSettings.filter_rank_by", filtering.RANK_BY),
     # algorithm
     S("algorithm.adv_estimator", "gae", "TrainSettings.adv_estimator", advantages.ESTIMATORS),
     S("algorithm.gamma", 1.0, "Hyperparams.gamma"),
@@ -265,6 +267,7 @@ class TrainSettings:
     reward_method: str
     use_turn_scores: bool
     filter_type: str
+    filter_rank_by: str
     kept_groups: int = 2  # static upper bound of kept groups (int(ratio * env_groups) for top-k)
     loss_agg_mode: str
     ppo_mini_batch_size: int

@@ -269,12 +269,14 @@ def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, layout:
 
 
 def filter_groups(settings: TrainSettings, group_size: int, traj: Trajectories, score, filter_ratio):
-    """2. StarPO-S filter: keep the groups whose raw env rewards vary most, compacted to
-    ``kept_groups`` groups (static): (kept trajectories, their scores, valid [M] bool, metrics).
+    """2. StarPO-S filter: keep the groups whose raw env rewards (``filter.rank_by = "score"``: scores)
+    vary most, compacted to ``kept_groups`` groups (static): (kept trajectories, their scores, valid
+    [M] bool, metrics).
 
     Rows past the kept count repeat group 0 and are not ``valid``: no statistic may see them."""
     raw = traj.env_reward.reshape(-1, group_size)
-    keep, metrics = filtering.select_groups(raw, filter_ratio, settings.filter_type)
+    rank_by = score.reshape(-1, group_size) if settings.filter_rank_by == "score" else None
+    keep, metrics = filtering.select_groups(raw, filter_ratio, settings.filter_type, rank_by=rank_by)
     (kept, score), valid = filtering.gather_kept_groups((traj, score), keep, settings.kept_groups, group_size)
     return kept, score, valid, metrics
 

@@ -256,6 +256,22 @@ def test_filter_groups_keeps_the_most_varied_groups_then_pads_with_invalid_rows(
     assert int(metrics["rollout/filter_kept_groups"]) == 2
 
 
+def test_filter_ranks_by_the_score_when_asked_seeing_groups_that_differ_only_in_format():
+    """Every env reward 0 (no group varies), one valid answer (penalty avoided) in group 2 alone:
+    RAGEN's ranking by env reward ties and keeps groups 0 and 1 (the lowest indices); ranked by the
+    identity score (env reward + penalties) group 2 is kept, beside group 0. The collapse metrics stay
+    the env reward's either way."""
+    traj = rollout_batch(env_reward=np.zeros(G * N, np.float32)).replace(
+        format_penalty_sum=jnp.full((G * N,), -0.1).at[2 * N + 3].set(0.0))
+    score = rewards.trajectory_score(traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id,
+                                     "state", "identity")
+    for rank_by, groups in (("env_reward", [0, 1]), ("score", [0, 2])):  # ties: lowest index
+        kept, _, valid, metrics = filter_groups(settings_for(kept_groups=2, filter_rank_by=rank_by), N, traj, score,
+                                                jnp.float32(0.5))
+        assert sorted(set(np.asarray(kept.group_id).tolist())) == groups, rank_by
+        assert bool(valid.all()) and float(metrics["rollout/in_group_std"]) == 0.0
+
+
 def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     """Old log-probs are the policy's (micro-batch by micro-batch, rows back in order) on the loss
     mask and 0 elsewhere, or the sampler's; ref log-probs are the reference's, zeros without a KL
