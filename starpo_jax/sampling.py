@@ -195,8 +195,15 @@ def sample_logits(
         filtered = _top_p_filter(filtered, top_p)
     sampled = jax.random.categorical(_unrolled(key), filtered, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    return tokens, _log_softmax_at(scaled, tokens)
+
+
+def _log_softmax_at(x: Array, tokens: Array) -> Array:
+    """``jax.nn.log_softmax(x)[b, tokens[b]]``, the same operations, without writing the [B, V]
+    result (two passes over the vocabulary fewer per decode step): (x_t − max) − log Σ exp(x − max)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    log_total = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
+    return (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_total
 
 
 def _stop_table(stop_tokens: Array | None, batch_size: int) -> Array:
@@ -248,21 +255,24 @@ class DecodeState:
 
     step: Array
     cache: LayerCache
-    logits: Array
+    logits: Array  # [B, V] float32 after each row's latest token (stale rows' are never read)
+    last_hidden: Array  # [B, hidden] after each row's last real token: finished rows keep theirs
     tokens: Array
     logprobs: Array
     lengths: Array
     done: Array
 
 
-def initial_decode_state(cache: LayerCache, last_logits: Array, max_new_tokens: int, active: Array | None,
-                         pad_id: int = 0) -> DecodeState:
+def initial_decode_state(cache: LayerCache, last_logits: Array, hidden_like: Array, max_new_tokens: int,
+                         active: Array | None, pad_id: int = 0) -> DecodeState:
+    """``hidden_like``: [B, hidden] in the compute dtype (its values are not read)."""
     B = last_logits.shape[0]
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
     return DecodeState(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
         logits=last_logits.astype(jnp.float32),
+        last_hidden=jnp.zeros_like(hidden_like),
         tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
         logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
         lengths=jnp.zeros((B,), jnp.int32),
@@ -279,13 +289,15 @@ def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k
     token = jnp.where(live, token, pad_id)
     logprob = jnp.where(live, logprob, 0.0)
     hidden, cache = decoder.extend_layers(token[:, None], live.astype(jnp.int32), s.cache, weights)
-    # Finished rows keep the logits after their last real token.
-    logits = jnp.where(live[:, None], decoder.logits(hidden[:, 0]), s.logits)
+    hidden = hidden[:, 0]
     stopped = jnp.any(token[:, None] == stops, axis=-1)
+    # Every row's logits, finished or not: a finished row's are never sampled from again, and
+    # ``decode`` recomputes its last logits from ``last_hidden`` (a [B, V] select per token saved).
     return DecodeState(
         step=s.step + 1,
         cache=cache,
-        logits=logits,
+        logits=decoder.logits(hidden),
+        last_hidden=jnp.where(live[:, None], hidden, s.last_hidden),
         tokens=s.tokens.at[:, s.step].set(token),
         logprobs=s.logprobs.at[:, s.step].set(logprob),
         lengths=s.lengths + live,
@@ -331,13 +343,16 @@ def decode(
 
     def decode_in(cache: KVCache) -> tuple[KVCache, DecodeState]:
         # The loop carries the cache as one buffer per layer, split once here and stacked back after.
-        init = initial_decode_state(cache.unstack(), last_logits, max_new_tokens, active, pad_id)
+        hidden_like = jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype))
+        init = initial_decode_state(cache.unstack(), last_logits, hidden_like, max_new_tokens, active, pad_id)
         s = jax.lax.while_loop(cond, body, init)
         return s.cache.stack(), s.replace(cache=None)
 
     needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
     cache, s = in_smallest_window(decode_in, cache, needed, windowed)
-    return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=cache, last_logits=s.logits)
+    # A row that generated keeps the logits after its last token; one that did not, those it came with.
+    last_logits = jnp.where((s.lengths > 0)[:, None], decoder.logits(s.last_hidden), last_logits.astype(jnp.float32))
+    return DecodeOutput(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, cache=cache, last_logits=last_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size", "top_k", "top_p", "pad_id", "windowed"))

@@ -73,6 +73,8 @@ COMMANDS = {
     "JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.bench.envs": (QUICK_BENCH, "smoke run", True),
     ".venv/bin/python -m experiments.bench.generate": (QUICK_BENCH, "smoke run", True),
     ".venv/bin/python -m experiments.bench.rollout": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench.decode_attention":
+        (QUICK_BENCH, "smoke run (tests/test_bench_decode_attention.py runs it by default)", True),
     ".venv/bin/python -m experiments.bench.train": (QUICK_BENCH, "smoke run", True),
     ".venv/bin/python -m experiments.bench.step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
     ".venv/bin/python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":

@@ -156,7 +156,8 @@ with sharding.use_mesh(mesh):
     cache = placed(sampling.init_cache(config, B, 32), lambda x: P(None, sharding.ROWS) if x.ndim == 5 else by_rows(x))
     # The decode loop's state: the cache as one buffer per layer [B, kv_heads, 32, d], rows split.
     logits = jnp.zeros((B, config.vocab_size))
-    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), logits, 4, None), cache)
+    hidden = jnp.zeros((B, config.hidden_size))
+    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), logits, hidden, 4, None), cache)
     state = placed(state, by_rows)
     weights = placed(jax.eval_shape(lambda m: m.merge().layers.per_layer(), model), lambda x: P())
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
