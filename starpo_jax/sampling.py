@@ -154,9 +154,11 @@ def _threefry_bits_unrolled(key_data: Array, bit_width: int, shape: tuple[int, .
     size = math.prod(shape)
     if bit_width != 32 or size >= 2**32 or not jax.config.jax_threefry_partitionable:
         return _THREEFRY.random_bits(key_data, bit_width, shape)
-    counts = jax.lax.iota(jnp.uint32, size).reshape(shape)  # counters 0, 1, ...; their high words are 0
+    # Counters 0, 1, ... (their high words are 0), flat: an iota of ``shape`` is a multiply-add of
+    # two iotas, which XLA hoists out of the decode loop and then reads back at every token.
+    counts = jax.lax.iota(jnp.uint32, size)
     bits1, bits2 = _threefry2x32(key_data[0], key_data[1], jnp.zeros_like(counts), counts)
-    return bits1 ^ bits2
+    return (bits1 ^ bits2).reshape(shape)
 
 
 _THREEFRY_UNROLLED = jax.extend.random.define_prng_impl(
@@ -251,11 +253,16 @@ def in_smallest_window(run, cache: KVCache, needed: Array, windowed: bool = True
 
 @struct.dataclass
 class DecodeState:
-    """What the decode loop carries from one step to the next."""
+    """What the decode loop carries from one step to the next.
+
+    The step samples its next token at its end, from the logits it has just computed, and carries
+    that token ([B]) rather than the logits ([B, V]): a carried [B, V] buffer is read at the start
+    of a step and rewritten at its end, and XLA copies it once per token to keep the two apart."""
 
     step: Array
     cache: LayerCache
-    logits: Array  # [B, V] float32 after each row's latest token (stale rows' are never read)
+    next_token: Array  # [B] int32 sampled after each row's latest token (stale rows' are never read)
+    next_logprob: Array  # [B] float32, its log-prob
     last_hidden: Array  # [B, hidden] after each row's last real token: finished rows keep theirs
     tokens: Array
     logprobs: Array
@@ -263,15 +270,18 @@ class DecodeState:
     done: Array
 
 
-def initial_decode_state(cache: LayerCache, last_logits: Array, hidden_like: Array, max_new_tokens: int,
+def initial_decode_state(cache: LayerCache, first: tuple[Array, Array], hidden_like: Array, max_new_tokens: int,
                          active: Array | None, pad_id: int = 0) -> DecodeState:
-    """``hidden_like``: [B, hidden] in the compute dtype (its values are not read)."""
-    B = last_logits.shape[0]
+    """``first``: (tokens [B], log-probs [B]) sampled from the logits decoding starts from (step 0's
+    draw); ``hidden_like``: [B, hidden] in the compute dtype (its values are not read)."""
+    token, logprob = first
+    B = token.shape[0]
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
     return DecodeState(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
-        logits=last_logits.astype(jnp.float32),
+        next_token=token.astype(jnp.int32),
+        next_logprob=logprob.astype(jnp.float32),
         last_hidden=jnp.zeros_like(hidden_like),
         tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
         logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
@@ -282,21 +292,24 @@ def initial_decode_state(cache: LayerCache, last_logits: Array, hidden_like: Arr
 
 def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k: int, top_p: float,
                 stops: Array, pad_id: int) -> DecodeState:
-    """One token for every live row: sample from ``s.logits``, run it through the model, record it.
+    """One token for every live row: record the sampled ``s.next_token``, run it through the model,
+    and sample the next one from the logits after it (step t draws with ``fold_in(key, t)``).
     ``weights``: the blocks' weights split per layer (``decoder.layers.per_layer()``), once per call."""
     live = ~s.done
-    token, logprob = sample_logits(s.logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
-    token = jnp.where(live, token, pad_id)
-    logprob = jnp.where(live, logprob, 0.0)
+    token = jnp.where(live, s.next_token, pad_id)
+    logprob = jnp.where(live, s.next_logprob, 0.0)
     hidden, cache = decoder.extend_layers(token[:, None], live.astype(jnp.int32), s.cache, weights)
     hidden = hidden[:, 0]
     stopped = jnp.any(token[:, None] == stops, axis=-1)
-    # Every row's logits, finished or not: a finished row's are never sampled from again, and
-    # ``decode`` recomputes its last logits from ``last_hidden`` (a [B, V] select per token saved).
+    # Every row samples, finished or not: a finished row's draw is never recorded, and ``decode``
+    # recomputes its last logits from ``last_hidden``.
+    next_token, next_logprob = sample_logits(
+        decoder.logits(hidden), jax.random.fold_in(key, s.step + 1), temperature, top_k, top_p)
     return DecodeState(
         step=s.step + 1,
         cache=cache,
-        logits=decoder.logits(hidden),
+        next_token=next_token,
+        next_logprob=next_logprob,
         last_hidden=jnp.where(live[:, None], hidden, s.last_hidden),
         tokens=s.tokens.at[:, s.step].set(token),
         logprobs=s.logprobs.at[:, s.step].set(logprob),
@@ -334,6 +347,7 @@ def decode(
     B = last_logits.shape[0]
     stops = _stop_table(stop_tokens, B)
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+    first = sample_logits(last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
 
     def cond(s: DecodeState) -> Array:
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
@@ -344,7 +358,7 @@ def decode(
     def decode_in(cache: KVCache) -> tuple[KVCache, DecodeState]:
         # The loop carries the cache as one buffer per layer, split once here and stacked back after.
         hidden_like = jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype))
-        init = initial_decode_state(cache.unstack(), last_logits, hidden_like, max_new_tokens, active, pad_id)
+        init = initial_decode_state(cache.unstack(), first, hidden_like, max_new_tokens, active, pad_id)
         s = jax.lax.while_loop(cond, body, init)
         return s.cache.stack(), s.replace(cache=None)
 

@@ -155,9 +155,9 @@ with sharding.use_mesh(mesh):
     model = ModelState(graphdef, placed(params, lambda x: P()))
     cache = placed(sampling.init_cache(config, B, 32), lambda x: P(None, sharding.ROWS) if x.ndim == 5 else by_rows(x))
     # The decode loop's state: the cache as one buffer per layer [B, kv_heads, 32, d], rows split.
-    logits = jnp.zeros((B, config.vocab_size))
+    first = (jnp.zeros((B,), jnp.int32), jnp.zeros((B,)))  # the first sampled tokens, log-probs
     hidden = jnp.zeros((B, config.hidden_size))
-    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), logits, hidden, 4, None), cache)
+    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), first, hidden, 4, None), cache)
     state = placed(state, by_rows)
     weights = placed(jax.eval_shape(lambda m: m.merge().layers.per_layer(), model), lambda x: P())
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))

@@ -292,7 +292,11 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     copied to the shape of a layer's weights or cache, and every array of a layer's cache shape is
     that buffer updated in place (a scatter). Decoding through the layer scan dynamic-sliced (copied)
     each layer's cache and weights at every token; writing a layer's new keys after attention had
-    read its buffer, in no order XLA could see, made it copy the buffer twice per layer."""
+    read its buffer, in no order XLA could see, made it copy the buffer twice per layer.
+
+    Nor does the loop carry anything of the logits' shape [B, V]: carried logits (sampled at the
+    start of a step, rewritten at its end) were copied at every token, and the Gumbel noise's
+    [B, V] counters, hoisted out of the loop by XLA, were read back at every token."""
     config, _, model = tiny
     cache, logits = prefill(model, prompts)
     hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile(AS_A_RUN_COMPILES).as_text()
@@ -303,6 +307,9 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     loops = [re.search(r"body=%([\w.-]+)", line).group(1) for lines in computations.values() for line in lines
              if re.search(r" while\(", line)]  # fmt: skip
     body = max(loops, key=lambda b: len(_reachable(b, called)))  # the decode loop holds any other
+    carried = next(line for lines in computations.values() for line in lines if f"body=%{body}," in line)
+    carried = [_dims(shape) for shape in re.findall(r"\w+\[[\d,]*\]", carried.split(" while(")[0])]
+    assert (B, config.vocab_size) not in carried, carried
     roots = {c: next(line for line in lines if "ROOT" in line) for c, lines in computations.items()}
     writes = 0
     for comp in _reachable(body, called):
