@@ -264,16 +264,18 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
 KeyBlock = tuple[Array, Array, Array]  # k, v [B, kv_heads, S, d] and allowed [B|1, T|1, S] (bool)
 
 
-def _joint_softmax(block_scores: list[Array]) -> list[Array]:
-    """The softmax over the last axis of the blocks' concatenation, returned per block, computed as
-    ``jax.nn.softmax`` does but without concatenating the scores and slicing the probabilities back
-    (two copies per layer of a decode step). One block: ``jax.nn.softmax`` itself."""
-    if len(block_scores) == 1:
-        return [jax.nn.softmax(block_scores[0], axis=-1)]
+def _joint_attention(block_scores: list[Array], block_values: list[Array]) -> Array:
+    """softmax(scores) @ values over the blocks' concatenation (scores [B, kv, q, S_i], values
+    [B, kv, S_i, d]) without concatenating the scores or the values (a copy of the cache per layer
+    of a decode step). Normalised after the products, as flash attention does: the products read the
+    exponentials, and one division of the [B, kv, q, d] result replaces a pass that writes the
+    probabilities (two passes over the scores fewer; other rounding than ``jax.nn.softmax``'s order)."""
     top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in block_scores])
     unnormalised = [jnp.exp(s - jax.lax.stop_gradient(top)) for s in block_scores]
     total = sum(jnp.sum(u, axis=-1, keepdims=True) for u in unnormalised)
-    return [u / total for u in unnormalised]
+    out = sum(jnp.einsum("bkqs,bksd->bkqd", u.astype(v.dtype), v, preferred_element_type=jnp.float32)
+              for u, v in zip(unnormalised, block_values))
+    return out / total
 
 
 #: Up to this many queries per (row, kv head), a CPU computes the scores keys-first (below).
@@ -315,9 +317,13 @@ def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
         allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], T, G, allowed.shape[-1]))
         return jnp.where(allowed.reshape(allowed.shape[0], 1, T * G, -1), s, _MASKED)
 
-    out = 0.0
-    for (_, v, _), p in zip(blocks, _joint_softmax([scores(k, allowed) for k, _, allowed in blocks])):
-        out = out + jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    block_scores = [scores(k, allowed) for k, _, allowed in blocks]
+    if len(blocks) == 1:  # one sequence (prefill, training): jax's softmax, then the product
+        v = blocks[0][1]
+        p = jax.nn.softmax(block_scores[0], axis=-1)
+        out = jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    else:  # a cache and new tokens (decode, append)
+        out = _joint_attention(block_scores, [v for _, v, _ in blocks])
     return out.astype(q.dtype).reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 

@@ -211,19 +211,24 @@ def test_fused_attention_call_matches_dense_attention(segments, monkeypatch):
     assert lengths and all(n % 2 == 0 for n in lengths), lengths
 
 
-def test_joint_softmax_over_blocks_equals_softmax_of_their_concatenation():
-    from starpo_jax.models.decoder import _MASKED, _joint_softmax
+def test_joint_attention_over_blocks_equals_attention_over_their_concatenation():
+    """The cached path's attention (a cache block and a new block, normalised after the value
+    products) is softmax(scores) @ values over the concatenation, up to float32 rounding."""
+    from starpo_jax.models.decoder import _MASKED, _joint_attention
 
     rng = np.random.default_rng(0)
-    blocks = [rng.normal(size=(2, 3, 5, n)).astype(np.float32) * 10 for n in (7, 1)]
-    blocks[0][0, 0, 0] = _MASKED  # a row with every cached key masked
-    blocks[1][0, 0, 0] = _MASKED
-    whole = jax.nn.softmax(jnp.concatenate(blocks, axis=-1), axis=-1)
-    per_block = jnp.concatenate(_joint_softmax([jnp.asarray(b) for b in blocks]), axis=-1)
-    # the same exponentials; only the order of the normaliser's sum differs
-    np.testing.assert_allclose(per_block, whole, rtol=1e-6, atol=1e-7)
-    (single,) = _joint_softmax([jnp.asarray(blocks[0])])  # one block (training): jax.nn.softmax itself
-    np.testing.assert_array_equal(single, jax.nn.softmax(blocks[0], axis=-1))
+    scores = [rng.normal(size=(2, 3, 5, n)).astype(np.float32) * 10 for n in (7, 1)]
+    values = [rng.normal(size=(2, 3, n, 4)).astype(np.float32) for n in (7, 1)]
+    scores[0][0, 0, 0] = _MASKED  # a row with every cached key masked: all its weight on the new key
+    scores[1][0, 0, 1] = _MASKED  # and one that sees only cached keys
+    whole = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1) @ jnp.concatenate(values, axis=-2)
+    got = _joint_attention([jnp.asarray(s) for s in scores], [jnp.asarray(v) for v in values])
+    # Convex combinations of the values, each weight and product rounded apart: a few ulps of the
+    # largest value per slot summed over.
+    slots = sum(v.shape[-2] for v in values)
+    np.testing.assert_allclose(got, whole, rtol=0, atol=4 * slots * np.finfo(np.float32).eps * np.abs(values[0]).max())
+    np.testing.assert_allclose(got[0, 0, 0], values[1][0, 0, 0], rtol=1e-6)
+    assert not np.allclose(got[0, 0, 1], values[1][0, 0, 0])
 
 
 @pytest.mark.parametrize("T", [1, 3])
