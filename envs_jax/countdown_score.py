@@ -73,11 +73,11 @@ def ragen_score(equation: str, nums, target):
 
 # Operator codes on the operator stack; precedence by code.
 LPAREN, ADD, SUB, MUL, DIV, FLOORDIV, MOD, NEG, POS, POW = range(10)
-PRECEDENCE = jnp.array([0, 1, 1, 2, 2, 2, 2, 3, 3, 4], jnp.int32)
+PRECEDENCE = (0, 1, 1, 2, 2, 2, 2, 3, 3, 4)  # a tuple: no module of ours makes arrays at import
 LIMIT = 2**30  # magnitudes past this count as overflow (products are checked in float32 first)
 MAX_NUMBERS = 4  # literals ``evaluate`` reads by default: a task has at most 4 numbers
 MAX_DIGIT_RUNS = 8  # digit runs kept for the number check; more can never match 3-4 numbers
-BIG = jnp.int32(2**30)  # a digit run too long to matter (it matches no task number)
+BIG = 2**30  # a digit run too long to matter (it matches no task number)
 
 
 def _byte(data, i, length):
@@ -274,13 +274,14 @@ def parse(data, length, max_numbers: int = MAX_NUMBERS):
 
         # One reduction loop: a binary operator pops higher precedence (equal too, unless
         # right-associative **); ")" pops to the matching "(" and the end pops everything.
-        prec = PRECEDENCE[jnp.maximum(op, 0)]
+        precedence = jnp.array(PRECEDENCE, jnp.int32)
+        prec = precedence[jnp.maximum(op, 0)]
         act_end = at_end & act
 
         def should_pop(c):
             otop, ok = c[0], c[-1]
             top = get(ops, otop - 1).astype(jnp.int32)
-            outranks = (PRECEDENCE[top] > prec) | ((PRECEDENCE[top] == prec) & (op != POW))
+            outranks = (precedence[top] > prec) | ((precedence[top] == prec) & (op != POW))
             return ok & (otop > 0) & (top != LPAREN) & (rparen | act_end | (binary & outranks))
 
         reduced = jax.lax.while_loop(should_pop, partial(reduce_top, ops), (otop, refs, rtop, code, left, right, count, ok))

@@ -46,6 +46,22 @@ def flag_error_message(err: Exception, argv: list[str]) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def start_distributed(argv: list[str]) -> None:
+    """Join the other processes of a multi-host run (``starpo_jax.distributed``) from the command
+    line's ``--config.distributed.*`` and the launcher's environment, before the config file loads:
+    loading it imports the envs, whose dependencies initialise XLA's backend."""
+    from starpo_jax import distributed
+
+    try:
+        distributed.initialize(distributed.from_argv(argv))
+    except distributed.DistributedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run(main) -> None:
-    """``app.run(main)`` with the parser above; ``main`` returns the exit status."""
+    """``app.run(main)`` with the parser above, the processes of a multi-host run joined first;
+    ``main`` returns the exit status."""
+    if not HELP_FLAGS & set(sys.argv[1:]):
+        start_distributed(sys.argv)
     app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)

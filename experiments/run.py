@@ -78,10 +78,10 @@ def main(argv) -> int:
 
     setup_compilation_cache()  # before the first compile
 
-    try:  # before anything else touches JAX (importing the env modules builds arrays)
-        distributed.initialize(_CONFIG.value.distributed)
+    try:  # the runtime started from the command line (cli.run): the config must agree
+        distributed.check_started(_CONFIG.value.distributed, distributed.from_argv(sys.argv))
     except distributed.DistributedError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
     from starpo_jax import sharding
     from starpo_jax.checkpoint import CheckpointError

@@ -6,10 +6,16 @@ hand: training levels come from keys inside the compiled step and validation lev
 identically on every host. Process 0 alone writes logs, TensorBoard, dumps and exports
 (``is_writer``); checkpoints are written and restored by every process (orbax's multi-host path).
 
-``initialize(config.distributed)`` starts the runtime from the config (``coordinator_address``,
+``initialize(settings)`` starts the runtime from the ``distributed`` settings (``coordinator_address``,
 ``num_processes``, ``process_id``), or, when those are unset, from the cluster's environment:
 SLURM (``srun``), Open MPI (``mpirun``) and Cloud TPU pod slices, which ``jax.distributed``
 detects itself. A single process on its own needs none of this and starts nothing.
+
+``jax.distributed.initialize`` must run before anything initialises XLA's backend, and importing a
+dependency can do that (jumanji builds arrays at import; loading a config imports the env classes).
+So the commands read the ``distributed`` settings from the command line (``from_argv``) and start
+the runtime before they load their config file (``experiments.cli.run``); the loaded config must
+then agree with what was started (``check_started``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,40 @@ import jax
 
 class DistributedError(ValueError):
     """A ``distributed`` config that cannot start; the message names the key."""
+
+
+def from_argv(argv: list[str]):
+    """The ``distributed`` settings a command line gives: the defaults of ``configs/base.py`` with
+    its ``--config.distributed.KEY=VALUE`` (or ``KEY VALUE``) flags applied, each cast to its
+    default's type. Reads no config file, so that nothing has initialised XLA yet."""
+    from starpo_jax.settings import config_section
+
+    settings = config_section("distributed")
+    prefix = "--config.distributed."
+    for i, arg in enumerate(argv):
+        if not arg.startswith(prefix):
+            continue
+        key, has_value, value = arg[len(prefix):].partition("=")
+        if not has_value:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if key not in settings:
+            continue  # the flags parser names it, with its suggestion
+        try:
+            settings[key] = type(settings[key])(value)
+        except ValueError:
+            raise DistributedError(f"--config.distributed.{key} must be a whole number, not {value!r}.") from None
+    return settings
+
+
+def check_started(config_settings, started) -> None:
+    """The loaded config's ``distributed`` section must be what the command line started: a config
+    file cannot set it, as it is read only after the runtime has started."""
+    differ = [k for k in started if config_settings.get(k) != started[k]]
+    if differ:
+        raise DistributedError(
+            f"the config file sets distributed.{differ[0]}, which is read before any config file: "
+            f"set it on the command line (--config.distributed.{differ[0]}=...)."
+        )
 
 
 def _cluster_detected() -> str | None:
@@ -35,8 +75,8 @@ def _cluster_detected() -> str | None:
 
 
 def initialize(settings) -> bool:
-    """Join the other processes of this run (``settings``: ``config.distributed``); True when this is
-    a multi-process run. Call before anything else touches JAX's devices."""
+    """Join the other processes of this run (``settings``: ``config.distributed`` or ``from_argv``);
+    True when this is a multi-process run. Call before anything else touches JAX's devices."""
     address = settings.get("coordinator_address", "") or None
     num, index = int(settings.get("num_processes", -1)), int(settings.get("process_id", -1))
     if address:

@@ -68,7 +68,7 @@ import optax
 from flax import nnx
 
 from starpo_jax import advantages as adv
-from starpo_jax import filtering, losses, rewards
+from starpo_jax import distributed, filtering, losses, rewards
 from starpo_jax.masked import masked_mean
 from starpo_jax.metrics import rollout_metrics
 from starpo_jax.models import lora
@@ -696,9 +696,9 @@ def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
     """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
     picked on the host between rollout and update, so the update computes only what is there.
     With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
-    length = np.asarray(jax.device_get(traj.length))
+    length = np.asarray(distributed.to_host(traj.length))  # every process picks the same layout
     if share == 1:
         return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
-    split = np.asarray(jax.device_get(first_prompt_split(traj)))
+    split = np.asarray(distributed.to_host(first_prompt_split(traj)))
     width = min(size_bucket(int((length - split).max())), max_len)
     return UpdateLayout(prefix=min(size_bucket(int(split.max())), max_len), width=width)

@@ -31,6 +31,13 @@ TINY = [
     "--config.trainer.log_trajectories=1",
 ]
 
+def tiny_with(overrides: dict[str, str]) -> list[str]:
+    """``TINY`` with ``{"section.key": value}`` in place of its own values (a tuple flag given twice
+    would be read as both)."""
+    kept = [arg for arg in TINY if arg.split("=", 1)[0].removeprefix("--config.") not in overrides]
+    return kept + [f"--config.{key}={value}" for key, value in overrides.items()]
+
+
 # The caches' settings (conftest.py points them at the session's cache folder).
 CACHE_VARS = ("STARPO_JAX_CACHE", "JAX_COMPILATION_CACHE_DIR",
               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")

@@ -1,13 +1,13 @@
 """Resume on any mesh: a checkpoint written by a run on 2 devices (FSDP) restores on 1 device and on
 a data-parallel mesh and continues with the same results up to float rounding; two processes train
 like one process over two devices, and checkpoints move between them both ways; the ``distributed``
-config is checked before anything starts."""
+config is checked before anything starts (tests/test_distributed.py: before the backend starts)."""
 
 import shutil
 
 import pytest
 
-from helpers import REPO, TINY, command_env, read_metrics, run, train_lines
+from helpers import REPO, TINY, command_env, read_metrics, run, tiny_with, train_lines
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +59,16 @@ def test_distributed_config_errors(tmp_path):
     assert "distributed.num_processes" in proc.stderr.strip().splitlines()[-1]
 
 
-def _two_processes(out, port: int, *args):
-    """The tiny run as two processes of one CPU device each (localhost coordinator, gloo collectives);
-    ``args`` are further flags for both."""
+def _two_processes(out, port: int, *args, flags=TINY):
+    """A run (``flags``: the tiny run's) as two processes of one CPU device each (localhost
+    coordinator, gloo collectives); ``args`` are further flags for both."""
     import subprocess
     import sys
 
     env = command_env(devices=1)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "experiments.run", *TINY, f"--config.trainer.output_dir={out}",
+            [sys.executable, "-m", "experiments.run", *flags, f"--config.trainer.output_dir={out}",
              f"--config.distributed.coordinator_address=localhost:{port}",
              "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -84,6 +84,22 @@ def _two_processes(out, port: int, *args):
 # The two processes' float32 sums run over gloo instead of within one process's program: partial sums
 # added in another order, a few ulps each, far below 1e-4 relative (see tests/test_sharding.py).
 METRICS = ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "train/response_length")
+
+
+# The cheapest run that still trains, validates, checkpoints and exports: one step of one-turn Bandit.
+ONE_BANDIT_STEP = tiny_with({"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)",
+                             "envs.val.tags": "('Bandit',)", "rollout.max_turn": "1",
+                             "trainer.total_steps": "1", "trainer.test_freq": "1"})
+
+
+def test_two_processes_train_validate_checkpoint_and_export(tmp_path):
+    """The many-host launch in its cheapest form, in the default suite: both processes start (the
+    runtime joined before anything touches a device), pick the same update layout, and process 0
+    alone writes the logs and the export."""
+    logs = _two_processes(tmp_path, 23463, flags=ONE_BANDIT_STEP)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 1]  # validation, step 1, validation: once each
+    assert "[process 1/2] train" in logs[1] and "validation @" not in logs[1]
+    assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "hf_policy" / "model.safetensors").exists()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, command_env
+from helpers import REPO, command_env, tiny_with
 
 from experiments import report
 from starpo_jax.diversity import distinct_ngrams, think_diversity_metrics
@@ -24,8 +24,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 # test_run's tiny run, validating one level of every env at every step, without checkpoints or export
 VAL_EVERY_STEP = {"envs.val.tags": "('SimpleSokoban','FrozenLake','Bandit')", "envs.val.n_groups": "(1,1,1)",
                   "trainer.test_freq": "1", "trainer.save_freq": "0", "trainer.export_hf": "False"}
-TINY_RUN = [arg for arg in TINY if arg.split("=", 1)[0].removeprefix("--config.") not in VAL_EVERY_STEP]
-TINY_RUN += [f"--config.{key}={value}" for key, value in VAL_EVERY_STEP.items()]
+TINY_RUN = tiny_with(VAL_EVERY_STEP)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,6 @@ from starpo_jax.models import ModelState
 from starpo_jax.parsing import decode_response, parse_response_text
 from starpo_jax.rollout import RolloutPlan
 
-LAST = int(StepType.LAST)
-
 
 @dataclasses.dataclass(frozen=True)
 class Subject:
@@ -138,7 +136,7 @@ def host_turn(episode: HostEpisode, host: HostEnv, text: str, plan: RolloutPlan)
     for action in parsed.valid_action_ids[: episode.budget - episode.num_actions]:
         episode.state, ts = host.step(episode.state, action)
         step_rewards.append(host.python_reward(ts.reward))
-        if int(ts.step_type) == LAST:
+        if int(ts.step_type) == StepType.LAST:
             env_done, episode.success = True, bool(ts.extras["success"])
             break
     episode.num_actions += len(step_rewards)
