@@ -1,7 +1,7 @@
 """RAGEN v1 defaults (StarPO-S on SimpleSokoban with Qwen2.5-0.5B-Instruct).
 
 Every value here is the original's effective default (docs/ragen-reference.md §2.1, §3.1–3.7), unless
-a comment says otherwise; every key but the env sides comes from ``starpo_jax/settings.py``, where
+a comment says otherwise; every key but the env sides comes from ``starpo_jax/runtime/settings.py``, where
 each is declared once. Env files (``sokoban.py``, ``frozen_lake.py``, ``bandit.py``) and
 ``presets.py`` start from ``get_config()`` and override. Override any key on the command line:
 ``python -m experiments.run --config configs/sokoban.py --config.rollout.max_turn=3``.
@@ -14,7 +14,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 import envs_jax
-from starpo_jax.settings import SECTIONS, config_section
+from starpo_jax.runtime.settings import SECTIONS, config_section
 
 # The tags whose action budget the config lists (RAGEN's envs.yaml tags of the paper's envs).
 BUDGET_TAGS = ("SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "FrozenLake", "Bandit", "BanditTest")
@@ -46,7 +46,7 @@ def with_overrides(config: ConfigDict, changes: Mapping[str, Any]) -> ConfigDict
 def get_config() -> ConfigDict:
     c = ConfigDict()
     # Every section's keys, with their defaults, allowed values and where they go, are declared once
-    # in starpo_jax/settings.py (SETTINGS); the env sides below are not (settings.UNDECLARED says why).
+    # in starpo_jax/runtime/settings.py (SETTINGS); the env sides below are not (settings.UNDECLARED says why).
     for section in SECTIONS:
         c[section] = config_section(section)
     # No envs.train.seed (RAGEN's seed.train = 10000): training draws fresh levels in JAX from the

@@ -34,7 +34,7 @@ Choices, each for the budget or for what the probe runs showed (docs/results.md)
   costs decode steps and update width;
 - full weights in float32 (CPUs gain nothing from bfloat16), no rematerialisation (the update's
   memory is small), log-probs from the sampler (no recomputation pass), micro-batches of 8 rows:
-  one group per micro-batch, so its first prompt is computed once (``train.UpdateLayout``);
+  one group per micro-batch, so its first prompt is computed once (``forward.UpdateLayout``);
 - the learning rate from ``experiments.sweep`` (docs/results.md).
 """
 

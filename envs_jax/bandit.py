@@ -21,7 +21,7 @@ Departures from RAGEN, documented:
 
 - [quirk §1.1 / §8.16] The paper says the safe arm pays 0.15; RAGEN's code pays 0.1. We keep the
   code's 0.1 as the default (``lo_arm_score``).
-- Payout draws hash the key in the state (``envs_jax.base.draw_bits``, a counter-based hash that
+- Payout draws hash the key in the state (``envs_jax.hashing.draw_bits``, a counter-based hash that
   is much cheaper under ``vmap`` than ``jax.random``), not gymnasium's ``np_random`` stream, so a
   given seed reproduces RAGEN's arm order (``reset_from_seed``) but not its payout sequence.
   ``payout`` is the pure rule both share; the tests drive it with gymnasium's draws to reproduce
@@ -37,14 +37,8 @@ import jax.numpy as jnp
 from flax import struct
 from jumanji import specs
 
-from envs_jax.base import (
-    TextEnv,
-    bits_to_uniform,
-    draw_bits,
-    first_timestep,
-    make_timestep,
-    step_extras,
-)
+from envs_jax.base import TextEnv, first_timestep, make_timestep, step_extras
+from envs_jax.hashing import bits_to_uniform, draw_bits
 from envs_jax.seeding import gymnasium_rng
 
 INIT_PROMPT = (

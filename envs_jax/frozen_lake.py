@@ -21,7 +21,7 @@ Departures from RAGEN, documented:
 
 - ``max_steps`` (default 100) truncates an episode. RAGEN's env has no time limit; its rollout budget
   (turns × actions per turn) ends episodes long before, so the limit never binds there.
-- Slips hash the key in the state (``envs_jax.base.draw_bits``, a counter-based hash that is much
+- Slips hash the key in the state (``envs_jax.hashing.draw_bits``, a counter-based hash that is much
   cheaper under ``vmap`` than ``jax.random``), not gymnasium's ``np_random``: ``reset_from_seed``
   reproduces RAGEN's map for a seed exactly, but not its slip sequence. ``realised_direction`` (the
   slip rule, given a uniform draw) and ``step_in_direction`` (the deterministic transition) are
@@ -41,19 +41,9 @@ import numpy as np
 from flax import struct
 from jumanji import specs
 
-from envs_jax.base import (
-    GridEnv,
-    bits_to_uniform,
-    cell_bit,
-    draw_bits,
-    first_timestep,
-    flat_cells,
-    make_timestep,
-    pack_cells,
-    parse_grid_text,
-    step_extras,
-    unpack_cells,
-)
+from envs_jax.base import GridEnv, first_timestep, make_timestep, parse_grid_text, step_extras
+from envs_jax.bitboards import cell_bit, flat_cells, pack_cells, unpack_cells
+from envs_jax.hashing import bits_to_uniform, draw_bits
 from envs_jax.seeding import gymnasium_rng
 
 # Board cell codes (gymnasium's map letters F, H, S, G).

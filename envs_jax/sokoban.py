@@ -34,7 +34,7 @@ Reverse play: RAGEN runs a recursive DFS over every state within ``search_depth 
 does not map onto SIMD hardware. Here it is ``num_walks`` random walks run side by side (``vmap`` of
 a ``lax.scan``); each step moves the player to a uniformly chosen free neighbour (never into a wall,
 so no step is wasted), pulling the box behind it if there is one. The walks draw their choices
-from a counter-based hash of the key (``envs_jax.base.hash_uniform``): generation is 3.7x faster on
+from a counter-based hash of the key (``envs_jax.hashing.hash_uniform``): generation is 3.7x faster on
 CPU than with ``jax.random.uniform`` (1.6 ms -> 0.43 ms per SimpleSokoban level, batch 2048). A
 walk is as long as the DFS is deep, ``search_depth - 2``, capped at ``MAX_WALK_LENGTH``;
 ``num_walks`` spends ``WALK_STEP_BUDGET`` steps in all (at least ``NUM_WALKS`` walks), so shallow
@@ -83,20 +83,9 @@ from flax import struct
 from jumanji import specs
 
 from envs_jax import sokoban_reference
-from envs_jax.base import (
-    GridEnv,
-    cell_bit,
-    count_cells,
-    first_timestep,
-    flat_cells,
-    hash_uniform,
-    make_timestep,
-    pack_cells,
-    parse_grid_text,
-    step_extras,
-    toggle_cell,
-    unpack_cells,
-)
+from envs_jax.base import GridEnv, first_timestep, make_timestep, parse_grid_text, step_extras
+from envs_jax.bitboards import cell_bit, count_cells, flat_cells, pack_cells, toggle_cell, unpack_cells
+from envs_jax.hashing import hash_uniform
 
 # Cell codes of room_state (room_fixed uses WALL, FLOOR, TARGET); PLAYER_ON_TARGET only renders.
 WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = range(7)

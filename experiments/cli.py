@@ -47,10 +47,10 @@ def flag_error_message(err: Exception, argv: list[str]) -> str:
 
 
 def start_distributed(argv: list[str]) -> None:
-    """Join the other processes of a multi-host run (``starpo_jax.distributed``) from the command
+    """Join the other processes of a multi-host run (``starpo_jax.runtime.distributed``) from the command
     line's ``--config.distributed.*`` and the launcher's environment, before the config file loads:
     loading it imports the envs, whose dependencies initialise XLA's backend."""
-    from starpo_jax import distributed
+    from starpo_jax.runtime import distributed
 
     try:
         distributed.initialize(distributed.from_argv(argv))

@@ -112,8 +112,8 @@ def check_evaluation(config, tags, batch: int):
     plan (its env and budgets), and the mesh against the batch of levels. Not ``check_config``,
     which checks the training side too (its batch split and mesh): an evaluation does not train,
     and a run trained on other devices must still evaluate here. Returns the mesh."""
-    from starpo_jax.experiment import device_mesh, model_compute, rollout_plan
-    from starpo_jax.settings import check_settings
+    from starpo_jax.runtime.experiment import device_mesh, model_compute, rollout_plan
+    from starpo_jax.runtime.settings import check_settings
 
     check_settings(config)
     model_compute(config)
@@ -127,8 +127,8 @@ def load_evaluated_policy(config, source: str):
     ``config`` names."""
     import jax
 
-    from starpo_jax import checkpoint
-    from starpo_jax.experiment import load_policy, rollout_plan, train_settings
+    from starpo_jax.runtime import checkpoint
+    from starpo_jax.runtime.experiment import load_policy, rollout_plan, train_settings
     from starpo_jax.train import init_train_state, policy_weights
 
     model, tokenizer = load_policy(config)
@@ -151,9 +151,9 @@ def _on_gpu() -> bool:
 def evaluate(args) -> dict:
     import jax
 
-    from starpo_jax import sharding
-    from starpo_jax.experiment import ConfigError
-    from starpo_jax.sampling import sampling_policy
+    from starpo_jax.runtime import sharding
+    from starpo_jax.runtime.experiment import ConfigError
+    from starpo_jax.rollout.sampling import sampling_policy
 
     tags = suite_tags(args.suite)
     batch = min(args.batch, args.levels)
@@ -175,9 +175,9 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     import jax
     from tqdm import tqdm
 
-    from starpo_jax.experiment import rollout_plan, tokenized_plan
-    from starpo_jax.metrics import jitted_rollout_metrics
-    from starpo_jax.rollout import initial_states_from_seeds, make_rollout
+    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
+    from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
+    from starpo_jax.rollout.multi_turn import initial_states_from_seeds, make_rollout
 
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
@@ -220,9 +220,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out) if args.out else default_out(args.model, args.suite)
     print(out_note(out))
-    from starpo_jax.checkpoint import CheckpointError
-    from starpo_jax.caches import setup_compilation_cache
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime.checkpoint import CheckpointError
+    from starpo_jax.runtime.caches import setup_compilation_cache
+    from starpo_jax.runtime.experiment import ConfigError
     from starpo_jax.models.loading import ModelLoadError
 
     setup_compilation_cache()  # before the first compile

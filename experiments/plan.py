@@ -16,8 +16,8 @@ from the checkpoint's ``config.json`` or, for Qwen2.5 hub ids and the bundled Sm
 It exits 0 when the run fits and 1 when it does not. It also prints what a CPU run would hold: its
 own resident memory once compiled (Python, JAX, XLA's programs, tokenizer, tables) plus the peak,
 and one line on what that leaves out. ``experiments.run`` makes the same check on its real devices
-before loading the model (``starpo_jax.planning.check_fits``); on CPU against the host's available
-memory (MemAvailable). The library is ``starpo_jax/planning.py``.
+before loading the model (``starpo_jax.runtime.planning.check_fits``); on CPU against the host's available
+memory (MemAvailable). The library is ``starpo_jax/runtime/planning.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # absl shows INFO, e.g. jax's "Unable to initialize backend 'tpu'"
-    from starpo_jax.planning import PlanError, abstract_policy, parse_bytes, plan_memory
+    from starpo_jax.runtime.planning import PlanError, abstract_policy, parse_bytes, plan_memory
 
     try:
         budget = parse_bytes(FLAGS["device-memory"].value)
@@ -51,7 +51,7 @@ def main(argv) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={FLAGS.devices}").strip()
     import jax
 
-    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment
 
     if len(jax.devices()) != FLAGS.devices:
         print(f"error: JAX started before the planner could simulate {FLAGS.devices} devices.", file=sys.stderr)

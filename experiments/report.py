@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from starpo_jax.diversity import distinct_ngrams, think_texts
+from starpo_jax.diagnostics.diversity import distinct_ngrams, think_texts
 
 ASSETS = Path(__file__).with_name("report_assets")
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")

@@ -38,9 +38,10 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     import jax
     from tqdm import tqdm
 
-    from starpo_jax import distributed, dumps
-    from starpo_jax.diversity import think_diversity_metrics
-    from starpo_jax.metrics import jitted_rollout_metrics
+    from starpo_jax.runtime import distributed
+    from starpo_jax.diagnostics import dumps
+    from starpo_jax.diagnostics.diversity import think_diversity_metrics
+    from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
 
     cfg = exp.config
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
@@ -73,8 +74,8 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax import distributed
-    from starpo_jax.caches import setup_compilation_cache
+    from starpo_jax.runtime import distributed
+    from starpo_jax.runtime.caches import setup_compilation_cache
 
     setup_compilation_cache()  # before the first compile
 
@@ -83,11 +84,11 @@ def main(argv) -> int:
     except distributed.DistributedError as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
-    from starpo_jax import sharding
-    from starpo_jax.checkpoint import CheckpointError
-    from starpo_jax.experiment import ConfigError, build_experiment, check_config
+    from starpo_jax.runtime import sharding
+    from starpo_jax.runtime.checkpoint import CheckpointError
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.planning import PlanError, check_fits
+    from starpo_jax.runtime.planning import PlanError, check_fits
 
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
@@ -114,8 +115,8 @@ RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damage
 
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """A fresh run never mixes with an earlier one in the same folder, and resume needs a checkpoint."""
-    from starpo_jax import checkpoint
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime import checkpoint
+    from starpo_jax.runtime.experiment import ConfigError
 
     if resume:
         if overwrite:
@@ -150,12 +151,13 @@ def train(exp, iteration=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from starpo_jax import checkpoint, distributed, sharding
-    from starpo_jax.metrics import CollapseWatch, summary_writer, write_scalars
+    from starpo_jax.runtime import checkpoint, distributed, sharding
+    from starpo_jax.diagnostics.collapse import CollapseWatch
+    from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
     from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
-    from starpo_jax.rollout import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
-    from starpo_jax.sampling import sampling_policy
+    from starpo_jax.rollout.multi_turn import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
+    from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
     cfg = exp.config
@@ -165,7 +167,7 @@ def train(exp, iteration=None) -> int:
     log = (lambda message: tqdm.write(distributed.tag() + message)) if writer else (lambda message: None)
 
     # Rollout and update jitted apart (timed apart); the update computes only the positions the
-    # batch holds (train.update_layout), a static argument picked per batch on the host.
+    # batch holds (forward.update_layout), a static argument picked per batch on the host.
     if iteration is None:
         iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
                                   exp.train_plan)

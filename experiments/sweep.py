@@ -13,7 +13,7 @@ shapes and XLA's memory estimate decides how many settings train at a time: all 
 fit in the free memory (a fifth kept spare), else as many as fit, group after group (the same
 results, in more time); if one setting does not fit, the sweep stops with one sentence naming
 what to reduce. Sweepable keys are those that enter the compiled step as arrays (``SWEEPABLE``:
-the ``Hyperparams`` rows of ``starpo_jax/settings.py``); anything else changes the program and
+the ``Hyperparams`` rows of ``starpo_jax/runtime/settings.py``); anything else changes the program and
 needs separate runs. Metrics go to ``<output_dir>/sweep.jsonl``, one line per setting and step,
 and a summary table is printed at the end; an earlier sweep's log in that folder is kept (the
 sweep refuses to start) unless ``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
@@ -31,7 +31,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
-from starpo_jax.settings import BY_KEY, LORA_LEARNING_RATES, SWEEPABLE  # config key -> Hyperparams field
+from starpo_jax.runtime.settings import BY_KEY, LORA_LEARNING_RATES, SWEEPABLE  # config key -> Hyperparams field
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeatable); keys (default): " + ", ".join(
@@ -71,7 +71,7 @@ def grid(sweeps: dict[str, list[float]]) -> list[dict[str, float]]:
 
 def check_sweep_log(out: Path, overwrite: bool) -> None:
     """A sweep never replaces an earlier sweep's log unless asked to (``trainer.overwrite``)."""
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime.experiment import ConfigError
 
     if (out / "sweep.jsonl").exists() and not overwrite:
         raise ConfigError(
@@ -85,11 +85,11 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
-    from starpo_jax import sharding
-    from starpo_jax.caches import setup_compilation_cache
+    from starpo_jax.runtime import sharding
+    from starpo_jax.runtime.caches import setup_compilation_cache
 
     setup_compilation_cache()  # before the first compile
-    from starpo_jax.experiment import ConfigError, build_experiment
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
 
     cfg = _CONFIG.value
@@ -114,7 +114,7 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     import jax
     from tqdm import tqdm
 
-    from starpo_jax import sharding
+    from starpo_jax.runtime import sharding
     from starpo_jax.train import init_train_state
 
     cfg = exp.config
@@ -179,7 +179,8 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     arguments hold the states and the rollout batch)."""
     import jax
 
-    from starpo_jax.train import full_layout, jit_iteration, make_train_step, replicate
+    from starpo_jax.forward import full_layout
+    from starpo_jax.train import jit_iteration, make_train_step, replicate
 
     traced_axes = []
 

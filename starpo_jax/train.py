@@ -57,26 +57,27 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
-from starpo_jax import advantages as adv
-from starpo_jax import distributed, filtering, losses, rewards
-from starpo_jax.masked import masked_mean
-from starpo_jax.metrics import rollout_metrics
+from starpo_jax.algo import advantages as adv
+from starpo_jax.algo import filtering, losses, rewards
+from starpo_jax.algo.masked import masked_mean
+from starpo_jax.diagnostics.metrics import rollout_metrics
+from starpo_jax.forward import (
+    Rows, UpdateLayout, first_prompt_split, full_layout, policy_tokens_per_row, share_rows, token_logprobs, token_values,
+    update_layout,
+)
 from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
-from starpo_jax.rollout import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
-from starpo_jax.sampling import sampling_policy
-from starpo_jax.sharding import scatter_rows
-from starpo_jax.settings import Hyperparams, TrainSettings, check_batch_split  # declared beside their config keys
+from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
+from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.runtime.settings import Hyperparams, TrainSettings, check_batch_split  # declared beside their config keys
 
 
 # ---- what the iteration carries ------------------------------------------------------------------
@@ -117,7 +118,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
         base, actor = None, model.params
         ref = jax.tree.map(jnp.copy, actor) if settings.uses_ref else None
         critic_backbone = jax.tree.map(jnp.copy, actor) if settings.uses_critic else None
-    actor_tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
+    actor_tx = optimizer(settings, "actor")
     critic = critic_opt = None
     if settings.uses_critic:
         critic = Critic(
@@ -125,7 +126,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
             head_w=0.02 * jax.random.normal(head_key, (config.hidden_size,), jnp.float32),
             head_b=jnp.zeros((), jnp.float32),
         )
-        critic_opt = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay).init(critic)
+        critic_opt = optimizer(settings, "critic").init(critic)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         actor=actor,
@@ -354,7 +355,7 @@ def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: 
     steps, metrics); unchanged without one."""
     if not settings.uses_critic:
         return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
-    tx = optimizer(settings.critic_grad_clip, settings.critic_betas, settings.critic_weight_decay)
+    tx = optimizer(settings, "critic")
     loss_fn = functools.partial(critic_loss_fn, settings, graphdef, plan, layout, state.base)
     (critic, critic_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.critic, state.critic_opt, batch, hyper.critic_lr, hyper, "critic"
@@ -375,7 +376,7 @@ def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: U
     """7. The actor's update, ``ppo_update`` of ``actor_loss_fn``: (actor, actor_opt, skipped steps,
     metrics); unchanged for the first ``critic_warmup`` steps (RAGEN: the actor waits while the
     critic warms up)."""
-    tx = optimizer(settings.actor_grad_clip, settings.actor_betas, settings.actor_weight_decay)
+    tx = optimizer(settings, "actor")
     loss_fn = functools.partial(actor_loss_fn, settings, graphdef, plan, layout, state.base, horizon)
     (actor, actor_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
@@ -463,8 +464,10 @@ def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
     return critic.replace(backbone=with_adapters(settings, base, critic.backbone))
 
 
-def optimizer(grad_clip: float, betas: tuple[float, float], weight_decay: float) -> optax.GradientTransformation:
-    """AdamW without the learning rate (applied by ``apply_update`` so it can be traced)."""
+def optimizer(settings: TrainSettings, role: str) -> optax.GradientTransformation:
+    """The actor's or the critic's (``role``) AdamW without the learning rate (applied by
+    ``apply_update`` so it can be traced): the one place each optimiser is built."""
+    grad_clip, betas, weight_decay = (getattr(settings, f"{role}_{name}") for name in ("grad_clip", "betas", "weight_decay"))
     return optax.chain(
         optax.clip_by_global_norm(grad_clip),
         optax.scale_by_adam(b1=betas[0], b2=betas[1]),
@@ -534,16 +537,7 @@ def _map_micro(fn, batch, micro: int):
     return jax.tree.map(lambda x: x.reshape((M,) + x.shape[2:]), out)
 
 
-# ---- helpers: forward passes over the update batch -----------------------------------------------
-
-
-class Rows(NamedTuple):
-    """What a forward pass over the update batch reads of each row, and how much of it to compute."""
-
-    tokens: jax.Array  # int32 [M, L]
-    length: jax.Array  # int32 [M]
-    split: jax.Array  # int32 [M]: ``first_prompt_split``
-    needed: jax.Array  # bool [M, L]: the positions a loss reads (policy tokens of kept rows)
+# ---- helpers: forward passes over the update batch (starpo_jax.forward) -----------------------
 
 
 def _rows(kept: Trajectories, mask) -> Rows:
@@ -552,11 +546,6 @@ def _rows(kept: Trajectories, mask) -> Rows:
 
 def _batch_rows(b: UpdateBatch) -> Rows:
     return Rows(b.tokens, b.length, b.split, b.mask > 0)
-
-
-def policy_tokens_per_row(plan: RolloutPlan) -> int:
-    """The most policy tokens a trajectory can hold: how many positions a loss computes."""
-    return min(plan.max_len, plan.max_turn * plan.response_length)
 
 
 def _row_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, params, r: Rows):
@@ -573,132 +562,3 @@ def _row_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: Up
         graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), layout, r.split,
         share_rows(settings, plan.group_size),
     )
-
-
-def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int,
-                   layout: UpdateLayout | None = None, split=None, share: int = 1):
-    """(logp, entropy) [B, L]: log p(token_t | tokens_<t) under the policy, and its entropy.
-
-    Only positions where ``needed`` (the loss mask, at most ``max_tokens`` per row) is set are
-    computed: their hidden states are gathered first, so the vocabulary projection — the largest
-    cost of a small model — is paid only where the loss looks. Other positions are 0. ``layout``,
-    ``split`` and ``share``: which positions the forward pass computes (``hidden_predicting``;
-    default every position of every row)."""
-    model = nnx.merge(graphdef, params)
-    index, real = policy_positions(needed, max_tokens)
-    safe = jnp.where(real, index, 0)
-    layout = layout or full_layout(tokens.shape[1])
-    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
-    h = hidden_predicting(model, tokens, length, safe, split, layout, share)
-    t = jnp.take_along_axis(tokens, safe, axis=1)
-    logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, temperature), h, t, chunk)
-    zeros = jnp.zeros(tokens.shape, jnp.float32)
-    return scatter_rows(zeros, index, logp), scatter_rows(zeros, index, entropy)
-
-
-def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: int,
-                 layout: UpdateLayout | None = None, split=None, share: int = 1):
-    """V[B, L]: the critic's value of the state before token t (aligned like the log-probs), where
-    ``needed`` is set (0 elsewhere); ``layout``, ``split``, ``share`` as in ``token_logprobs``."""
-    model = nnx.merge(graphdef, critic.backbone)
-    index, real = policy_positions(needed, max_tokens)
-    layout = layout or full_layout(tokens.shape[1])
-    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
-    h = hidden_predicting(model, tokens, length, jnp.where(real, index, 0), split, layout, share)
-    values = jnp.einsum("bkd,d->bk", h.astype(jnp.float32), critic.head_w) + critic.head_b
-    return scatter_rows(jnp.zeros(tokens.shape, jnp.float32), index, values)
-
-
-def hidden_predicting(model, tokens, length, index, split, layout: UpdateLayout, share: int):
-    """Final hidden states [B, K, D] that predict ``tokens[b, index[b, k]]`` (the state at position
-    ``index - 1``; every index is past the row's split, or is padding whose result no one reads).
-
-    Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
-    first prompts (tokens before the split) are computed once per block of ``share`` rows, and the
-    rows continue from their keys and values: exactly the same attention as over the whole rows."""
-    B, L = tokens.shape
-    start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
-    positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
-    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
-    if layout.prefix:
-        leaders = slice(None, None, share)
-        k, v = model.prefix_keys_values(tokens[leaders, : layout.prefix], split[leaders])
-        k, v = (jnp.repeat(x, share, axis=1) for x in (k, v))
-        hidden = model.hidden_states_after(row_tokens, positions, k, v, start)
-    else:
-        hidden = model.hidden_states(row_tokens, positions, (positions < length[:, None]).astype(jnp.int32))
-    at = jnp.clip(index - 1 - start[:, None], 0, layout.width - 1)
-    return jnp.take_along_axis(hidden, at[..., None], axis=1)
-
-
-def _chunked(fn, hidden, targets, chunk: int):
-    """``fn(hidden[:, c], targets[:, c])`` over chunks of positions, rematerialised in the backward
-    pass, so only one chunk's [B, chunk, V] logits exist at a time."""
-    B, K = targets.shape
-    chunk = min(chunk, K)
-    n = -(-K // chunk)
-    pad = n * chunk - K
-    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
-    t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
-    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), (h, t))
-    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(B, n * chunk)[:, :K], out)
-
-
-def policy_positions(mask, max_tokens: int):
-    """Indices [B, K] of each row's masked positions (K = max_tokens, static), and which are real."""
-    index = jax.vmap(lambda m: jnp.nonzero(m, size=max_tokens, fill_value=m.shape[0])[0])(mask)
-    return index, index < mask.shape[1]
-
-
-# ---- helpers: which positions the forward passes compute -----------------------------------------
-
-
-class UpdateLayout(NamedTuple):
-    """Which positions of the update batch's rows the forward passes compute (static).
-
-    Each row is computed from its ``split`` on, ``width`` positions. With ``prefix`` > 0 the tokens
-    before the split, the row's first prompt, are computed once per block of rows that share it
-    (``share_rows``: a group's rows start from the same level, so their first prompts are the same
-    tokens) and the rows continue from its keys and values. ``update_layout`` picks the smallest
-    layout that holds a rollout batch; ``full_layout`` is every position of every row."""
-
-    prefix: int  # positions of the shared first prompts (0: nothing shared, every split is 0)
-    width: int  # positions per row from its split on
-
-
-def full_layout(max_len: int) -> UpdateLayout:
-    return UpdateLayout(prefix=0, width=max_len)
-
-
-def share_rows(settings: TrainSettings, group_size: int) -> int:
-    """Rows per shared first prompt: consecutive blocks of this many rows lie within one group and
-    one micro-batch (the kept batch is whole groups, in order)."""
-    return math.gcd(settings.micro_batch_size, group_size)
-
-
-def first_prompt_split(traj: Trajectories):
-    """int32[..., B]: where each row's computed part starts when its first prompt is shared: the
-    first prompt's last token, whose hidden state predicts the first response token (0: never
-    played). Leading axes (a sweep's settings) pass through."""
-    return jnp.maximum(traj.turn_start[..., 0] - 1, 0).astype(jnp.int32)
-
-
-def size_bucket(n: int) -> int:
-    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``: at most
-    half of a computed width is padding, and a run compiles the update for few widths."""
-    size = 16
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return size
-
-
-def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
-    """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
-    picked on the host between rollout and update, so the update computes only what is there.
-    With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
-    length = np.asarray(distributed.to_host(traj.length))  # every process picks the same layout
-    if share == 1:
-        return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
-    split = np.asarray(distributed.to_host(first_prompt_split(traj)))
-    width = min(size_bucket(int((length - split).max())), max_len)
-    return UpdateLayout(prefix=min(size_bucket(int(split.max())), max_len), width=width)

@@ -9,11 +9,11 @@ from helpers import simulated_devices  # noqa: E402 (imports no jax)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", simulated_devices(1)["XLA_FLAGS"])
 
-# One cache folder for the session (starpo_jax/caches.py): a program one test process compiled, or
+# One cache folder for the session (starpo_jax/runtime/caches.py): a program one test process compiled, or
 # a tokenizer it read from GGUF, is loaded, not built again, by the next. The suite's own folder,
 # removed at exit, unless STARPO_JAX_CACHE names one already. jax's own variables too, so that
 # `python -c` scripts and the pytest process itself use it (set before jax is imported).
-from starpo_jax import caches  # noqa: E402 (imports no jax)
+from starpo_jax.runtime import caches  # noqa: E402 (imports no jax)
 
 if not os.environ.get(caches.ENV):
     _cache = tempfile.mkdtemp(prefix="starpo-jax-test-cache-")
@@ -31,7 +31,7 @@ import torch
 # (measured: 16x slower reference generate with 2 threads under load).
 torch.set_num_threads(1)
 
-from starpo_jax import bundled
+from starpo_jax.models import bundled
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -39,7 +39,7 @@ def pytest_xdist_auto_num_workers(config):
     largest tests start a run of the real 135M model beside the worker). Most of a test's time is
     one thread tracing, compiling or starting a process, so two workers on the 2-core CI machine
     finish sooner than one (measured: 391 -> 282 s on five of the slowest files, 2026-11-27)."""
-    from starpo_jax.planning import available_bytes
+    from starpo_jax.runtime.planning import available_bytes
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     available = available_bytes()

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starpo_jax import advantages
+from starpo_jax.algo import advantages
 
 # Two turns separated by observation tokens: policy tokens 2, 3 and 5, 6; the rest is prompt,
 # observation or padding, whose values (9) must not matter.
@@ -101,7 +101,7 @@ def test_a_group_whose_scores_agree_has_no_advantage(value, groups):
     """Equal scores give advantage exactly 0 and std exactly 0, as veRL's torch statistics do. Summed
     in float32, eight −0.3s are not 8 × −0.3: before, 2 such groups of 8 got advantages of −0.029
     (one rounding over the 1e-6 in the denominator), pushing down every response they sampled."""
-    from starpo_jax.masked import masked_std, same_group_stats
+    from starpo_jax.algo.masked import masked_std, same_group_stats
 
     score = jnp.full((groups * 8,), value, jnp.float32)
     group_id = jnp.repeat(jnp.arange(groups), 8)

@@ -46,7 +46,7 @@ def test_trl_settings_of_other_maths_and_refusals():
                     "--config.actor.kl_loss_coef=0.01")["beta"] == 0.01
     assert settings("--config.rollout.top_k=20")["top_k"] == 20
     assert settings()["gradient_checkpointing"] and not settings("--config.model.remat=none")["gradient_checkpointing"]
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime.experiment import ConfigError
 
     for bad in ("--config.actor.loss_agg_mode=seq-mean-token-sum", "--config.algorithm.adv_estimator=gae",
                 "--config.actor.use_kl_loss=True", "--config.algorithm.kl_in_reward=True",
@@ -74,7 +74,7 @@ def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
 
 
 def _plan_and_env():
-    from starpo_jax.experiment import rollout_plan
+    from starpo_jax.runtime.experiment import rollout_plan
 
     plan = rollout_plan(bench_peer.load_config(QUICKSTART, []), "train")
     return plan, plan.tags[0].env
@@ -108,7 +108,8 @@ def test_reward_function_reads_the_arm_order_per_row():
 
 
 def test_prompts_are_the_rollouts_first_turn():
-    from starpo_jax import bundled, prompts
+    from starpo_jax.models import bundled
+    from starpo_jax.rollout import prompts
     from envs_jax.bandit import BanditState
 
     config = bench_peer.load_config(QUICKSTART, [])
@@ -122,8 +123,8 @@ def test_prompts_are_the_rollouts_first_turn():
         assert text.endswith("<|im_start|>assistant\n<answer>")
         assert ("Dragon and Phoenix" if hi_first else "Phoenix and Dragon") in text
     # TRL tokenizes a text prompt with the tokenizer's defaults: the same ids as the rollout's
-    from starpo_jax.experiment import rollout_plan
-    from starpo_jax.rollout import build_tables, first_prompts
+    from starpo_jax.runtime.experiment import rollout_plan
+    from starpo_jax.rollout.multi_turn import build_tables, first_prompts
 
     plan = rollout_plan(config, "train", tokenizer)
     tables = build_tables(tokenizer, plan, max_tokens=config.envs.prompt_max_tokens)

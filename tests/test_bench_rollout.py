@@ -60,7 +60,7 @@ def test_baseline_episode_follows_ragen_turn_semantics():
     """Seed 10001 is solved by Right, Up, Left (ragen-reference.md §1.6); the host turn must run valid actions in
     order, drop unknown names, stop at the solve, and record RAGEN's reward text."""
     import envs_jax
-    from starpo_jax.rollout import RolloutPlan, TagPlan
+    from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan
 
     env = envs_jax.make("SimpleSokoban")
     plan = RolloutPlan(tags=(TagPlan("SimpleSokoban", env, 1, 10),), group_size=1, max_turn=3)

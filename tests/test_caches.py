@@ -1,4 +1,4 @@
-"""The caches (starpo_jax/caches.py): where they live, that a program loaded from the compilation
+"""The caches (starpo_jax/runtime/caches.py): where they live, that a program loaded from the compilation
 cache computes bit for bit what the compiled one did, that a GGUF file's tokenizer loaded from the
 tokenizer cache is the one transformers builds from the file, and that they turn off."""
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 from helpers import REPO, command_env
 
-from starpo_jax.caches import cache_root, compilation_cache_dir, tokenizer_cache_dir
+from starpo_jax.runtime.caches import cache_root, compilation_cache_dir, tokenizer_cache_dir
 
 # A program with matmuls, transcendental functions, a reduction and random numbers; prints its
 # outputs' bytes and whether jax loaded it from the cache.
 SCRIPT = """
 import json, logging
-from starpo_jax.caches import setup_compilation_cache
+from starpo_jax.runtime.caches import setup_compilation_cache
 path = setup_compilation_cache()
 import jax, jax.numpy as jnp
 hits = []
@@ -78,7 +78,7 @@ def test_cache_folder_by_default_and_by_setting(tmp_path):
 
 
 def test_a_gguf_tokenizer_loaded_from_the_cache_is_the_one_built_from_the_file(tmp_path, monkeypatch):
-    from starpo_jax import bundled
+    from starpo_jax.models import bundled
     from starpo_jax.models.loading import gguf_tokenizer
 
     monkeypatch.setenv("STARPO_JAX_CACHE", str(tmp_path))

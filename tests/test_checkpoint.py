@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starpo_jax import checkpoint
+from starpo_jax.runtime import checkpoint
 
 STATE = {"w": jnp.arange(100_000, dtype=jnp.float32), "m": jnp.ones((64, 64), jnp.bfloat16)}
 

@@ -10,7 +10,7 @@ from ml_collections import config_flags
 
 import envs_jax
 from configs import base, presets
-from starpo_jax import experiment
+from starpo_jax.runtime import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_FILES = ["base.py", "sokoban.py", "frozen_lake.py", "bandit.py", "countdown.py", "quickstart.py", "learn_bandit.py",

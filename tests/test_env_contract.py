@@ -13,8 +13,8 @@ import pytest
 
 import envs_jax
 from helpers import command_env
-from starpo_jax import prompts as P
-from starpo_jax.contract import EnvContractError, check_env
+from starpo_jax.rollout import prompts as P
+from starpo_jax.runtime.contract import EnvContractError, check_env
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "docs" / "examples"
@@ -130,8 +130,8 @@ def test_a_bad_piece_cut_stops_the_run_in_one_sentence(registry):
     """The tables' cut check names the env, both pieces and the token; the run reports it as a
     config error (exit status 2 in experiments.run)."""
     from configs import base
-    from starpo_jax.experiment import ConfigError, build_experiment
-    from starpo_jax.planning import abstract_policy
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment
+    from starpo_jax.runtime.planning import abstract_policy
 
     envs_jax.register("BadCut", BadCut)
     check_env(envs_jax.make("BadCut"))  # its pieces spell its text: only the tokenizer sees the cut

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starpo_jax import filtering
+from starpo_jax.algo import filtering
 
 # unbiased stds: 0, 1, 2, √3 (biased: 0, 0.82, 1.63, 1.41); by std, largest first: 2, 3, 1, 0
 REWARDS = jnp.array([[0.0, 0.0, 0.0], [0.0, 1.0, 2.0], [0.0, 2.0, 4.0], [0.0, 0.0, 3.0]])

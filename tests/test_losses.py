@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starpo_jax import losses
+from starpo_jax.algo import losses
 
 
 def reference_logprobs_and_entropy(logits, targets, temperature):

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import pytest
 
-from starpo_jax.metrics import CollapseWatch, rollout_metrics
-from starpo_jax.rollout import RolloutPlan, TagPlan
+from starpo_jax.diagnostics.collapse import CollapseWatch
+from starpo_jax.diagnostics.metrics import rollout_metrics
+from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan
 
 HEALTHY = {"rollout/in_group_std": 1.0, "actor/entropy_loss": 1.0, "actor/grad_norm": 1.0}
 COLLAPSED = {"rollout/in_group_std": 0.01, "actor/entropy_loss": 0.01, "actor/grad_norm": 1.0}
@@ -56,7 +57,7 @@ def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
 
     script = f"""
 import sys
-from starpo_jax.metrics import summary_writer, write_scalars
+from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
 with summary_writer({str(tmp_path / "tb")!r}) as board:
     write_scalars(board, {{"train/Bandit/pass@2": 0.5}}, 1)
 assert "torch" not in sys.modules

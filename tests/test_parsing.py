@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from starpo_jax import bundled, parsing
+from starpo_jax.models import bundled
+from starpo_jax.rollout import parsing
 
 SOKOBAN = ("Up", "Down", "Left", "Right")
 FROZEN_LAKE = ("Left", "Down", "Right", "Up")

@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from configs import base
-from starpo_jax import planning as planner
-from starpo_jax.experiment import build_experiment
-from starpo_jax.rollout import longest_trajectory
+from starpo_jax.runtime import planning as planner
+from starpo_jax.runtime.experiment import build_experiment
+from starpo_jax.rollout.multi_turn import longest_trajectory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ TINY = {
 def test_planner_figures_are_those_of_the_programs_that_run():
     """Plan with abstract weights, then build the real run (weights allocated), compile and run its
     rollout and update: the same bytes, since the same programs are compiled for the same shapes."""
-    from starpo_jax import sharding
+    from starpo_jax.runtime import sharding
     from starpo_jax.train import init_train_state, make_train_step
 
     config = base.with_overrides(base.get_config(), TINY)
@@ -77,7 +77,7 @@ def test_an_experiment_built_twice_checks_its_envs_and_tokenizes_its_prompts_onc
     """``experiments.run`` checks the config, plans without weights, then builds the run: the env
     contract is checked once per env (training and validation share Bandit here), and the prompt
     tables are tokenized once, the real build reusing the planner's."""
-    from starpo_jax import experiment
+    from starpo_jax.runtime import experiment
 
     checked_tags = []
     monkeypatch.setattr(experiment, "_CHECKED_ENVS", set())
@@ -198,9 +198,10 @@ def test_a_run_calls_the_programs_its_memory_check_compiled(caplog):
     """``check_fits`` hands the run its iteration: the model loaded with real weights has the planned
     structure, the rollout is the plan's compiled program (which refuses inputs of other shapes or
     shardings), and the update for every position runs without compiling again."""
-    from starpo_jax import sharding
-    from starpo_jax.experiment import check_config
-    from starpo_jax.train import full_layout, init_train_state
+    from starpo_jax.runtime import sharding
+    from starpo_jax.runtime.experiment import check_config
+    from starpo_jax.forward import full_layout
+    from starpo_jax.train import init_train_state
 
     checked = check_config(base.with_overrides(base.get_config(), TINY))
     fit = planner.check_fits(checked, available=64 * 2**30)
@@ -230,7 +231,7 @@ def test_proc_readers():
 
 def test_a_gguf_file_is_planned_from_its_header():
     """A local .gguf source (here the bundled file by its path) plans without dequantising a weight."""
-    from starpo_jax import bundled
+    from starpo_jax.models import bundled
 
     config = base.with_overrides(base.get_config(), {**TINY, "model.random_init_preset": "",
                                                      "model.source": str(bundled.smollm2_gguf_path())})

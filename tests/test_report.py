@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, command_env, tiny_with
 
 from experiments import report
-from starpo_jax.diversity import distinct_ngrams, think_diversity_metrics
+from starpo_jax.diagnostics.diversity import distinct_ngrams, think_diversity_metrics
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starpo_jax import rewards
+from starpo_jax.algo import rewards
 
 
 def ragen_normalize(x, group_keys, method):

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import envs_jax
-from starpo_jax import prompts, sampling
-from starpo_jax import rollout as R_
-from starpo_jax.parsing import parse_response_text
-from starpo_jax.rollout import (
+from starpo_jax.rollout import prompts, sampling
+from starpo_jax.rollout import multi_turn as R_
+from starpo_jax.rollout.parsing import parse_response_text
+from starpo_jax.rollout.multi_turn import (
     LLMResponder,
     RolloutPlan,
     TagPlan,
@@ -28,7 +28,7 @@ from starpo_jax.rollout import (
     make_rollout,
     stop_tokens_for,
 )
-from starpo_jax.sampling import DecodeOutput
+from starpo_jax.rollout.sampling import DecodeOutput
 
 R = 40  # response_length
 
@@ -321,7 +321,7 @@ def test_real_model_rollout_on_every_env(smollm2_rollout):
 def test_kv_cache_continuation_equals_a_fresh_forward(smollm2_rollout):
     """The log-probs the sampler saw across turns (cache appended turn by turn) equal those of one
     forward pass over the finished conversation."""
-    from starpo_jax.train import token_logprobs
+    from starpo_jax.forward import token_logprobs
 
     model, tok, plan, traj = smollm2_rollout
     logp, _ = jax.jit(token_logprobs, static_argnums=(0, 5, 6, 7))(
@@ -393,7 +393,7 @@ def test_countdown_answers_are_scored_in_the_graph_as_ragen_does(smollm2_tokeniz
         assert float(traj.turn_reward[b, 0]) == pytest.approx(want), (text, nums, target)
         assert bool(traj.turn_penalised[b, 0]) == parsed.format_error
     # the dumps show each answer string (the action a language-action env took)
-    from starpo_jax.dumps import trajectory_records
+    from starpo_jax.diagnostics.dumps import trajectory_records
 
     records = trajectory_records(traj, plan, tok, first_seed=10001)
     assert [r["turns"][0]["actions"] for r in records] == [
@@ -453,7 +453,7 @@ def test_the_first_turn_prefills_each_distinct_first_prompt_once():
     from flax import nnx
 
     from starpo_jax.models import Decoder, ModelState, preset
-    from starpo_jax.sampling import append, init_cache
+    from starpo_jax.rollout.sampling import append, init_cache
 
     model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
     plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 3, 1),), group_size=2, max_len=32)

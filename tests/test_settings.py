@@ -1,4 +1,4 @@
-"""The settings table (starpo_jax/settings.py): each config key is declared once (the env sides
+"""The settings table (starpo_jax/runtime/settings.py): each config key is declared once (the env sides
 apart), and the config defaults, checks, update settings, hyperparameters and sweepable keys all
 follow from it."""
 
@@ -9,10 +9,11 @@ import jax
 import pytest
 
 from configs import base
-from starpo_jax import experiment, losses
+from starpo_jax.runtime import experiment
+from starpo_jax.algo import losses
 from starpo_jax.models.config import ModelConfig
-from starpo_jax.rollout import RolloutPlan, longest_trajectory
-from starpo_jax.settings import (
+from starpo_jax.rollout.multi_turn import RolloutPlan, longest_trajectory
+from starpo_jax.runtime.settings import (
     BY_KEY, SECTIONS, SETTINGS, SWEEPABLE, UNDECLARED, ConfigError, Hyperparams, TrainSettings,
 )
 
@@ -71,7 +72,7 @@ def test_the_rollout_plan_of_the_default_config_is_the_default_plan():
     config = base.get_config()
     plan = experiment.rollout_plan(config, "train")
     assert plan == RolloutPlan(tags=plan.tags, group_size=plan.group_size)
-    assert plan.top_k == -1  # RAGEN's "no top-k", as given to the sampler (starpo_jax.sampling: <= 0 is off)
+    assert plan.top_k == -1  # RAGEN's "no top-k", as given to the sampler (starpo_jax.rollout.sampling: <= 0 is off)
 
 
 def test_sweepable_keys_are_the_hyperparameters():

@@ -24,7 +24,7 @@ import jax
 import pytest
 from flax import nnx
 
-from starpo_jax import sharding
+from starpo_jax.runtime import sharding
 from starpo_jax.models import Decoder, ModelState, preset
 from helpers import simulated_devices
 
@@ -35,10 +35,11 @@ import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import envs_jax
-from starpo_jax import bundled, sharding
+from starpo_jax.models import bundled
+from starpo_jax.runtime import sharding
 from starpo_jax.models import Decoder, ModelState, preset
-from starpo_jax.rollout import RolloutPlan, TagPlan, build_tables, stop_tokens_for
-from starpo_jax.sampling import sampling_policy
+from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
+from starpo_jax.rollout.sampling import sampling_policy
 from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
 
 meshes = json.loads(sys.argv[1])
@@ -109,7 +110,7 @@ GATHER_SCRIPT = r"""
 import json, re
 import jax, jax.numpy as jnp
 from flax import nnx
-from starpo_jax import sharding
+from starpo_jax.runtime import sharding
 from starpo_jax.models import Decoder, ModelState, preset
 params = ModelState.split(Decoder(preset("tiny-qwen2"), rngs=nnx.Rngs(0))).params
 mesh = sharding.make_mesh(1, 2, 1)
@@ -143,7 +144,8 @@ import json, re
 import jax, jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from starpo_jax import sampling, sharding
+from starpo_jax.rollout import sampling
+from starpo_jax.runtime import sharding
 from starpo_jax.models import Decoder, ModelState, preset
 config, B, T = preset("tiny-llama"), 4, 8
 mesh = sharding.make_mesh(2, 1, 1)

@@ -52,7 +52,7 @@ def test_program_bytes_counts_donated_outputs_once():
 
 
 def test_an_earlier_sweep_log_is_kept_unless_overwrite(tmp_path):
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime.experiment import ConfigError
 
     sweep.check_sweep_log(tmp_path, overwrite=False)  # an empty folder is fine
     (tmp_path / "sweep.jsonl").write_text('{"step": 1}\n')
@@ -76,7 +76,7 @@ def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smol
 
     import envs_jax
     from starpo_jax.models import Decoder, ModelState, preset
-    from starpo_jax.rollout import RolloutPlan, TagPlan, build_tables, stop_tokens_for
+    from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
     from starpo_jax.train import (
         Hyperparams, TrainSettings, init_train_state, jit_iteration, make_train_step, replicate,
     )

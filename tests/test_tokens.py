@@ -8,8 +8,8 @@ import pytest
 
 import envs_jax
 from envs_jax.base import symbols_to_text
-from starpo_jax.prompts import TAIL_START, observation_budget
-from starpo_jax.tokens import PAD_ID, PieceTable, pack_runs, render_pieces
+from starpo_jax.rollout.prompts import TAIL_START, observation_budget
+from starpo_jax.rollout.tokens import PAD_ID, PieceTable, pack_runs, render_pieces
 
 render_batch = jax.jit(jax.vmap(render_pieces, in_axes=(None, 0)))
 

@@ -18,8 +18,8 @@ from flax import nnx
 
 import envs_jax
 from starpo_jax.models import Decoder, ModelState, preset
-from starpo_jax.rollout import RolloutPlan, TagPlan, build_tables, stop_tokens_for
-from starpo_jax.sampling import DecodeOutput, append
+from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
+from starpo_jax.rollout.sampling import DecodeOutput, append
 from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step, replicate
 
 ARMS = ("Phoenix", "Dragon")
@@ -34,7 +34,7 @@ class ArmResponder:
     max_len: int
 
     def init(self, model, batch_size):
-        from starpo_jax.sampling import init_cache
+        from starpo_jax.rollout.sampling import init_cache
 
         return init_cache(model.merge().config, batch_size, self.max_len)
 
@@ -102,7 +102,7 @@ def test_rl_raises_success(bandit):
 
 
 def test_flipped_advantage_does_not_learn(bandit, monkeypatch):
-    import starpo_jax.advantages as adv
+    import starpo_jax.algo.advantages as adv
 
     original = adv.grpo_outcome
     monkeypatch.setattr(adv, "grpo_outcome", lambda *a, **k: jax.tree.map(lambda x: -x, original(*a, **k)))

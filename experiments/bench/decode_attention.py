@@ -29,7 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments.bench.common import machine, markdown_table, write_markdown, write_report
-from starpo_jax import sampling
+from starpo_jax.rollout import sampling
 from starpo_jax.models import Decoder, ModelState, decoder, preset
 
 WORKLOADS = {  # name: (model, batch, cache slots, tokens held, new tokens)

@@ -47,7 +47,7 @@ def main(argv=None) -> list[dict]:
 
     from experiments.bench import step  # noqa: E402  (the tree's own)
     from starpo_jax.models import preset  # noqa: E402
-    from starpo_jax.sampling import decode_windows  # noqa: E402
+    from starpo_jax.rollout.sampling import decode_windows  # noqa: E402
 
     os.makedirs(args.out, exist_ok=True)
     count_bytes, name = step.hlo_bytes, [""]

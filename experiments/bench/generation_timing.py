@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 
-from starpo_jax import sampling
+from starpo_jax.rollout import sampling
 from starpo_jax.models import ModelConfig, ModelState
 
 

@@ -8,7 +8,7 @@
 Both sides start from the config's model (``model.source``), exported once as a Hugging Face
 folder with the project's exporter; both see the prompt text starpo-jax's rollout shows the model
 (its first-turn token ids for both arm orders, decoded); both are scored by the env's payout rule
-(``envs_jax/bandit.py``) on the answer the project's parser (``starpo_jax/parsing.py``) reads, with
+(``envs_jax/bandit.py``) on the answer the project's parser (``starpo_jax/rollout/parsing.py``) reads, with
 ``rollout.format_penalty`` when no arm is named. Every TRL setting is derived from the config in
 one place (``trl_settings``), where each mapping and each difference left is written down.
 
@@ -111,7 +111,7 @@ def trl_settings(config) -> tuple[dict, list[str]]:
 
     One line per setting. Raises ``ConfigError`` where TRL has no counterpart.
     """
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime.experiment import ConfigError
 
     r, a, alg, rw = config.rollout, config.actor, config.algorithm, config.reward
     batch, group = iteration_batch(config), int(config.envs.train.group_size)
@@ -218,8 +218,8 @@ def bandit_prompts(config, tokenizer) -> dict[bool, str]:
     tables and its ``first_prompts``, for both arm orders, decoded as they are."""
     import jax.numpy as jnp
 
-    from starpo_jax.experiment import rollout_plan, tokenized_plan
-    from starpo_jax.rollout import first_prompts
+    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
+    from starpo_jax.rollout.multi_turn import first_prompts
 
     plan = rollout_plan(config, "train")
     tag = _bandit_tag(plan)
@@ -234,7 +234,7 @@ def bandit_prompts(config, tokenizer) -> dict[bool, str]:
 
 def _bandit_tag(plan):
     from envs_jax.bandit import Bandit
-    from starpo_jax.experiment import ConfigError
+    from starpo_jax.runtime.experiment import ConfigError
 
     if len(plan.tags) != 1 or not isinstance(plan.tags[0].env, Bandit):
         raise ConfigError(f"bench_peer trains one Bandit tag; envs.train.tags is {tuple(t.name for t in plan.tags)}.")
@@ -249,7 +249,7 @@ def score_completion(text: str, hi_first: bool, env, plan, u: float) -> tuple[fl
     ``payout`` for the uniform draw ``u``; an answer that is no arm (or names an unknown one) adds
     ``rollout.format_penalty``.
     """
-    from starpo_jax.parsing import parse_response_text
+    from starpo_jax.rollout.parsing import parse_response_text
 
     lo, hi = env.lo_hi_names
     names = (hi, lo) if hi_first else (lo, hi)
@@ -268,7 +268,7 @@ def reward_function(config, seed: int):
     """TRL reward function: the env rule on each completion; its draws from ``seed``."""
     import numpy as np
 
-    from starpo_jax.experiment import rollout_plan
+    from starpo_jax.runtime.experiment import rollout_plan
 
     plan = rollout_plan(config, "train")
     env = _bandit_tag(plan).env
@@ -295,7 +295,7 @@ def reward_function(config, seed: int):
 def export_base(config, folder: Path):
     """(folder, tokenizer): the config's starting model as a Hugging Face folder (the project's
     exporter) and its tokenizer."""
-    from starpo_jax.experiment import load_policy
+    from starpo_jax.runtime.experiment import load_policy
     from starpo_jax.models.loading import save_model
 
     model, tokenizer = load_policy(config)
@@ -326,8 +326,8 @@ def export_starpo_checkpoints(run_dir: Path) -> dict[int, Path]:
     import jax
     from ml_collections import ConfigDict
 
-    from starpo_jax import checkpoint
-    from starpo_jax.experiment import load_policy, rollout_plan, train_settings
+    from starpo_jax.runtime import checkpoint
+    from starpo_jax.runtime.experiment import load_policy, rollout_plan, train_settings
     from starpo_jax.models.loading import save_model
     from starpo_jax.train import init_train_state, policy_weights
 
@@ -376,7 +376,7 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from starpo_jax.experiment import rollout_plan, tokenized_plan
+    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
 
     kwargs, _ = trl_settings(config)
     per_iteration = iteration_batch(config) // int(config.actor.ppo_mini_batch_size) * kwargs["num_iterations"]
@@ -430,9 +430,9 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
 def evaluate_folder(config, folder: Path, levels: int) -> dict:
     """``experiments.evaluate``'s evaluator on one HF folder, with the config's validation tags,
     prompt and sampling settings (the same for every policy scored)."""
-    from starpo_jax import sharding
-    from starpo_jax.experiment import device_mesh, load_policy
-    from starpo_jax.sampling import sampling_policy
+    from starpo_jax.runtime import sharding
+    from starpo_jax.runtime.experiment import device_mesh, load_policy
+    from starpo_jax.rollout.sampling import sampling_policy
 
     from experiments.evaluate import evaluate_tags
 
@@ -511,7 +511,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from experiments.bench import common
-    from starpo_jax.experiment import ConfigError, check_config
+    from starpo_jax.runtime.experiment import ConfigError, check_config
 
     log = tqdm.write
     out = Path(args.out)
@@ -527,7 +527,7 @@ def main(argv=None) -> int:
         return 2
     import jax
 
-    from starpo_jax.caches import setup_compilation_cache
+    from starpo_jax.runtime.caches import setup_compilation_cache
 
     setup_compilation_cache()  # the checkpoints' evaluations reuse one compilation
     steps = int(config.trainer.total_steps)

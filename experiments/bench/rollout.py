@@ -16,7 +16,7 @@ with no env steps (``env_steps_per_s`` is 0).
 
 Modes:
 
-- ``compiled``: ``starpo_jax.rollout.make_rollout``: one XLA program for the whole rollout; the KV
+- ``compiled``: ``starpo_jax.rollout.multi_turn.make_rollout``: one XLA program for the whole rollout; the KV
   cache of an episode lives across turns, so a turn only prefills its new tokens; answers are parsed
   on token ids and the envs step in the graph.
 - ``baseline``: what a veRL + vLLM-style orchestration pays, with the same semantics: a host Python
@@ -81,9 +81,9 @@ from experiments.bench.common import hbm_bandwidth, machine, timed, write_report
 from experiments.bench.rollout_timing import Episodes, Subject, bench_baseline, decode_roofline, summarise
 
 import envs_jax
-from starpo_jax import bundled
+from starpo_jax.models import bundled
 from starpo_jax.models import Decoder, ModelState, preset
-from starpo_jax.rollout import (
+from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
     RolloutTables,
     TagPlan,

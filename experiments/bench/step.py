@@ -39,7 +39,7 @@ Side by side, in the same run:
   re-prefill the whole history, decode, decode to text, parse and step the envs on the host) on
   the same batch, the same N and the same device.
 - ``generate``: the decode part alone — B random prompts of the first turn's prompt length, N new
-  tokens, stop tokens off — with ``starpo_jax.sampling.generate`` (cache of ``max_model_len``
+  tokens, stop tokens off — with ``starpo_jax.rollout.sampling.generate`` (cache of ``max_model_len``
   slots, as the rollout) and transformers' ``generate`` on the same device (``bench.generate``'s timers, ``generation_timing``).
 
 Roofline (``experiments.bench.common.hbm_bandwidth``; H100 SXM 3.35 TB/s, H200 4.8 TB/s; a CPU
@@ -210,7 +210,7 @@ HOST_LOOP_SEED = 10000  # RAGEN's seed.train: the host loop plays RAGEN's first 
 def host_loop(exp, policy, n: int, steps: int, bar) -> dict:
     """``bench.rollout``'s baseline on the same batch and device, every turn N tokens."""
     plan = dataclasses.replace(exp.train_plan, response_length=n, stop_tokens=())
-    from starpo_jax.rollout import initial_states_from_seeds
+    from starpo_jax.rollout.multi_turn import initial_states_from_seeds
 
     subject = rollout_timing.Subject("policy", policy, exp.tokenizer, "")
     init = initial_states_from_seeds(plan, HOST_LOOP_SEED)
@@ -242,7 +242,7 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     cache of ``window`` slots, compiled for the CPU from abstract shapes; the ideal next to it."""
     from flax import nnx
 
-    from starpo_jax import sampling
+    from starpo_jax.rollout import sampling
     from starpo_jax.models import Decoder, ModelState
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -279,7 +279,7 @@ def cost_analysis(batch: int = 128, max_len: int = 3600) -> list[dict]:
     and in bfloat16 (XLA:CPU computes bf16 in float32, converting buffers around each dot, so the
     float32 program shows the structure a GPU's bf16 program has, at twice the bytes)."""
     from starpo_jax.models import preset
-    from starpo_jax.sampling import decode_windows
+    from starpo_jax.rollout.sampling import decode_windows
 
     windows = decode_windows(max_len)
     out = []
@@ -324,8 +324,8 @@ def parse_args(argv=None):
 
 
 def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, dict]:
-    from starpo_jax.rollout import LLMResponder
-    from starpo_jax.sampling import sampling_policy
+    from starpo_jax.rollout.multi_turn import LLMResponder
+    from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.train import make_train_step, policy_weights
 
     responder = LLMResponder(exp.train_plan, fixed_length=n)
@@ -380,7 +380,7 @@ def peak_memory() -> int | None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from starpo_jax.experiment import build_experiment
+    from starpo_jax.runtime.experiment import build_experiment
     from starpo_jax.train import init_train_state
 
     device = jax.devices()[0]

@@ -118,8 +118,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from starpo_jax.experiment import build_experiment
-    from starpo_jax.train import init_train_state, make_train_step, share_rows, update_layout
+    from starpo_jax.runtime.experiment import build_experiment
+    from starpo_jax.forward import share_rows, update_layout
+    from starpo_jax.train import init_train_state, make_train_step
 
     exp = build_experiment(experiment_config(args))
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))

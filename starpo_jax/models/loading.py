@@ -28,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from starpo_jax import bundled
+from starpo_jax.models import bundled
 
 
 class ModelLoadError(ValueError):
@@ -226,7 +226,7 @@ def load_tokenizer(path: Path):
 def gguf_tokenizer(path: Path):
     """The tokenizer (with its chat template) of the GGUF file ``path``, as transformers builds it from
     the file's metadata. Building takes seconds, so the result is saved once in the tokenizer cache
-    (``starpo_jax/caches.py``) under a key of the file's path, size and modification time and
+    (``starpo_jax/runtime/caches.py``) under a key of the file's path, size and modification time and
     transformers' version, and loaded from there by later processes."""
     saved = _gguf_tokenizer_folder(path)
     if saved is not None and saved.is_dir():
@@ -263,7 +263,7 @@ def _gguf_tokenizer_folder(path: Path) -> Path | None:
 
     import transformers
 
-    from starpo_jax.caches import tokenizer_cache_dir
+    from starpo_jax.runtime.caches import tokenizer_cache_dir
 
     root = tokenizer_cache_dir()
     if root is None:

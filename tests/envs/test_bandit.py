@@ -6,8 +6,8 @@ from gymnasium.utils import seeding
 
 import envs_jax
 from envs_jax.bandit import Bandit, BanditState
-from starpo_jax import prompts
-from starpo_jax.env_turn import execute_turn
+from starpo_jax.rollout import prompts
+from starpo_jax.rollout.env_turn import execute_turn
 
 # §1.1, written out by hand: trailing spaces after "pull." and "Rules:", a newline after every line.
 DRAGON_FIRST_PROMPT = """\

@@ -7,19 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from envs_jax.base import (
-    bits_to_uniform,
-    cell_bit,
-    count_cells,
-    draw_bits,
-    hash_uniform,
-    hash_words,
-    mix32,
-    num_words,
-    pack_cells,
-    toggle_cell,
-    unpack_cells,
-)
+from envs_jax.bitboards import cell_bit, count_cells, num_words, pack_cells, toggle_cell, unpack_cells
+from envs_jax.hashing import bits_to_uniform, draw_bits, hash_uniform, hash_words, mix32
 
 
 @partial(jax.jit, static_argnums=1)

@@ -12,8 +12,8 @@ from helpers import command_env
 
 from envs_jax.countdown import Countdown, has_solution
 from envs_jax.countdown_score import ragen_score
-from starpo_jax import prompts as P
-from starpo_jax.contract import EnvContractError, check_env
+from starpo_jax.rollout import prompts as P
+from starpo_jax.runtime.contract import EnvContractError, check_env
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_prompt_tokens_equal_tokenized_chat(which, request, env, states):
 def test_contract_accepts_language_actions_and_names_a_bad_declaration(env):
     check_env(env, "Countdown")
     from configs import base
-    from starpo_jax.experiment import rollout_plan
+    from starpo_jax.runtime.experiment import rollout_plan
 
     config = base.with_overrides(base.get_config(), {"envs.train.tags": ("Countdown",)})
     assert rollout_plan(config, "train").answer_width == env.answer_width == 64

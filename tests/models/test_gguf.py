@@ -12,12 +12,12 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from starpo_jax import bundled
+from starpo_jax.models import bundled
 from starpo_jax.models.config import ModelConfig, preset
 from starpo_jax.models.decoder import ModelState, decoder_from_hf_tensors, decoder_to_hf_tensors
 from starpo_jax.models.gguf_reader import read_gguf
 from starpo_jax.models.loading import ModelLoadError, load_model, save_model
-from starpo_jax.sampling import generate
+from starpo_jax.rollout.sampling import generate
 
 # On a shared 2-core machine torch's second intra-op thread mostly spins: one thread runs the
 # reference model up to 15x faster.

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import base
-from starpo_jax.experiment import ConfigError, model_compute
+from starpo_jax.runtime.experiment import ConfigError, model_compute
 from starpo_jax.models import Decoder, ModelConfig, preset
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from starpo_jax import sampling
+from starpo_jax.rollout import sampling
 from starpo_jax.models import ModelState, decoder_from_hf_tensors, preset
 from helpers import AS_A_RUN_COMPILES
 

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from starpo_jax.tokens import PieceTable, pack_runs, padded_table, piece_runs, tokenize_texts
+from starpo_jax.rollout.tokens import PieceTable, pack_runs, padded_table, piece_runs, tokenize_texts
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
 
@@ -202,7 +202,7 @@ def _not_verbatim(name: str) -> str:
         f"The chat template of {name} does not render messages as fixed text around their verbatim "
         "contents (Qwen3's, for one, adds or drops <think> reasoning in assistant messages), which a "
         "rollout that only appends tokens cannot reproduce; pass chat_template= with a template "
-        "that does, e.g. starpo_jax.prompts.CHATML_TEMPLATE (what Qwen2.5's renders)."
+        "that does, e.g. starpo_jax.rollout.prompts.CHATML_TEMPLATE (what Qwen2.5's renders)."
     )
 
 
@@ -279,7 +279,7 @@ def reward_sequence_index(categories: Sequence[int], num_categories: int) -> int
     """Index of a turn's executed step-reward categories: ``sum((c_i + 1) * (C + 1) ** i)``.
 
     Digit 0 means "no action", so an empty turn is index 0 and differs from a turn that paid 0.0.
-    ``starpo_jax.env_turn.execute_turn`` computes the same index in-graph.
+    ``starpo_jax.rollout.env_turn.execute_turn`` computes the same index in-graph.
     """
     return sum((c + 1) * (num_categories + 1) ** i for i, c in enumerate(categories))
 

@@ -11,7 +11,7 @@ import numpy as np
 from jumanji.types import StepType
 
 from envs_jax.base import TextEnv
-from starpo_jax.parsing import ACTION_SEP
+from starpo_jax.rollout.parsing import ACTION_SEP
 
 
 class EnvContractError(ValueError):

@@ -33,7 +33,7 @@ def from_argv(argv: list[str]):
     """The ``distributed`` settings a command line gives: the defaults of ``configs/base.py`` with
     its ``--config.distributed.KEY=VALUE`` (or ``KEY VALUE``) flags applied, each cast to its
     default's type. Reads no config file, so that nothing has initialised XLA yet."""
-    from starpo_jax.settings import config_section
+    from starpo_jax.runtime.settings import config_section
 
     settings = config_section("distributed")
     prefix = "--config.distributed."

@@ -17,7 +17,7 @@ Departures from the original, on purpose:
 
 - **Token-in / token-out.** The trajectory is exactly the ids the model sampled, interleaved with
   the prompt ids the environment produced (which equal the tokenizer's encoding of RAGEN's
-  chat-templated text, see ``starpo_jax.prompts``). RAGEN re-renders each response from the parse
+  chat-templated text, see ``starpo_jax.rollout.prompts``). RAGEN re-renders each response from the parse
   (``<think>{think}</think><answer>{answer}</answer>``, text outside the tags dropped) and re-encodes
   the whole conversation (quirk 4); we never decode and re-encode.
 - **Loss mask = sampled tokens.** ``loss_mask`` marks exactly the tokens the policy generated
@@ -42,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs_jax.base import TextEnv
-from starpo_jax import parsing, prompts, sharding
-from starpo_jax.env_turn import execute_turn
+from starpo_jax.rollout import parsing, prompts
+from starpo_jax.runtime import sharding
+from starpo_jax.rollout.env_turn import execute_turn
 from starpo_jax.models.decoder import ModelState
-from starpo_jax.sampling import append, decode, init_cache
-from starpo_jax.settings import defaults_from_settings
+from starpo_jax.rollout.sampling import append, decode, init_cache
+from starpo_jax.runtime.settings import defaults_from_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,7 +443,7 @@ def parse_turn(plan: RolloutPlan, tables: RolloutTables, env_states, response_id
 
 def step_envs(plan: RolloutPlan, tables: RolloutTables, env_states, parsed, actions_left, active):
     """``(new_states, TurnResult[B])``: every active row's env stepped through its valid actions,
-    within ``actions_left`` (``starpo_jax.env_turn.execute_turn``), tag by tag. Named actions are
+    within ``actions_left`` (``starpo_jax.rollout.env_turn.execute_turn``), tag by tag. Named actions are
     action ids; a language-action env gets each answer piece's bytes ``(uint8[W], length)``."""
     new_states, results = [], []
     for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):

@@ -5,10 +5,10 @@ Each row names a config key, its default, the values it may take and where it go
 - ``TrainSettings.<field>``: a static switch or size of the update (compiled into the program);
 - ``Hyperparams.<field>``: a float that enters the compiled step as an array, so a sweep may vary
   it (``jax.vmap`` over settings; ``sweepable``);
-- ``RolloutPlan.<field>``: a static size or switch of the rollout (``starpo_jax.rollout``);
+- ``RolloutPlan.<field>``: a static size or switch of the rollout (``starpo_jax.rollout.multi_turn``);
 - ``ModelConfig.<field>``: set on top of the checkpoint's model config (``experiment.model_compute``);
 - ``run.<name>``: read on the host, outside the compiled step, by the code that owns its section:
-  the model, tokenizer and prompt tables (``starpo_jax/experiment.py``), the mesh
+  the model, tokenizer and prompt tables (``starpo_jax/runtime/experiment.py``), the mesh
   (``sharding.make_mesh``), the processes (``distributed.initialize``), the training loop
   (``experiments/run.py``).
 
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from starpo_jax import advantages, filtering, losses, rewards
+from starpo_jax.algo import advantages, filtering, losses, rewards
 from starpo_jax.models.config import REMAT_MODES
 
 
@@ -164,14 +164,14 @@ SETTINGS: tuple[Setting, ...] = (
     S("lora.alpha", 64, "TrainSettings.lora_alpha", cast_to=float),
     S("lora.actor_lr", 1e-5, "Hyperparams.actor_lr"),
     S("lora.critic_lr", 1e-4, "Hyperparams.critic_lr"),
-    # Devices: a data × fsdp × model mesh (starpo_jax/sharding.py); one size may be -1 (the devices
+    # Devices: a data × fsdp × model mesh (starpo_jax/runtime/sharding.py); one size may be -1 (the devices
     # the others leave). data splits rows; fsdp splits rows and stores weights, critic, reference and
     # Adam moments 1/fsdp per device; model splits attention heads, MLP and vocabulary. Checked
     # together against the devices by sharding.make_mesh (experiment.device_mesh).
     S("mesh.data", -1, "run.data"),
     S("mesh.fsdp", 1, "run.fsdp"),
     S("mesh.model", 1, "run.model"),
-    # Many hosts (starpo_jax/distributed.py): the coordinator's host:port, the number of processes and
+    # Many hosts (starpo_jax/runtime/distributed.py): the coordinator's host:port, the number of processes and
     # this one's index. Unset (""/-1): detected from SLURM, Open MPI or a TPU pod, else one process.
     # Checked together by distributed.initialize, which runs before anything else touches the devices.
     S("distributed.coordinator_address", "", "run.coordinator_address"),

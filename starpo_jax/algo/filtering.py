@@ -28,7 +28,7 @@ Decisions and departures (docs/design.md's quirks table):
 import jax
 import jax.numpy as jnp
 
-from starpo_jax.masked import masked_mean, masked_std
+from starpo_jax.algo.masked import masked_mean, masked_std
 
 MODES = ("std", "std_rev", "top_p_var")
 #: What a group's spread is measured on: RAGEN's raw env reward, or the score the advantages read

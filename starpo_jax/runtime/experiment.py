@@ -2,7 +2,7 @@
 tables for training and validation, update settings and hyperparameters.
 
 Everything a user can get wrong in a config is checked here (each setting against its declaration
-in ``starpo_jax/settings.py``), once per run (``check_config``), with a message that names the key
+in ``starpo_jax/runtime/settings.py``), once per run (``check_config``), with a message that names the key
 and what to do.
 """
 
@@ -16,13 +16,13 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import envs_jax
-from starpo_jax import bundled
-from starpo_jax.contract import check_env
-from starpo_jax.filtering import num_kept_groups
+from starpo_jax.models import bundled
+from starpo_jax.runtime.contract import check_env
+from starpo_jax.algo.filtering import num_kept_groups
 from starpo_jax.models.decoder import Decoder, ModelState
-from starpo_jax.prompts import PieceCutError
-from starpo_jax.rollout import RolloutPlan, RolloutTables, TagPlan, build_tables, fit_to_tables, stop_tokens_for
-from starpo_jax.settings import (
+from starpo_jax.rollout.prompts import PieceCutError
+from starpo_jax.rollout.multi_turn import RolloutPlan, RolloutTables, TagPlan, build_tables, fit_to_tables, stop_tokens_for
+from starpo_jax.runtime.settings import (
     ConfigError, Hyperparams, TrainSettings, check_batch_split, check_settings, read_settings,
 )
 
@@ -38,13 +38,13 @@ class Experiment:
     val_tables: RolloutTables
     settings: TrainSettings
     hyper: Hyperparams
-    mesh: Any  # jax.sharding.Mesh the run shards over (starpo_jax.sharding)
+    mesh: Any  # jax.sharding.Mesh the run shards over (starpo_jax.runtime.sharding)
 
 
 def device_mesh(config: ConfigDict, **batch_sizes: int):
     """``config.mesh`` as a device mesh, checked against the batches it splits into rows over
     ``data × fsdp`` (named as the user sets them)."""
-    from starpo_jax import sharding
+    from starpo_jax.runtime import sharding
 
     try:
         mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.model))

@@ -23,7 +23,7 @@ Decisions and departures (docs/design.md's quirks table):
 import jax.numpy as jnp
 from jax import lax
 
-from starpo_jax.masked import masked_whiten, same_group_stats
+from starpo_jax.algo.masked import masked_whiten, same_group_stats
 
 ESTIMATORS = ("gae", "grpo", "bilevel_gae")  # `algorithm.adv_estimator`; train.py switches on it
 CRITIC_ESTIMATORS = ("gae", "bilevel_gae")  # the estimators that need a value function (a critic)

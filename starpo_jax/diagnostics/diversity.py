@@ -27,7 +27,7 @@ def distinct_ngrams(texts: list[str], n: int = 2) -> float | None:
 
 
 def think_texts(record: dict) -> list[str]:
-    """The non-empty think texts of one trajectory record (``starpo_jax.dumps`` format)."""
+    """The non-empty think texts of one trajectory record (``starpo_jax.diagnostics.dumps`` format)."""
     turns = [t for t in record.get("turns") or [] if isinstance(t, dict)]
     return [str(t["think"]) for t in turns if str(t.get("think") or "").strip()]
 

@@ -22,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from starpo_jax.masked import masked_count, masked_mean, masked_sum, masked_var
+from starpo_jax.algo.masked import masked_count, masked_mean, masked_sum, masked_var
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -43,8 +43,8 @@ def model_config_and_tokenizer(config):
     import json
     from pathlib import Path
 
-    from starpo_jax import bundled
-    from starpo_jax.experiment import _tokenizer_only, model_compute
+    from starpo_jax.models import bundled
+    from starpo_jax.runtime.experiment import _tokenizer_only, model_compute
     from starpo_jax.models.config import PRESETS, ModelConfig, preset
     from starpo_jax.models.loading import load_tokenizer
 
@@ -202,8 +202,9 @@ def compile_programs(exp, iteration):
     state)."""
     import jax
 
-    from starpo_jax import sharding
-    from starpo_jax.train import full_layout, init_train_state
+    from starpo_jax.runtime import sharding
+    from starpo_jax.forward import full_layout
+    from starpo_jax.train import init_train_state
 
     with sharding.use_mesh(exp.mesh):
         state = jax.eval_shape(lambda m: init_train_state(exp.settings, m, jax.random.PRNGKey(0)), exp.model)
@@ -219,7 +220,7 @@ def kv_cache_bytes(exp) -> int:
     """Keys and values of the rollout per device: rows split over data × fsdp, kv heads whole."""
     import jax.numpy as jnp
 
-    from starpo_jax import sharding
+    from starpo_jax.runtime import sharding
 
     c, plan = exp.model.merge().config, exp.train_plan
     rows = plan.batch_size // sharding.rows_per_mesh(exp.mesh)
@@ -249,7 +250,7 @@ def plan_memory(exp) -> MemoryPlan:
 
 
 def _memory_plan(exp, collect_c, learn_c, state) -> MemoryPlan:
-    from starpo_jax import sharding
+    from starpo_jax.runtime import sharding
 
     runtime = resident_bytes()
     rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
@@ -342,7 +343,7 @@ def check_fits(config, available: int | None = None) -> Fit | None:
     ``config``: a config or ``experiment.check_config``'s result (then it is not checked again)."""
     import jax
 
-    from starpo_jax.experiment import build_experiment
+    from starpo_jax.runtime.experiment import build_experiment
 
     devices = jax.local_devices()  # every process checks its own
     budget = device_budget(devices)

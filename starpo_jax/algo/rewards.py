@@ -20,8 +20,8 @@ Departures from / decisions on RAGEN quirks (docs/design.md's quirks table):
 
 import jax.numpy as jnp
 
-from starpo_jax.losses import aggregate
-from starpo_jax.masked import same_group_stats
+from starpo_jax.algo.losses import aggregate
+from starpo_jax.algo.masked import same_group_stats
 
 GROUPINGS = ("state", "batch", "inductive")
 METHODS = ("identity", "mean", "mean_std", "asym_clip")

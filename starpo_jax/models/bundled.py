@@ -56,7 +56,7 @@ def qwen_tokenizer():
     """
     from transformers import AutoTokenizer
 
-    from starpo_jax.prompts import CHATML_TEMPLATE
+    from starpo_jax.rollout.prompts import CHATML_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     tokenizer.chat_template = CHATML_TEMPLATE

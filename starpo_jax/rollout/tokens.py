@@ -6,7 +6,7 @@ newline, a number with its leading separator, a fixed text) are cut where every 
 starts a new chunk (Qwen2.5: a punctuation run absorbs the newlines that follow it, letters absorb
 at most one preceding non-newline; SmolLM2 / GPT-2 byte-level: a single newline is its own chunk),
 so an observation's text tokenizes as the concatenation of its pieces' tokens. The tests check
-this claim against the tokenizer on many random states, and ``starpo_jax.prompts.check_cuts``
+this claim against the tokenizer on many random states, and ``starpo_jax.rollout.prompts.check_cuts``
 checks it for every env when its tables are built.
 
 ``PieceTable.build`` therefore tokenizes every piece of the env's table once on the host, and
@@ -112,7 +112,7 @@ def tokenize_before(tokenizer, texts: Sequence[str], word: str) -> list[list[int
     run of newlines whole at the end of a string but split off its last newline before a word, so
     Bandit's text, ending in ".\\n" + "\\n", tokenizes differently alone. A text whose tokens
     before ``word`` do not end with ``word``'s own tokens merges with it; it keeps its own tokens
-    (and the cut checks of ``starpo_jax.prompts`` then refuse the table if that matters).
+    (and the cut checks of ``starpo_jax.rollout.prompts`` then refuse the table if that matters).
     """
     word_ids = tokenize_texts(tokenizer, [word])[0]
     n = len(word_ids)
