@@ -8,7 +8,8 @@ Panels: validation success per env tag with its 95 % Wilson interval (the levels
 the run's ``config.json``), the validation format (``action_is_valid``) and rate of effective
 actions (``action_is_effective``, what a multi-turn env shows first), and the training signals
 the paper reads for collapse: success and reward of the training rollouts, in-group reward std,
-entropy and the actor's gradient norm. A sweep's folder (``sweep.jsonl``, no validation) gives
+entropy and the actor's gradient norm, with RAGEN-2's mutual information of answer and board
+(template collapse: near 0 when every board gets the same answer). A sweep's folder (``sweep.jsonl``, no validation) gives
 one series per setting. Prints a table of validation success with intervals, first and last
 validation side by side, and writes it as JSON beside the PNG (``.json``).
 
@@ -32,6 +33,8 @@ TRAIN_PANELS = (
     ("rollout/in_group_std", "in-group reward std"),
     ("actor/entropy_loss", "entropy"),
     ("actor/grad_norm", "actor gradient norm"),
+    ("train/*/mi", "MI of answer and board (training rollouts, per env tag)"),
+    ("val-env/*/mi", "MI of answer and board (validation, per env tag)"),
 )
 
 

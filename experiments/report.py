@@ -5,7 +5,8 @@
     python -m experiments.report runs/sokoban --serve                   # http://127.0.0.1:8000, refreshes
 
 Reads what ``experiments/run.py`` writes: ``metrics.jsonl`` (curves: success per env tag for train
-and validation, reward mean and in-group std, entropy, gradient norm, response and think length,
+and validation, reward mean and in-group std, entropy, the answers' mutual information with the
+board (template collapse), gradient norm, response and think length,
 reasoning diversity, throughput; collapse warnings marked), ``val/step_N.jsonl`` (each trajectory as
 a dialogue, turn by turn, with the board drawn) and ``config.json`` (env overrides, for the board's
 symbols). The page holds its data, script and style inline: no network, it opens offline and as an
@@ -220,7 +221,8 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
 
     collapse = [r["step"] for r in metrics if r.get("collapse/warning")]
     if collapse:
-        notes.append(f"Collapse warning (reward std and entropy falling, or a gradient spike) at step(s) "
+        notes.append(f"Collapse warning (reward std and entropy falling, a gradient spike, or the answers' "
+                     f"mutual information with the board falling) at step(s) "
                      f"{', '.join(str(int(s)) for s in collapse)}.")
     return {
         "name": run_dir.resolve().name,

@@ -47,13 +47,15 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
     t0 = time.perf_counter()
     chunks = cfg.trainer.val_chunks
+    policy = policy_of(state)
     with tqdm(total=chunks, desc=f"{distributed.tag()}validation @ step {step}", unit="chunk", leave=False,
               disable=not distributed.is_writer()) as bar:
         traj = jax.block_until_ready(
-            val_rollout(policy_of(state), exp.val_tables, val_init, key, cfg.rollout.val_temperature, bar.update))
+            val_rollout(policy, exp.val_tables, val_init, key, cfg.rollout.val_temperature, bar.update))
     seconds = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in jitted_rollout_metrics(traj, exp.val_plan, "val-env").items()}
     metrics["timing_s/testing"] = seconds
+    metrics |= template_collapse(exp, policy, traj, exp.val_plan, "val-env")
     traj = distributed.to_host(traj)  # with several processes, every row on every process
     if not distributed.is_writer():
         return metrics
@@ -67,6 +69,19 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     if records and cfg.trainer.log_trajectories > 0:
         log(dumps.format_record(records[0]))
     return metrics
+
+
+def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
+    """RAGEN-2's template-collapse figures of a rollout batch (``diagnostics.template_collapse``),
+    per env tag, with their time; none when ``trainer.mi_prompts`` is 0."""
+    from starpo_jax.diagnostics.template_collapse import collapse_metrics
+
+    if not exp.config.trainer.mi_prompts:
+        return {}
+    t0 = time.perf_counter()
+    metrics = collapse_metrics(policy, traj, plan, prefix, max_prompts=exp.config.trainer.mi_prompts,
+                               micro_batch=exp.settings.micro_batch_size, temperature=exp.settings.rollout_temperature)
+    return metrics | {f"timing_s/{prefix}_mi": time.perf_counter() - t0} if metrics else {}
 
 
 def main(argv) -> int:
@@ -217,12 +232,17 @@ def train(exp, iteration=None) -> int:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
         t1 = time.perf_counter()
+        # Scored by the weights that sampled the batch, before the update replaces (donates) them.
+        mi_freq = cfg.trainer.mi_freq
+        collapse = template_collapse(exp, policy_of(state), traj, exp.train_plan, "train") if (
+            mi_freq and (step + 1) % mi_freq == 0) else {}
+        t_update = time.perf_counter()
         state, metrics = iteration.learn(state, traj, exp.hyper, iteration.layout(traj))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | collapse
         t2 = time.perf_counter()
         metrics |= {
             "timing_s/gen": t1 - t0,
-            "timing_s/update": t2 - t1,
+            "timing_s/update": t2 - t_update,
             "timing_s/step": t2 - t0,
             "perf/generated_tokens_per_s": metrics["train/generated_tokens"] / (t1 - t0),
             "perf/env_steps_per_s": metrics["train/env_steps"] / (t1 - t0),

@@ -24,6 +24,21 @@ def test_collapse_warning_needs_five_steps_of_history():
     assert any("Echo Trap" in w for w in watch.update(COLLAPSED))  # step 6
 
 
+def test_collapse_warning_when_the_answers_stop_reading_the_board():
+    """The mutual information of answer and board, logged every few steps, falling below 0.3x its
+    median so far (two values at least): template collapse, whatever entropy does."""
+    watch = CollapseWatch()
+    assert watch.update(HEALTHY | {"train/A/mi": 0.8, "train/B/mi": 0.6}) == []
+    assert watch.update(HEALTHY) == []  # a step without the figure
+    assert watch.update(HEALTHY | {"train/A/mi": 0.1}) == []  # one earlier value only
+    watch = CollapseWatch()
+    for mi in (0.7, 0.6, 0.8):
+        assert watch.update(HEALTHY | {"train/A/mi": mi}) == []
+    assert watch.update(HEALTHY | {"train/A/mi": 0.25}) == []  # 0.36x the median 0.7
+    warnings = watch.update(HEALTHY | {"train/A/mi": 0.1})
+    assert len(warnings) == 1 and "template collapse" in warnings[0]
+
+
 def test_rollout_metrics_per_tag_and_over_the_batch():
     """Two tags, 2 groups of 2 rows each: means per tag, non-zero means, pass@2 per group, totals."""
     plan = RolloutPlan(tags=(TagPlan("A", None, 1, 5), TagPlan("B", None, 1, 5)), group_size=2)

@@ -23,7 +23,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 # test_run's tiny run, validating one level of every env at every step, without checkpoints or export
 VAL_EVERY_STEP = {"envs.val.tags": "('SimpleSokoban','FrozenLake','Bandit')", "envs.val.n_groups": "(1,1,1)",
-                  "trainer.test_freq": "1", "trainer.save_freq": "0", "trainer.export_hf": "False"}
+                  "trainer.test_freq": "1", "trainer.save_freq": "0", "trainer.export_hf": "False",
+                  # two Sokoban groups, whose answers' mutual information with the board is scored every step
+                  "envs.train.n_groups": "(2,1,1)", "trainer.mi_freq": "1"}
 TINY_RUN = tiny_with(VAL_EVERY_STEP)
 
 
@@ -90,6 +92,10 @@ def test_report_of_a_tiny_real_run_in_a_browser(tiny_run, browser, tmp_path):
         d = p.locator(f'#curves path.series[data-key="{key}"]').first.get_attribute("d")
         assert d.count("M") == 1 and d.count("L") == len(steps) - 1, (key, d)
     assert len(steps) == 3  # validation at 0, 1, 2
+    # Template collapse, scored on the training rollouts at every step: a series in its own panel.
+    assert [r["step"] for r in metrics if "train/SimpleSokoban/mi" in r] == [1, 2]
+    mi = p.locator('#curves path.series[data-key="train/SimpleSokoban/mi"]')
+    assert mi.count() == 1 and mi.get_attribute("d").count("L") == 1
 
     # Every trajectory of every dump, turn by turn, each turn with its board.
     dumps = {int(f.stem.split("_")[1]): read_jsonl(f) for f in (tiny_run / "val").glob("step_*.jsonl")}
@@ -177,7 +183,8 @@ def test_partial_and_malformed_runs_give_a_report_with_notes(tiny_run, browser, 
     assert "config.json is not valid JSON" in notes
     assert "no_val: No validation dumps" in notes
     assert "empty: No metrics.jsonl" in notes
-    assert "Collapse warning (reward std and entropy falling, or a gradient spike) at step(s) 3." in notes
+    assert ("Collapse warning (reward std and entropy falling, a gradient spike, or the answers' mutual information "
+            "with the board falling) at step(s) 3.") in notes
     marks = page.page.locator("#curves line.collapse")
     assert marks.count() > 0 and marks.first.locator("title").text_content() == "collapse warning at step 3 (writing)"
     # What exists is still drawn: the complete lines of each run.

@@ -2,6 +2,7 @@
 exact resume, the exported Hugging Face folder, and clear errors for bad config and checkpoints."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ def test_outputs(full_run):
         assert key in train[0], key
     val = [r for r in rows if "val-env/FrozenLake/success" in r]
     assert [r["step"] for r in val] == [0, 2]
+    # Template collapse at every validation: two distinct boards, so chance is 1/2 and MI <= log 2.
+    for r in val:
+        assert r["val-env/FrozenLake/retrieval_chance"] == 0.5 and r["val-env/FrozenLake/retrieval_acc"] in (0, 0.5, 1)
+        assert abs(r["val-env/FrozenLake/mi"]) <= math.log(2) + 1e-6 and "timing_s/val-env_mi" in r
     dump = [json.loads(line) for line in (full_run / "val" / "step_2.jsonl").read_text().splitlines()]
     assert len(dump) == 2 and dump[0]["turns"] and {"observation", "think", "answer", "actions", "reward"} <= set(dump[0]["turns"][0])
     assert "State:" in dump[0]["turns"][0]["observation"]

@@ -87,6 +87,9 @@ function panels() {
     { title: "In-group reward std", series: [
       { key: "rollout/in_group_std", label: "all groups" }, { key: "rollout/chosen_in_group_std", label: "kept groups" }] },
     { title: "Entropy", series: [{ key: "actor/entropy_loss", label: "actor entropy" }] },
+    { title: "Template collapse: MI of answer and board (0: answers ignore the board)", series:
+      tagsOf(/^(?:train|val-env)\/([^/]+)\/mi$/).flatMap((tag) => [
+        { key: `train/${tag}/mi`, label: `train ${tag}` }, { key: `val-env/${tag}/mi`, label: `validation ${tag}`, val: true }]) },
     { title: "Gradient norm", series: [
       { key: "actor/grad_norm", label: "actor" }, { key: "critic/grad_norm", label: "critic" }] },
     { title: "Response length (tokens)", series: [

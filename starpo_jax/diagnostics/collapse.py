@@ -14,7 +14,10 @@ class CollapseWatch:
 
     - reward std and entropy both fall below ``drop`` times their recent median (the rollouts of a
       prompt stop disagreeing and the policy stops exploring: the Echo Trap), or
-    - the gradient norm spikes above ``spike`` times its recent median.
+    - the gradient norm spikes above ``spike`` times its recent median, or
+    - the mutual information of answer and board (``train/<tag>/mi``, measured every few steps,
+      mean over the env tags) falls below ``drop`` times the median of its earlier values, two at
+      least: the answers stop depending on the board (template collapse, RAGEN-2).
     """
 
     window: int = 10
@@ -39,6 +42,15 @@ class CollapseWatch:
                     )
             if "grad" in now and med["grad"] > 0 and now["grad"] > self.spike * med["grad"]:
                 warnings.append(f"gradient norm spiked to {now['grad']:.3g} ({now['grad'] / med['grad']:.1f}x its recent median)")
+        mi = [float(v) for name, v in metrics.items() if name.startswith("train/") and name.endswith("/mi")]
+        if mi:
+            now["mi"] = sum(mi) / len(mi)
+            earlier = self.history.get("mi", [])
+            if len(earlier) >= 2 and statistics.median(earlier) > 0 and now["mi"] < self.drop * statistics.median(earlier):
+                warnings.append(
+                    f"the answers' mutual information with the board fell to {now['mi']:.3g} "
+                    f"({now['mi'] / statistics.median(earlier):.2f}x its median so far): possible template collapse"
+                )
         for k, v in now.items():
             self.history[k] = (list(self.history.get(k, [])) + [v])[-self.window :]
         return warnings

@@ -193,6 +193,12 @@ SETTINGS: tuple[Setting, ...] = (
     # levels and metrics in a fraction of the memory (the KV cache is the largest buffer). It must
     # divide every envs.val.n_groups (experiment.check_val_chunks).
     S("trainer.val_chunks", 1, "run.val_chunks"),
+    # Template collapse (RAGEN-2, starpo_jax/diagnostics/template_collapse.py): the first answers of
+    # ``mi_prompts`` groups per env tag scored after each of those groups' first prompts, at every
+    # validation and every ``mi_freq`` training steps (0: never; an addition, RAGEN v1 has none)
+    S("trainer.mi_freq", 5, "run.mi_freq", rule=(lambda v: v >= 0, "must be >= 0 (0: never)")),
+    S("trainer.mi_prompts", 8, "run.mi_prompts",
+      rule=(lambda v: v == 0 or v >= 2, "must be 0 (never) or at least 2 (prompts to tell apart)")),
     S("trainer.export_hf", True, "run.export_hf"),  # save the final policy as a Hugging Face folder (hf_policy/)
 )
 del S
