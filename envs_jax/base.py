@@ -31,6 +31,8 @@ from jumanji import specs
 from jumanji.env import Environment
 from jumanji.types import StepType, TimeStep
 
+from envs_jax.hashing import hash_words, mix32
+
 
 def make_timestep(
     observation: Any,
@@ -105,6 +107,10 @@ class TextEnv(Environment, abc.ABC):
       names none (RAGEN's envs.yaml ``max_actions_per_traj``), and
       ``sample_observation_pieces(rng, P)``: random observations for the tokenizer cut checks
       (default: uniform draws from the table, right when any piece may follow any other).
+    - optionally ``state_key(state)`` (jittable ``uint32[]``): which position a turn starts from,
+      for GiGPO's step groups (turns of one group with equal keys are compared). Default: a hash of
+      ``observation_pieces(state)``, so two states that show the same observation share a key
+      whatever else they carry (FrozenLake's slip key, Bandit's payout key change every step).
 
     ``starpo_jax.runtime.contract.check_env`` checks an env against this contract when a run starts.
     """
@@ -168,6 +174,22 @@ class TextEnv(Environment, abc.ABC):
     @abc.abstractmethod
     def observation_pieces(self, state) -> jnp.ndarray:
         """Jittable ``int32[P]``: the observation as indices into ``piece_texts`` (``-1``: none)."""
+
+    def state_key(self, state) -> jnp.ndarray:
+        """Jittable ``uint32[]``: the position ``state`` shows the model, as a key. GiGPO groups the
+        turns of a group that start from equal keys (verl-agent's anchor states).
+
+        Default: a hash of ``observation_pieces(state)`` (the observation the turn starts from), so
+        states that differ only in what the model cannot see, such as an RNG key the state carries,
+        share a key. Each piece is hashed with its position (``hashing.hash_words``), the hashes
+        summed modulo 2**32 and mixed: two different observations share a key with probability
+        about 2**-32. Override it to compare turns by something other than the observation.
+        """
+        pieces = jax.lax.bitcast_convert_type(jnp.asarray(self.observation_pieces(state), jnp.int32), jnp.uint32)
+        pieces = pieces.reshape(-1)
+        position = jnp.arange(pieces.shape[0], dtype=jnp.uint32)
+        total = jnp.sum(hash_words(pieces, position), dtype=jnp.uint32)
+        return mix32(total ^ jnp.uint32(pieces.shape[0]))
 
     def reset_from_seed(self, seed: int):
         """A level for ``seed`` (host side); envs with RAGEN's seeded levels reproduce them."""

@@ -335,7 +335,7 @@ def token_level_rewards(settings: TrainSettings, kept: Trajectories, score, mask
 
 
 def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewards, values, mask, valid, hyper: Hyperparams):
-    """5. (advantages, returns) [M, L] by ``adv_estimator``: GAE, bi-level GAE or GRPO."""
+    """5. (advantages, returns) [M, L] by ``adv_estimator``: GAE, bi-level GAE, GRPO or GiGPO."""
     if settings.adv_estimator == "gae":
         return adv.gae(token_rewards, values, mask, hyper.gamma, hyper.lam)
     if settings.adv_estimator == "bilevel_gae":
@@ -346,7 +346,15 @@ def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewar
     if settings.adv_estimator == "grpo":
         # veRL's outcome is the summed token reward (KL penalty included), grouped over real rows
         return adv.grpo_outcome(token_rewards.sum(axis=1), kept.group_id, mask, settings.grpo_norm_by_std, valid=valid)
-    raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo or bilevel_gae.")
+    if settings.adv_estimator == "gigpo":
+        # GRPO's episode advantage on the same outcome, plus ω × each turn's step advantage among the
+        # turns of its group that start from the same env state (verl-agent's anchor states)
+        return adv.gigpo(
+            token_rewards.sum(axis=1), kept.turn_reward, kept.turn_state_key, kept.turn_start, kept.turn_end,
+            kept.turn_played, kept.group_id, mask, hyper.gamma, hyper.gigpo_step_weight,
+            norm_by_std=settings.gigpo_mode == "mean_std_norm", valid=valid,
+        )
+    raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo, bilevel_gae or gigpo.")
 
 
 def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,

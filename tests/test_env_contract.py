@@ -106,6 +106,18 @@ class Leaky(GuessDigit):
         return state, ts.replace(reward=jnp.where(ts.reward > 0, ts.reward, -0.1))
 
 
+class FloatKey(GuessDigit):
+    def state_key(self, state):
+        return jnp.asarray(state.last_guess, jnp.float32)
+
+
+class ConstantKey(GuessDigit):
+    """Keys every state alike: GiGPO would compare turns from different positions as one step group."""
+
+    def state_key(self, state):
+        return jnp.uint32(0)
+
+
 @pytest.mark.parametrize(
     "cls,message",
     [
@@ -113,11 +125,20 @@ class Leaky(GuessDigit):
         (Clash, "action names clash .*UP, Up"),
         (TooNarrow, "an observation wider than its 2 pieces"),
         (Leaky, r"'Broken' .* paid a step reward of -0\.1, which its step_reward_values \(0\.0, 1\.0\) do not list"),
+        (FloatKey, r"state_key\(state\) must be a uint32 scalar, got float32\[\]"),
+        (ConstantKey, (r"state_key gives the state after action \d from seed 0 and the state of seed 0 the same key 0, "
+                       "but they show different observations")),
     ],
 )
 def test_contract_violations_are_one_clear_error(cls, message):
     with pytest.raises(EnvContractError, match=message):
         check_env(cls(), "Broken")
+
+
+@pytest.mark.parametrize("name", sorted(envs_jax.VARIANTS))
+def test_every_shipped_env_keeps_the_contract(name):
+    """Each registered env, state_key included (its default, a hash of the observation pieces)."""
+    check_env(envs_jax.make(name), name)
 
 
 class BadCut(GuessDigit):

@@ -91,6 +91,7 @@ def test_sweepable_keys_are_the_hyperparameters():
         "algorithm.gamma": "gamma",
         "algorithm.lam": "lam",
         "algorithm.high_level_gamma": "high_level_gamma",
+        "algorithm.gigpo_step_weight": "gigpo_step_weight",
     }
 
 
@@ -112,7 +113,7 @@ def test_lora_learning_rates_replace_the_full_ones():
     "key,value,message",
     [
         ("actor.kl_loss_type", "k4", "actor.kl_loss_type = 'k4' is not one of kl, k1, abs, mse, k2, low_var_kl, k3."),
-        ("algorithm.adv_estimator", "ppo", "algorithm.adv_estimator = 'ppo' is not one of gae, grpo, bilevel_gae."),
+        ("algorithm.adv_estimator", "ppo", "algorithm.adv_estimator = 'ppo' is not one of gae, grpo, bilevel_gae, gigpo."),
         ("filter.ratio", 0.0, "filter.ratio must be in (0, 1], not 0.0."),
         ("rollout.max_turn", 0, "rollout.max_turn must be positive, not 0."),
         ("lora.rank", -1, "lora.rank must be a whole number >= 0 (0 = full fine-tuning), not -1."),

@@ -142,6 +142,9 @@ class Trajectories:
     group_id: jax.Array  # int32[B]
     tag_id: jax.Array  # int32[B]
     action_name_ids: jax.Array  # int32[B, A] index into the tag env's action_names of each action id (-1: none)
+    # uint32[B, T] the env's state_key of the state each turn starts from (0: not played); GiGPO's
+    # step groups. Last, with a default, so that a batch made by hand without it stays valid.
+    turn_state_key: jax.Array | None = None
 
 
 def build_tables(
@@ -398,6 +401,13 @@ def first_prompts(plan: RolloutPlan, tables: RolloutTables, env_states):
     return _concat_ids(outs, plan.pad_id)
 
 
+def state_keys(plan: RolloutPlan, env_states) -> jax.Array:
+    """uint32[B]: each row's ``TextEnv.state_key`` of its env state, tag by tag."""
+    return jnp.concatenate(
+        [jax.vmap(tag.env.state_key)(states).astype(jnp.uint32) for tag, states in zip(plan.tags, env_states)]
+    )
+
+
 def turn_rows(plan: RolloutPlan, c: _Carry):
     """``(active, exhausted)`` bool[B]: rows that play this turn, and rows that end now because the
     prompt plus a full response would not fit in ``max_len``."""
@@ -496,6 +506,7 @@ def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, t
         turn_played=active,
         turn_reward=jnp.where(active, res.reward, 0.0),
         turn_penalised=active & parsed.format_error,
+        turn_state_key=jnp.where(active, state_keys(plan, c.env_states), jnp.uint32(0)),
     )
     carry = _Carry(
         tokens=tokens,

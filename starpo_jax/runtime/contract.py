@@ -24,7 +24,8 @@ def check_env(env, tag: str = "") -> None:
     Checks the declarations (action names distinct and parseable, step rewards, a piece table),
     their shapes (``action_name_ids``, ``observation_pieces``), and on a few states (the level of
     ``reset_from_seed(0)`` and one step of each of its first 8 actions from it, or of an empty
-    answer for a language-action env) that the pieces spell ``render_text(state) + "\\n"``. Then
+    answer for a language-action env) that the pieces spell ``render_text(state) + "\\n"`` and that
+    ``state_key`` (a ``uint32`` scalar) tells apart the states whose observations differ. Then
     plays ``REWARD_EPISODES`` seeded random episodes from that level and checks that every reward a
     step pays is one of ``step_reward_values`` (the reward message shows the nearest one otherwise).
     """
@@ -64,7 +65,11 @@ def check_env(env, tag: str = "") -> None:
     pieces_shape = jax.eval_shape(env.observation_pieces, state)
     if len(pieces_shape.shape) != 1 or not np.issubdtype(pieces_shape.dtype, np.integer):
         fail(f"observation_pieces(state) must be a 1-D int array, got {pieces_shape.dtype}{list(pieces_shape.shape)}.")
-    observation_pieces, step = jax.jit(env.observation_pieces), jax.jit(env.step)
+    key_shape = jax.eval_shape(env.state_key, state)
+    if key_shape.shape != () or key_shape.dtype != np.uint32:
+        fail(f"state_key(state) must be a uint32 scalar, got {key_shape.dtype}{list(key_shape.shape)}.")
+    observation_pieces, step, state_key = jax.jit(env.observation_pieces), jax.jit(env.step), jax.jit(env.state_key)
+    keys = {}  # state key -> (the observation pieces of a state with it, which state)
     # The first level and one step of each action from it (a few states, seen as the rollout sees
     # them); a language-action env steps once, with an empty answer.
     actions = [(np.zeros(env.answer_width, np.uint8), np.int32(0))] if language else range(min(env.num_actions, 8))
@@ -75,11 +80,18 @@ def check_env(env, tag: str = "") -> None:
             fail(f"observation_pieces(state) holds ids outside the piece table (size {len(texts)}): {pieces.tolist()}.")
         spelled = "".join(texts[int(p)] for p in pieces if p >= 0)
         expected = env.render_text(seen) + "\n"
+        after = "of seed 0" if action is None else f"after action {'<empty answer>' if language else action} from seed 0"
         if spelled != expected:
-            after = "of seed 0" if action is None else f"after action {'<empty answer>' if language else action} from seed 0"
             fail(
                 f"the observation pieces {after} spell {spelled!r}, not render_text + newline {expected!r} "
                 f"(an observation wider than its {len(pieces)} pieces, or a piece table out of step)."
+            )
+        key = int(state_key(seen))
+        other, where = keys.setdefault(key, (pieces.tolist(), after))
+        if other != pieces.tolist():
+            fail(
+                f"state_key gives the state {after} and the state {where} the same key {key}, but they show "
+                "different observations (GiGPO would compare their turns as turns from one position)."
             )
 
     check_step_rewards(env, state, step, fail)

@@ -131,6 +131,12 @@ SETTINGS: tuple[Setting, ...] = (
     S("algorithm.lam", 1.0, "Hyperparams.lam"),
     S("algorithm.high_level_gamma", 0.95, "Hyperparams.high_level_gamma"),
     S("algorithm.grpo_norm_by_std", True, "TrainSettings.grpo_norm_by_std"),
+    # GiGPO (adv_estimator="gigpo"; verl-agent's algorithm.gigpo.*, not in RAGEN): ω, the weight of the
+    # step advantage, and the normalisation of both levels, mean only (verl-agent's default) or mean
+    # and std (grpo_norm_by_std is not read). Its step returns discount by algorithm.gamma per turn,
+    # as verl-agent's do.
+    S("algorithm.gigpo_step_weight", 1.0, "Hyperparams.gigpo_step_weight"),
+    S("algorithm.gigpo_mode", "mean_norm", "TrainSettings.gigpo_mode", advantages.GIGPO_MODES),
     S("algorithm.kl_in_reward", False, "TrainSettings.kl_in_reward"),
     S("algorithm.kl_in_reward_coef", 0.0, "Hyperparams.kl_in_reward_coef"),
     S("algorithm.kl_penalty", "kl", "TrainSettings.kl_penalty", losses.KL_KINDS),
@@ -269,6 +275,7 @@ class TrainSettings:
 
     adv_estimator: str
     grpo_norm_by_std: bool
+    gigpo_mode: str
     reward_grouping: str
     reward_method: str
     use_turn_scores: bool
@@ -339,7 +346,14 @@ class Hyperparams:
     gamma: jax.Array
     lam: jax.Array
     high_level_gamma: jax.Array
+    gigpo_step_weight: jax.Array
 
     @classmethod
     def create(cls, **values: float) -> "Hyperparams":
-        return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
+        """Hyperparameters from floats; a field not given takes its config default (the first row of
+        ``SETTINGS`` that sets it)."""
+        defaults = {}
+        for s in SETTINGS:
+            if s.owner == "Hyperparams":
+                defaults.setdefault(s.field, s.default)
+        return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in (defaults | values).items()})
