@@ -84,6 +84,33 @@ def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
     return metrics | {f"timing_s/{prefix}_mi": time.perf_counter() - t0} if metrics else {}
 
 
+def warm_up_format(exp, state, log):
+    """``actor.format_warmup_steps`` supervised steps on random valid answers before RL
+    (``starpo_jax.format_warmup``): (state, metrics of step 0)."""
+    import jax
+    from tqdm import tqdm
+
+    from starpo_jax.format_warmup import answer_pieces, format_warmup
+    from starpo_jax.runtime import distributed
+
+    cfg, nll, t0 = exp.config, [], time.perf_counter()
+    steps = cfg.actor.format_warmup_steps
+    with tqdm(total=steps, desc=f"{distributed.tag()}format warm-up", unit="step", leave=False,
+              disable=not distributed.is_writer()) as bar:
+
+        def on_step(i: int, metrics: dict) -> None:
+            nll.append(metrics["format_warmup/nll"])
+            bar.update()
+            bar.set_postfix(nll=f"{nll[-1]:.3f}")
+
+        pieces = answer_pieces(exp.tokenizer, exp.train_plan, exp.train_tables)
+        state = format_warmup(exp.settings, exp.model.graphdef, exp.train_plan, exp.train_tables, pieces, state,
+                              jax.random.PRNGKey(cfg.trainer.seed + 2), steps, cfg.actor.format_warmup_lr, on_step)
+    seconds = time.perf_counter() - t0
+    log(f"format warm-up: {steps} steps, answer NLL {nll[0]:.3f} -> {nll[-1]:.3f} | {seconds:.1f}s")
+    return state, {"format_warmup/nll_first": nll[0], "format_warmup/nll": nll[-1], "timing_s/format_warmup": seconds}
+
+
 def main(argv) -> int:
     del argv
     from absl import logging
@@ -222,6 +249,9 @@ def train(exp, iteration=None) -> int:
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
+    if start == 0 and cfg.actor.format_warmup_steps:
+        state, warmup_metrics = warm_up_format(exp, state, log)
+        record(0, warmup_metrics)
     total = cfg.trainer.total_steps
     stop = total if FLAGS.max_steps is None else min(total, start + FLAGS.max_steps)
     if cfg.trainer.val_before_train and start == 0 and cfg.trainer.test_freq > 0:

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.bench import peer as bench_peer
+from experiments.bench.common import load_config
 
 QUICKSTART = "configs/quickstart.py"
 
 
 def settings(*overrides):
-    return bench_peer.trl_settings(bench_peer.load_config(QUICKSTART, list(overrides)))[0]
+    return bench_peer.trl_settings(load_config(QUICKSTART, list(overrides)))[0]
 
 
 def test_trl_settings_follow_the_config():
@@ -60,7 +61,7 @@ def test_trl_settings_of_other_maths_and_refusals():
 
 
 def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
-    config = bench_peer.load_config(QUICKSTART, ["--config.filter.ratio=0.5"])
+    config = load_config(QUICKSTART, ["--config.filter.ratio=0.5"])
     args = bench_peer.parse_args(["--steps", "7", "--points", "3"])
     sets = dict(o.removeprefix("--config.").split("=", 1) for o in bench_peer.bench_overrides(config, args, tmp_path))
     assert (sets["trainer.total_steps"], sets["trainer.save_freq"], sets["filter.ratio"]) == ("7", "3", "1.0")
@@ -76,7 +77,7 @@ def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
 def _plan_and_env():
     from starpo_jax.runtime.experiment import rollout_plan
 
-    plan = rollout_plan(bench_peer.load_config(QUICKSTART, []), "train")
+    plan = rollout_plan(load_config(QUICKSTART, []), "train")
     return plan, plan.tags[0].env
 
 
@@ -99,7 +100,7 @@ def test_reward_is_the_env_rule(hi_first):
 
 
 def test_reward_function_reads_the_arm_order_per_row():
-    config = bench_peer.load_config(QUICKSTART, [])
+    config = load_config(QUICKSTART, [])
     reward = bench_peer.reward_function(config, seed=0)
     texts = [" Phoenix </answer>", " Dragon</answer>", "nonsense"]
     values = reward(prompts=["p"] * 3, completions=texts, hi_first=[True, False, True])
@@ -112,7 +113,7 @@ def test_prompts_are_the_rollouts_first_turn():
     from starpo_jax.rollout import prompts
     from envs_jax.bandit import BanditState
 
-    config = bench_peer.load_config(QUICKSTART, [])
+    config = load_config(QUICKSTART, [])
     tokenizer = bundled.smollm2_tokenizer()
     texts = bench_peer.bandit_prompts(config, tokenizer)
     _, env = _plan_and_env()

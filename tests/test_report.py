@@ -25,7 +25,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 VAL_EVERY_STEP = {"envs.val.tags": "('SimpleSokoban','FrozenLake','Bandit')", "envs.val.n_groups": "(1,1,1)",
                   "trainer.test_freq": "1", "trainer.save_freq": "0", "trainer.export_hf": "False",
                   # two Sokoban groups, whose answers' mutual information with the board is scored every step
-                  "envs.train.n_groups": "(2,1,1)", "trainer.mi_freq": "1"}
+                  "envs.train.n_groups": "(2,1,1)", "trainer.mi_freq": "1",
+                  "actor.format_warmup_steps": "1", "actor.format_warmup_lr": "1e-3"}  # and one format warm-up step
 TINY_RUN = tiny_with(VAL_EVERY_STEP)
 
 
@@ -92,6 +93,8 @@ def test_report_of_a_tiny_real_run_in_a_browser(tiny_run, browser, tmp_path):
         d = p.locator(f'#curves path.series[data-key="{key}"]').first.get_attribute("d")
         assert d.count("M") == 1 and d.count("L") == len(steps) - 1, (key, d)
     assert len(steps) == 3  # validation at 0, 1, 2
+    warmup = [r for r in metrics if "format_warmup/nll" in r]
+    assert [r["step"] for r in warmup] == [0] and warmup[0]["format_warmup/nll"] > 0
     # Template collapse, scored on the training rollouts at every step: a series in its own panel.
     assert [r["step"] for r in metrics if "train/SimpleSokoban/mi" in r] == [1, 2]
     mi = p.locator('#curves path.series[data-key="train/SimpleSokoban/mi"]')

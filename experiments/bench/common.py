@@ -70,3 +70,15 @@ def write_markdown(text: str, json_path: str | os.PathLike) -> Path:
     path.write_text(text + "\n")
     print(f"[bench] wrote {path}")
     return path
+
+
+def load_config(path: str, overrides: list[str]):
+    """The config as ``experiments.run`` reads it: file[:preset] plus ``--config.KEY=VALUE`` overrides."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["bench", f"--config={path}", *overrides]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)
+    values(argv)
+    return values.config

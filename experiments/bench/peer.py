@@ -69,18 +69,6 @@ def parse_args(argv=None):
 # ---- config ------------------------------------------------------------------------------------------
 
 
-def load_config(path: str, overrides: list[str]):
-    """The config as ``experiments.run`` reads it: file[:preset] plus ``--config.KEY=VALUE`` overrides."""
-    from absl import flags
-    from ml_collections import config_flags
-
-    argv = ["bench_peer", f"--config={path}", *overrides]
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)
-    values(argv)
-    return values.config
-
-
 def save_every(steps: int, points: int) -> int:
     return max(1, math.ceil(steps / points))
 
@@ -516,9 +504,9 @@ def main(argv=None) -> int:
     log = tqdm.write
     out = Path(args.out)
     try:
-        user = load_config(args.config, args.overrides)
+        user = common.load_config(args.config, args.overrides)
         overrides = [*args.overrides, *bench_overrides(user, args, out)]
-        config = load_config(args.config, overrides)
+        config = common.load_config(args.config, overrides)
         check_config(config)
         _, notes = trl_settings(config)
         _bandit_tag(check_config(config).train_plan)

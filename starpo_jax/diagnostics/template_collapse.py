@@ -107,7 +107,8 @@ def cross_scores(graphdef, params, traj: Trajectories, *, group_size: int, group
     real = offsets[None] < answer_length[:, None]
 
     def after_prompt(p):
-        """float32 [R] x 2: each answer's summed log-prob after prompt p, and its token count."""
+        """float32 [R]: each answer's summed log-prob after prompt p."""
+
         def micro(batch):
             answer, mask = batch
             m = answer.shape[0]

@@ -171,6 +171,10 @@ def check_config(config: ConfigDict) -> CheckedConfig:
     model_compute(config)
     train_plan, val_plan = rollout_plan(config, "train"), rollout_plan(config, "val")
     check_val_chunks(config.trainer.val_chunks, val_plan)
+    if config.actor.format_warmup_steps:
+        from starpo_jax.format_warmup import check_named_actions
+
+        check_named_actions(train_plan)
     return CheckedConfig(
         config=config,
         train_plan=train_plan,

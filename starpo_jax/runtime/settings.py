@@ -157,6 +157,10 @@ SETTINGS: tuple[Setting, ...] = (
     S("actor.ppo_mini_batch_size", 32, "TrainSettings.ppo_mini_batch_size"),
     S("actor.micro_batch_size", 4, "TrainSettings.micro_batch_size"),
     S("actor.ppo_epochs", 1, "TrainSettings.ppo_epochs"),
+    # Format warm-up (starpo_jax/format_warmup.py; an addition, RAGEN has none): supervised steps on
+    # random valid answers to fresh levels' first prompts before RL, at their own learning rate
+    S("actor.format_warmup_steps", 0, "run.format_warmup_steps", rule=(lambda v: v >= 0, "must be >= 0 (0: none)")),
+    S("actor.format_warmup_lr", 1e-5, "run.format_warmup_lr", rule=POSITIVE),
     # critic (with LoRA its learning rate is lora.critic_lr)
     S("critic.lr", 1e-5, "Hyperparams.critic_lr"),
     S("critic.weight_decay", 0.01, "TrainSettings.critic_weight_decay"),
