@@ -76,6 +76,9 @@ COMMANDS = {
     ".venv/bin/python -m experiments.bench.decode_attention":
         (QUICK_BENCH, "smoke run (tests/test_bench_decode_attention.py runs it by default)", True),
     ".venv/bin/python -m experiments.bench.train": (QUICK_BENCH, "smoke run", True),
+    ".venv/bin/python -m experiments.bench.template_collapse":
+        (("--repeats", "1", *TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.actor.ppo_mini_batch_size=8"),
+         "tiny model (tests/test_bench_template_collapse.py runs a smaller one by default)", True),
     ".venv/bin/python -m experiments.bench.format_warmup --steps 20":
         (("--steps", "2", "--lr", "1e-3", *TINY_MODEL, "--config.envs.train.n_groups=(2,)",
           "--config.actor.ppo_mini_batch_size=8"),
