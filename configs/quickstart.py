@@ -1,7 +1,6 @@
 """Quick start: three StarPO-S (GRPO) steps on the Bandit with the bundled SmolLM2-135M-Instruct.
 
-Runs offline on 2 CPU cores in minutes (measured 2026-11-23: 2 min 20 s end to end on an idle
-2-core machine; 7.4 min with the cores shared by other jobs at load 5-8). It checks the whole pipeline (rollout, filter, advantages, update,
+Runs offline on 2 CPU cores in minutes (docs/benchmarks.md has measured times). It checks the whole pipeline (rollout, filter, advantages, update,
 validation, logging); it does not reproduce a paper number, since 135M parameters and three steps
 learn nothing measurable. Sizes:
 

@@ -38,7 +38,7 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, as many as the host's memory holds at ~8 GiB each (the
     largest tests start a run of the real 135M model beside the worker). Most of a test's time is
     one thread tracing, compiling or starting a process, so two workers on the 2-core CI machine
-    finish sooner than one (measured: 391 -> 282 s on five of the slowest files, 2026-11-27)."""
+    finish sooner than one."""
     from starpo_jax.runtime.planning import available_bytes
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -46,7 +46,7 @@ def pytest_xdist_auto_num_workers(config):
     return cores if available is None else max(1, min(cores, available // (8 * 2**30)))
 
 
-# The files that take longest (pytest --durations, 2026-11-27: 1.5-7 minutes each on 2 cores), started
+# The files that take longest (pytest --durations: minutes each on 2 cores), started
 # first: the workers take files in collection order, and a long file started last would leave the
 # other worker idle at the end.
 LONGEST_FIRST = ("test_run.py", "test_rollout.py", "test_train.py", "envs/test_countdown.py", "test_readme.py",

@@ -44,13 +44,9 @@ CACHE_VARS = ("STARPO_JAX_CACHE", "JAX_COMPILATION_CACHE_DIR",
 
 
 # Test processes compile for compile time. XLA:CPU's code generation is most of the compile time of
-# the suite's tiny programs, which run for milliseconds either way. So: LLVM's optimisations off
-# (measured on 2 loaded cores: a tiny run 178 -> 112 s, tests/test_train.py + test_update.py 915 ->
-# 671 s), its expensive passes off, and XLA's older elemental emitters instead of its MLIR fusion
-# emitters, which took half of what was left (measured idle, 2026-11-27: compiling a tiny run's
-# rollout 12.2 -> 5.9 s and its update 6.0 -> 2.4 s, a tiny run from a cold cache 80-89 -> 50-67 s,
-# tests/test_train.py + test_update.py 248 -> 190 s, the real 135M model's rollout fixture 69 -> 50 s;
-# the programs run as fast). Matrix products call the same library kernels; elementwise code may
+# the suite's tiny programs, which run for milliseconds either way. So: LLVM's optimisations off,
+# its expensive passes off, and XLA's older elemental emitters instead of its MLIR fusion emitters
+# (together they roughly halve a tiny run's compile; docs/benchmarks.md; the programs run as fast). Matrix products call the same library kernels; elementwise code may
 # round differently from an optimised build (fused multiply-adds), which the suite's tolerances
 # allow, and exact comparisons are between processes compiled alike. A flag this jaxlib does not
 # know is left out (XLA aborts on an unknown flag, and flags come and go between releases).

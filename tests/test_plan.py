@@ -168,8 +168,7 @@ def test_cpu_estimate_holds_the_measured_peak(tmp_path):
     measured after compiling + the programs' peak); the process's measured peak (ru_maxrss) is at
     least that, and at most 1.25 x: the estimate leaves out the programs the run compiles beyond the
     plan's two, the allocator's kept pages and the export's copies, which it says in one line.
-    Measured 2026-11-25 on 2 loaded cores: this run 1.67-1.68 GiB against 1.40 (1.20 x), the quick
-    start 4.91 GiB against 4.09 (1.20 x); 1.25 leaves room for the allocator's variation."""
+    Measured runs came to 1.20 x (docs/scaling.md); 1.25 leaves room for the allocator's variation."""
     from helpers import command_env
 
     # A first run as users run it: the caches on (the default) but empty.

@@ -1,4 +1,4 @@
-"""A decode loop with its attention scores keys-first (what a CPU runs since 2026-11-27) against
+"""A decode loop with its attention scores keys-first (what a CPU runs) against
 queries-first (before), side by side in one process.
 
     python -m experiments.bench.decode_attention                      # the three workloads below

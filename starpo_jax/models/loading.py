@@ -246,8 +246,8 @@ def gguf_tokenizer(path: Path):
 
 def _saved_tokenizer(folder: Path):
     """A tokenizer ``gguf_tokenizer`` saved. transformers builds a GGUF's as its generic fast class,
-    loaded here by that class itself: importing ``AutoTokenizer``'s machinery would take ~1.3 s more
-    of every process's start (measured 2026-11-27 on the 2-core CPU: 1.96 s against 0.63 s)."""
+    loaded here by that class itself: importing ``AutoTokenizer``'s machinery would add about a
+    second to every process's start."""
     from transformers import PreTrainedTokenizerFast
 
     named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
