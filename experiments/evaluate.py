@@ -151,9 +151,9 @@ def _on_gpu() -> bool:
 def evaluate(args) -> dict:
     import jax
 
+    from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import sharding
     from starpo_jax.runtime.experiment import ConfigError
-    from starpo_jax.rollout.sampling import sampling_policy
 
     tags = suite_tags(args.suite)
     batch = min(args.batch, args.levels)
@@ -175,9 +175,9 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     import jax
     from tqdm import tqdm
 
-    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
     from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
     from starpo_jax.rollout.multi_turn import initial_states_from_seeds, make_rollout
+    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
 
     results, seed = {}, args.seed
     bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
@@ -220,10 +220,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out) if args.out else default_out(args.model, args.suite)
     print(out_note(out))
-    from starpo_jax.runtime.checkpoint import CheckpointError
-    from starpo_jax.runtime.caches import setup_compilation_cache
-    from starpo_jax.runtime.experiment import ConfigError
     from starpo_jax.models.loading import ModelLoadError
+    from starpo_jax.runtime.caches import setup_compilation_cache
+    from starpo_jax.runtime.checkpoint import CheckpointError
+    from starpo_jax.runtime.experiment import ConfigError
 
     setup_compilation_cache()  # before the first compile
     try:

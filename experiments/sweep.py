@@ -89,8 +89,8 @@ def main(argv) -> int:
     from starpo_jax.runtime.caches import setup_compilation_cache
 
     setup_compilation_cache()  # before the first compile
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment
     from starpo_jax.models.loading import ModelLoadError
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment
 
     cfg = _CONFIG.value
     try:

@@ -70,15 +70,25 @@ from starpo_jax.algo import filtering, losses, rewards
 from starpo_jax.algo.masked import masked_mean
 from starpo_jax.diagnostics.metrics import rollout_metrics
 from starpo_jax.forward import (
-    Rows, UpdateLayout, first_prompt_split, full_layout, policy_tokens_per_row, share_rows, token_logprobs, token_values,
+    Rows,
+    UpdateLayout,
+    first_prompt_split,
+    full_layout,
+    policy_tokens_per_row,
+    share_rows,
+    token_logprobs,
+    token_values,
     update_layout,
 )
 from starpo_jax.models import lora
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories, initial_states_from_key, make_rollout
 from starpo_jax.rollout.sampling import sampling_policy
-from starpo_jax.runtime.settings import Hyperparams, TrainSettings, check_batch_split  # declared beside their config keys
-
+from starpo_jax.runtime.settings import (  # declared beside their config keys
+    Hyperparams,
+    TrainSettings,
+    check_batch_split,
+)
 
 # ---- what the iteration carries ------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import torch
 # (measured: 16x slower reference generate with 2 threads under load).
 torch.set_num_threads(1)
 
-from starpo_jax.models import bundled
+from starpo_jax.models import bundled  # noqa: E402 (after torch's thread setting)
 
 
 def pytest_xdist_auto_num_workers(config):

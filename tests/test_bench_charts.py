@@ -4,7 +4,8 @@ import json
 
 import matplotlib.image
 
-from experiments.bench import charts as bench_charts, envs as bench_envs
+from experiments.bench import charts as bench_charts
+from experiments.bench import envs as bench_envs
 
 
 def test_charts_are_drawn_beside_the_json_and_redrawn_from_it(tmp_path, capsys):

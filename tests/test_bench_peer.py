@@ -109,9 +109,9 @@ def test_reward_function_reads_the_arm_order_per_row():
 
 
 def test_prompts_are_the_rollouts_first_turn():
+    from envs_jax.bandit import BanditState
     from starpo_jax.models import bundled
     from starpo_jax.rollout import prompts
-    from envs_jax.bandit import BanditState
 
     config = load_config(QUICKSTART, [])
     tokenizer = bundled.smollm2_tokenizer()
@@ -124,8 +124,8 @@ def test_prompts_are_the_rollouts_first_turn():
         assert text.endswith("<|im_start|>assistant\n<answer>")
         assert ("Dragon and Phoenix" if hi_first else "Phoenix and Dragon") in text
     # TRL tokenizes a text prompt with the tokenizer's defaults: the same ids as the rollout's
-    from starpo_jax.runtime.experiment import rollout_plan
     from starpo_jax.rollout.multi_turn import build_tables, first_prompts
+    from starpo_jax.runtime.experiment import rollout_plan
 
     plan = rollout_plan(config, "train", tokenizer)
     tables = build_tables(tokenizer, plan, max_tokens=config.envs.prompt_max_tokens)

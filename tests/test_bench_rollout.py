@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from experiments.bench import rollout as bench_rollout, rollout_timing
+from experiments.bench import rollout as bench_rollout
+from experiments.bench import rollout_timing
 
 ROWS, TURNS, RESPONSE = 2 * 2, 2, 8
 METRICS = {

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from helpers import REPO, command_env
-
 from starpo_jax.runtime.caches import cache_root, compilation_cache_dir, tokenizer_cache_dir
 
 # A program with matmuls, transcendental functions, a reduction and random numbers; prints its

@@ -4,7 +4,6 @@ swapped arms too), drawn without looking at the board, and a few steps teach the
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -142,7 +142,7 @@ def test_masked_positions_never_reach_the_actor_or_critic_loss(agg_mode):
     np.testing.assert_allclose(actor(scrambled), actor(logits), rtol=1e-6)
 
     returns, old_values = jax.random.normal(key[5], (2, 2, 5))
-    critic = lambda values: losses.value_loss(values, old_values, returns, mask, 0.5, agg_mode)[0]
+    critic = lambda values: losses.value_loss(values, old_values, returns, mask, 0.5, agg_mode)[0]  # noqa: E731
     values = old_values + 0.3
     value_grad = jax.grad(critic)(values)
     assert np.all(np.asarray(value_grad)[outside] == 0) and np.any(np.asarray(value_grad)[~outside] != 0)

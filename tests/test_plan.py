@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from configs import base
+from starpo_jax.rollout.multi_turn import longest_trajectory
 from starpo_jax.runtime import planning as planner
 from starpo_jax.runtime.experiment import build_experiment
-from starpo_jax.rollout.multi_turn import longest_trajectory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,9 +197,9 @@ def test_a_run_calls_the_programs_its_memory_check_compiled(caplog):
     """``check_fits`` hands the run its iteration: the model loaded with real weights has the planned
     structure, the rollout is the plan's compiled program (which refuses inputs of other shapes or
     shardings), and the update for every position runs without compiling again."""
+    from starpo_jax.forward import full_layout
     from starpo_jax.runtime import sharding
     from starpo_jax.runtime.experiment import check_config
-    from starpo_jax.forward import full_layout
     from starpo_jax.train import init_train_state
 
     checked = check_config(base.with_overrides(base.get_config(), TINY))

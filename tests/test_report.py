@@ -11,9 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import REPO, command_env, tiny_with
 
 from experiments import report
+from helpers import REPO, command_env, tiny_with
 from starpo_jax.diagnostics.diversity import distinct_ngrams, think_diversity_metrics
 
 CHROMIUM = "/usr/bin/chromium"

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import envs_jax
-from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout import multi_turn as R_
-from starpo_jax.rollout.parsing import parse_response_text
+from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout.multi_turn import (
     LLMResponder,
     RolloutPlan,
@@ -28,6 +27,7 @@ from starpo_jax.rollout.multi_turn import (
     make_rollout,
     stop_tokens_for,
 )
+from starpo_jax.rollout.parsing import parse_response_text
 from starpo_jax.rollout.sampling import DecodeOutput
 
 R = 40  # response_length

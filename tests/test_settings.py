@@ -9,12 +9,19 @@ import jax
 import pytest
 
 from configs import base
-from starpo_jax.runtime import experiment
 from starpo_jax.algo import losses
 from starpo_jax.models.config import ModelConfig
 from starpo_jax.rollout.multi_turn import RolloutPlan, longest_trajectory
+from starpo_jax.runtime import experiment
 from starpo_jax.runtime.settings import (
-    BY_KEY, SECTIONS, SETTINGS, SWEEPABLE, UNDECLARED, ConfigError, Hyperparams, TrainSettings,
+    BY_KEY,
+    SECTIONS,
+    SETTINGS,
+    SWEEPABLE,
+    UNDECLARED,
+    ConfigError,
+    Hyperparams,
+    TrainSettings,
 )
 
 # The fields of TrainSettings that no config key sets: derived from the plan, or fixed.

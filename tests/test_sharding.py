@@ -24,9 +24,9 @@ import jax
 import pytest
 from flax import nnx
 
-from starpo_jax.runtime import sharding
-from starpo_jax.models import Decoder, ModelState, preset
 from helpers import simulated_devices
+from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.runtime import sharding
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -78,7 +78,12 @@ def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smol
     from starpo_jax.models import Decoder, ModelState, preset
     from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
     from starpo_jax.train import (
-        Hyperparams, TrainSettings, init_train_state, jit_iteration, make_train_step, replicate,
+        Hyperparams,
+        TrainSettings,
+        init_train_state,
+        jit_iteration,
+        make_train_step,
+        replicate,
     )
 
     plan = RolloutPlan(

@@ -18,15 +18,35 @@ from flax import nnx
 
 import envs_jax
 from starpo_jax.algo import advantages, rewards
+from starpo_jax.forward import (
+    first_prompt_split,
+    full_layout,
+    policy_tokens_per_row,
+    share_rows,
+    token_logprobs,
+    token_values,
+    update_layout,
+)
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, Trajectories
-from starpo_jax.forward import (
-    first_prompt_split, full_layout, policy_tokens_per_row, share_rows, token_logprobs, token_values, update_layout,
-)
 from starpo_jax.train import (
-    Hyperparams, TrainSettings, UpdateBatch, accumulate_gradients, actor_loss_fn, batch_metrics, critic_loss_fn,
-    estimate_advantages, filter_groups, init_train_state, make_train_step, old_logprobs, old_values, ppo_update,
-    prepare_update, ref_logprobs, token_level_rewards,
+    Hyperparams,
+    TrainSettings,
+    UpdateBatch,
+    accumulate_gradients,
+    actor_loss_fn,
+    batch_metrics,
+    critic_loss_fn,
+    estimate_advantages,
+    filter_groups,
+    init_train_state,
+    make_train_step,
+    old_logprobs,
+    old_values,
+    ppo_update,
+    prepare_update,
+    ref_logprobs,
+    token_level_rewards,
 )
 
 G, N, L = 4, 8, 48

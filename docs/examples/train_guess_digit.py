@@ -6,9 +6,10 @@
 Metrics then read ``train/GuessDigit/success`` rather than ``train/guess_digit:GuessDigit/success``.
 """
 
+from guess_digit import GuessDigit
+
 import envs_jax
 from experiments import run
-from guess_digit import GuessDigit
 
 envs_jax.register("GuessDigit", GuessDigit)  # before the config is read
 

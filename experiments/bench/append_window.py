@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from experiments.bench.generation_timing import median_time
-from starpo_jax.rollout import sampling
 from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.rollout import sampling
 
 
 def parse_args(argv=None):

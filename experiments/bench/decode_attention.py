@@ -29,8 +29,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments.bench.common import machine, markdown_table, write_markdown, write_report
-from starpo_jax.rollout import sampling
 from starpo_jax.models import Decoder, ModelState, decoder, preset
+from starpo_jax.rollout import sampling
 
 WORKLOADS = {  # name: (model, batch, cache slots, tokens held, new tokens)
     "frozen-lake": ("smollm2-135m-instruct", 64, 640, 300, 48),
@@ -60,7 +60,7 @@ def decode_program(config, batch: int, cache_slots: int, held: int, new: int, ma
     with mock.patch.object(decoder, "KEYS_LEAD_MAX_QUERIES", max_queries):
         jax.clear_caches()  # sampling.decode is jitted: without this it reuses the other orientation's trace
         start = time.perf_counter()
-        compiled = jax.jit(lambda m, c, l, k: sampling.decode(m, c, l, k, max_new_tokens=new)).lower(*args).compile()
+        compiled = jax.jit(lambda m, c, logits, k: sampling.decode(m, c, logits, k, max_new_tokens=new)).lower(*args).compile()
     return compiled, args, time.perf_counter() - start
 
 

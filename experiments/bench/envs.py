@@ -61,10 +61,10 @@ from tqdm import tqdm
 
 import envs_jax
 from envs_jax import sokoban_reference
-from envs_jax.hashing import hash_words
 from envs_jax.countdown import MAX_NUMS, Countdown
 from envs_jax.countdown_score import ragen_score
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
+from envs_jax.hashing import hash_words
 from experiments.bench.common import machine, write_report
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban", "Countdown")

@@ -11,8 +11,8 @@ import time
 import jax
 import numpy as np
 
-from starpo_jax.rollout import sampling
 from starpo_jax.models import ModelConfig, ModelState
+from starpo_jax.rollout import sampling
 
 
 def median_time(fn, repeats: int) -> tuple[float, list[float]]:
@@ -30,12 +30,12 @@ def bench_jax(model: ModelState, config: ModelConfig, prompts: np.ndarray, new_t
     lengths = np.full((B,), P, np.int32)
     cache_size = cache_size or P + new_tokens
 
-    def full(m, p, l, key):
-        return sampling.generate(m, p, l, key, max_new_tokens=new_tokens, temperature=1.0, cache_size=cache_size,
+    def full(m, p, lengths, key):
+        return sampling.generate(m, p, lengths, key, max_new_tokens=new_tokens, temperature=1.0, cache_size=cache_size,
                                  windowed=windowed)
 
-    def prefill(m, p, l):
-        return sampling.append(m, sampling.init_cache(config, B, cache_size), p, l)
+    def prefill(m, p, lengths):
+        return sampling.append(m, sampling.init_cache(config, B, cache_size), p, lengths)
 
     start = time.perf_counter()
     full_c = jax.jit(full).lower(model, prompts, lengths, jax.random.key(0)).compile()

@@ -206,8 +206,8 @@ def bandit_prompts(config, tokenizer) -> dict[bool, str]:
     tables and its ``first_prompts``, for both arm orders, decoded as they are."""
     import jax.numpy as jnp
 
-    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
     from starpo_jax.rollout.multi_turn import first_prompts
+    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
 
     plan = rollout_plan(config, "train")
     tag = _bandit_tag(plan)
@@ -283,8 +283,8 @@ def reward_function(config, seed: int):
 def export_base(config, folder: Path):
     """(folder, tokenizer): the config's starting model as a Hugging Face folder (the project's
     exporter) and its tokenizer."""
-    from starpo_jax.runtime.experiment import load_policy
     from starpo_jax.models.loading import save_model
+    from starpo_jax.runtime.experiment import load_policy
 
     model, tokenizer = load_policy(config)
     return save_model(model.merge(), tokenizer, folder), tokenizer
@@ -314,9 +314,9 @@ def export_starpo_checkpoints(run_dir: Path) -> dict[int, Path]:
     import jax
     from ml_collections import ConfigDict
 
+    from starpo_jax.models.loading import save_model
     from starpo_jax.runtime import checkpoint
     from starpo_jax.runtime.experiment import load_policy, rollout_plan, train_settings
-    from starpo_jax.models.loading import save_model
     from starpo_jax.train import init_train_state, policy_weights
 
     config = ConfigDict(json.loads((run_dir / "config.json").read_text()))
@@ -418,11 +418,10 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
 def evaluate_folder(config, folder: Path, levels: int) -> dict:
     """``experiments.evaluate``'s evaluator on one HF folder, with the config's validation tags,
     prompt and sampling settings (the same for every policy scored)."""
+    from experiments.evaluate import evaluate_tags
+    from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import sharding
     from starpo_jax.runtime.experiment import device_mesh, load_policy
-    from starpo_jax.rollout.sampling import sampling_policy
-
-    from experiments.evaluate import evaluate_tags
 
     config = copy.deepcopy(config)
     config.model.source, config.model.random_init_preset = str(folder), ""

@@ -77,12 +77,10 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+import envs_jax
 from experiments.bench.common import hbm_bandwidth, machine, timed, write_report
 from experiments.bench.rollout_timing import Episodes, Subject, bench_baseline, decode_roofline, summarise
-
-import envs_jax
-from starpo_jax.models import bundled
-from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.models import Decoder, ModelState, bundled, preset
 from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
     RolloutTables,

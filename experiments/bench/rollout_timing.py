@@ -19,10 +19,10 @@ from jumanji.types import StepType
 
 from envs_jax.base import GridEnv, symbols_to_text
 from experiments.bench.common import timed
-from starpo_jax.rollout import prompts, sampling
 from starpo_jax.models import ModelState
-from starpo_jax.rollout.parsing import decode_response, parse_response_text
+from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout.multi_turn import RolloutPlan
+from starpo_jax.rollout.parsing import decode_response, parse_response_text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -242,8 +242,8 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     cache of ``window`` slots, compiled for the CPU from abstract shapes; the ideal next to it."""
     from flax import nnx
 
-    from starpo_jax.rollout import sampling
     from starpo_jax.models import Decoder, ModelState
+    from starpo_jax.rollout import sampling
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))

@@ -118,8 +118,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from starpo_jax.runtime.experiment import build_experiment
     from starpo_jax.forward import share_rows, update_layout
+    from starpo_jax.runtime.experiment import build_experiment
     from starpo_jax.train import init_train_state, make_train_step
 
     exp = build_experiment(experiment_config(args))

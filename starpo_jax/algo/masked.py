@@ -5,8 +5,8 @@ selected away with `jnp.where`, not multiplied by zero, so a NaN or inf there ca
 Empty masks give 0, never NaN: a group or batch with nothing in it contributes nothing.
 """
 
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 
 def masked_sum(x, mask, axis=None, keepdims=False):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from starpo_jax.rollout.parsing import decode_response, parse_response_text
 from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories
+from starpo_jax.rollout.parsing import decode_response, parse_response_text
 
 
 def trajectory_records(traj: Trajectories, plan: RolloutPlan, tokenizer, first_seed: int | None = None) -> list[dict]:

@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs_jax.base import TextEnv
-from starpo_jax.rollout import parsing, prompts
-from starpo_jax.runtime import sharding
-from starpo_jax.rollout.env_turn import execute_turn
 from starpo_jax.models.decoder import ModelState
+from starpo_jax.rollout import parsing, prompts
+from starpo_jax.rollout.env_turn import execute_turn
 from starpo_jax.rollout.sampling import append, decode, init_cache
+from starpo_jax.runtime import sharding
 from starpo_jax.runtime.settings import defaults_from_settings
 
 

@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from starpo_jax.runtime import sharding
 from starpo_jax.models.config import ModelConfig
 from starpo_jax.models.decoder import KVCache, LayerCache, ModelState
+from starpo_jax.runtime import sharding
 
 Array = jax.Array
 

@@ -16,14 +16,26 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import envs_jax
-from starpo_jax.models import bundled
-from starpo_jax.runtime.contract import check_env
 from starpo_jax.algo.filtering import num_kept_groups
+from starpo_jax.models import bundled
 from starpo_jax.models.decoder import Decoder, ModelState
+from starpo_jax.rollout.multi_turn import (
+    RolloutPlan,
+    RolloutTables,
+    TagPlan,
+    build_tables,
+    fit_to_tables,
+    stop_tokens_for,
+)
 from starpo_jax.rollout.prompts import PieceCutError
-from starpo_jax.rollout.multi_turn import RolloutPlan, RolloutTables, TagPlan, build_tables, fit_to_tables, stop_tokens_for
+from starpo_jax.runtime.contract import check_env
 from starpo_jax.runtime.settings import (
-    ConfigError, Hyperparams, TrainSettings, check_batch_split, check_settings, read_settings,
+    ConfigError,
+    Hyperparams,
+    TrainSettings,
+    check_batch_split,
+    check_settings,
+    read_settings,
 )
 
 

@@ -44,9 +44,9 @@ def model_config_and_tokenizer(config):
     from pathlib import Path
 
     from starpo_jax.models import bundled
-    from starpo_jax.runtime.experiment import _tokenizer_only, model_compute
     from starpo_jax.models.config import PRESETS, ModelConfig, preset
     from starpo_jax.models.loading import load_tokenizer
+    from starpo_jax.runtime.experiment import _tokenizer_only, model_compute
 
     source = str(config.model.source)
     dtypes = model_compute(config)
@@ -202,8 +202,8 @@ def compile_programs(exp, iteration):
     state)."""
     import jax
 
-    from starpo_jax.runtime import sharding
     from starpo_jax.forward import full_layout
+    from starpo_jax.runtime import sharding
     from starpo_jax.train import init_train_state
 
     with sharding.use_mesh(exp.mesh):

@@ -29,8 +29,8 @@ from typing import Iterator
 
 import jax
 import numpy as np
-from flax import nnx
 from flax import linen as nn
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp", "model")

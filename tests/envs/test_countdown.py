@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import command_env
-
 from envs_jax.countdown import Countdown, has_solution
 from envs_jax.countdown_score import ragen_score
+from helpers import command_env
 from starpo_jax.rollout import prompts as P
 from starpo_jax.runtime.contract import EnvContractError, check_env
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starpo_jax.models import Decoder, ModelState, decoder_to_hf_tensors, preset
-from starpo_jax.models import lora
+from starpo_jax.models import Decoder, ModelState, decoder_to_hf_tensors, lora, preset
 from starpo_jax.models.decoder import linear_layer_weights
 
 RANK, ALPHA = 4, 8.0

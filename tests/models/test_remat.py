@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from configs import base
-from starpo_jax.runtime.experiment import ConfigError, model_compute
 from starpo_jax.models import Decoder, ModelConfig, preset
+from starpo_jax.runtime.experiment import ConfigError, model_compute
 
 
 def next_token_loss(params, graphdef, tokens, positions, segments):

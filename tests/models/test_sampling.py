@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from starpo_jax.rollout import sampling
-from starpo_jax.models import ModelState, decoder_from_hf_tensors, preset
 from helpers import AS_A_RUN_COMPILES
+from starpo_jax.models import ModelState, decoder_from_hf_tensors, preset
+from starpo_jax.rollout import sampling
 
 B, CACHE, NEW = 3, 32, 6
 
@@ -150,7 +150,7 @@ def test_sample_logits_filters_and_logprobs():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
     keys = jax.random.key(0)
     sample = jax.jit(sampling.sample_logits, static_argnames=("top_k", "top_p"))
-    support = lambda **kw: set(np.asarray(sample(logits, keys, 1.0, **kw)[0]).tolist())
+    support = lambda **kw: set(np.asarray(sample(logits, keys, 1.0, **kw)[0]).tolist())  # noqa: E731
     assert support() == {0, 1, 2, 3}
     assert support(top_k=2) == {0, 1}
     assert support(top_p=0.45) == {0}  # the top token alone reaches 0.45
