@@ -7,18 +7,25 @@
 Writes to ``trainer.output_dir``: ``config.json``, ``metrics.jsonl`` (one line per step and per
 validation), TensorBoard events under ``tb/`` (``tensorboard --logdir <output_dir>/tb``),
 validation trajectories as ``val/step_<N>.jsonl``, orbax checkpoints under ``checkpoints/``
-(every ``trainer.save_freq`` steps and at the end; ``--config.trainer.resume=True`` continues a
-killed run exactly), and the final policy as a Hugging Face folder ``hf_policy/``. A fresh run
-refuses a folder that holds an earlier run unless ``--config.trainer.overwrite=True`` (which deletes
-that run's files first). With LoRA also the adapters as a peft folder ``lora_adapter/`` naming a base
-that resolves (``base_model/``, written beside it, when ``model.source`` is no hub id or HF folder).
-Exports honour the umask.
+(every ``trainer.save_freq`` steps, after a step when ``trainer.save_every_minutes`` have passed
+since the last save, and at the end; the last 3 kept; ``--config.trainer.resume=True`` continues a
+stopped run exactly), and the final policy as a Hugging Face folder ``hf_policy/``. Ctrl-C stops at
+once, SIGTERM (SLURM, preemption) after saving the step it finishes; either prints one line naming
+the last checkpoint and the command that resumes. A fresh run refuses a folder that holds an
+earlier run unless ``--config.trainer.overwrite=True`` (which deletes that run's files first, naming
+them). With LoRA also the adapters as a peft folder ``lora_adapter/`` naming a base that resolves
+(``base_model/``, written beside it, when ``model.source`` is no hub id or HF folder). Exports
+honour the umask.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,10 +45,10 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     import jax
     from tqdm import tqdm
 
-    from starpo_jax.runtime import distributed
     from starpo_jax.diagnostics import dumps
     from starpo_jax.diagnostics.diversity import think_diversity_metrics
     from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
+    from starpo_jax.runtime import distributed
 
     cfg = exp.config
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
@@ -126,10 +133,10 @@ def main(argv) -> int:
     except distributed.DistributedError as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
+    from starpo_jax.models.loading import ModelLoadError
     from starpo_jax.runtime import sharding
     from starpo_jax.runtime.checkpoint import CheckpointError
     from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
-    from starpo_jax.models.loading import ModelLoadError
     from starpo_jax.runtime.planning import PlanError, check_fits
 
     cfg = _CONFIG.value
@@ -150,9 +157,10 @@ def main(argv) -> int:
         return train(exp, fit.iteration_for(exp) if fit is not None else None)
 
 
-# What a run writes into its output folder (``clear_run`` deletes exactly these).
+# What a run writes into its output folder, and what experiments.report and experiments.curves
+# write there (``clear_run`` deletes exactly these).
 RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy",
-             "lora_adapter", "base_model")
+             "lora_adapter", "base_model", "report.html", "curves.png", "curves.json")
 
 
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
@@ -160,12 +168,22 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
     from starpo_jax.runtime import checkpoint
     from starpo_jax.runtime.experiment import ConfigError
 
+    earlier = [name for name in RUN_FILES if (out / name).exists()]
     if resume:
         if overwrite:
             raise ConfigError("trainer.resume and trainer.overwrite exclude each other; set one of them.")
-        checkpoint.require_checkpoint(out / "checkpoints")
-        return
-    earlier = [name for name in RUN_FILES if (out / name).exists()]
+        if checkpoint.saved_steps(out / "checkpoints"):
+            return
+        if earlier:  # a run that stopped before its first checkpoint
+            raise checkpoint.CheckpointError(
+                f"No checkpoint in {out / 'checkpoints'}: the run in {out} saved none, so there is nothing to "
+                f"resume. Start it afresh with --config.trainer.overwrite=True (deletes its {', '.join(earlier)}) "
+                "or in another --config.trainer.output_dir."
+            )
+        raise checkpoint.CheckpointError(
+            f"No checkpoint in {out / 'checkpoints'}: no run was saved in {out}, so there is nothing to resume; "
+            "start one without --config.trainer.resume=True."
+        )
     if earlier and not overwrite:
         raise ConfigError(
             f"{out} holds an earlier run ({', '.join(earlier)}); continue it with "
@@ -174,32 +192,194 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
         )
 
 
-def clear_run(out: Path) -> None:
-    """Delete the files of an earlier run in ``out`` (``trainer.overwrite=True``); others stay."""
+def clear_run(out: Path) -> list[str]:
+    """Delete the files of an earlier run in ``out`` (``trainer.overwrite=True``), saying so in one
+    line; others stay. Returns what it deleted (folders with a trailing /)."""
     import shutil
 
+    gone = [name + "/" * (out / name).is_dir() for name in RUN_FILES if (out / name).exists()]
+    if gone:
+        print(f"overwrite: deleting the earlier run's {', '.join(gone)} in {out}", file=sys.stderr, flush=True)
     for name in RUN_FILES:
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+    return gone
 
 
 def train(exp, iteration=None) -> int:
     """The training loop of a built experiment (inside its mesh). ``iteration``: its
-    ``train.jit_iteration`` when already compiled (``planning.Fit.iteration_for``), else jitted here."""
+    ``train.jit_iteration`` when already compiled (``planning.Fit.iteration_for``), else jitted here.
+
+    The first Ctrl-C stops the run where it is (status 130), SIGTERM after saving the step it
+    finishes (143); each prints one line naming the last checkpoint and the command that resumes
+    (``Stopping``)."""
+    stopping = Stopping(exp.config)
+    with stopping:
+        try:
+            return _train(exp, iteration, stopping)
+        except KeyboardInterrupt:
+            return stopping.report("interrupted (SIGINT)", 130)
+
+
+class Stopping:
+    """SIGINT and SIGTERM while a run trains.
+
+    The first SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` where the run is, as Python's own handler
+    does, except while a checkpoint is being written: then once it is complete. ``train`` catches it
+    and reports instead of a traceback; nothing more is computed or saved. A second SIGINT ends the
+    process at once (the default action, whatever the run is doing). SIGTERM only sets
+    ``terminated``: the loop saves the step it is on when that step is done, and reports."""
+
+    def __init__(self, config):
+        self.config = config
+        self.terminated = self.saving = self.interrupted = False
+        self.finished = None  # the last training step done, once known
+        self.bar = self.board = None  # closed before the report
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # handlers can be set nowhere else
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            if not (sig == signal.SIGINT and self.interrupted):  # after a Ctrl-C the next one aborts
+                signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGTERM:
+            self.terminated = True
+            return
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if not self.saving:
+            raise KeyboardInterrupt
+
+    def save(self, write, *args) -> None:
+        """``write(*args)`` a checkpoint; a Ctrl-C meanwhile stops the run once it is complete."""
+        self.saving = True
+        try:
+            write(*args)
+        finally:
+            self.saving = False
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def report(self, what: str, status: int) -> int:
+        """Close the bar and the TensorBoard log, print the one line, return ``status``."""
+        from starpo_jax.runtime import checkpoint, distributed
+
+        for closable in (self.bar, self.board):
+            try:
+                if closable is not None:
+                    closable.close()
+            except Exception:  # a log interrupted mid-write: the report matters more
+                pass
+        if not distributed.is_writer():
+            return status
+        folder = Path(self.config.trainer.output_dir) / "checkpoints"
+        saved = checkpoint.saved_steps(folder)
+        if saved:
+            how = f"the last checkpoint is step {saved[0]} in {folder}; resume with: {resume_command(self.config)}"
+        else:
+            how = ("no checkpoint was saved, so there is nothing to resume; start again with: "
+                   f"{resume_command(self.config, restart=True)}")
+        when = "" if self.finished is None else f" after step {self.finished}"
+        print(f"{distributed.tag()}{what}{when}: {how}", file=sys.stderr, flush=True)
+        return status
+
+
+def resume_command(config, restart: bool = False) -> str:
+    """This process's command line with ``--config.trainer.resume=True`` (``restart``:
+    ``--config.trainer.overwrite=True``) in place of either switch, quoted for a shell."""
+    argv = list(sys.argv)
+    python = os.path.relpath(sys.executable)  # as typed when it lies below here (.venv/bin/python)
+    python = sys.executable if python.startswith("..") else python
+    if Path(argv[0]).resolve() == Path(__file__).resolve():  # python -m experiments.run
+        head = [python, "-m", "experiments.run"]
+    elif argv[0].endswith(".py"):  # a script that calls run() (docs/examples)
+        head = [python, argv[0]]
+    else:
+        head = argv[:1]
+    switches = {"config.trainer.resume", "config.trainer.overwrite"}
+
+    def switch(arg: str) -> bool:
+        name = arg.lstrip("-").split("=", 1)[0]
+        return arg.startswith("-") and (name in switches or name.removeprefix("no") in switches)
+
+    args = [arg for arg in argv[1:] if not switch(arg)]
+    if restart:
+        return shlex.join([*head, *args, "--config.trainer.overwrite=True"])
+    if config.trainer.overwrite and not any(switch(arg) and "overwrite" in arg for arg in argv[1:]):
+        args.append("--config.trainer.overwrite=False")  # the config file sets it; resume excludes it
+    return shlex.join([*head, *args, "--config.trainer.resume=True"])
+
+
+def _agreed(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, true if it is on any process: every process must save and stop at the same step."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flags
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
+    return tuple(bool(flag) for flag in gathered.reshape(-1, len(flags)).any(axis=0))
+
+
+def config_changes(saved: Path, config) -> str:
+    """The settings of ``config`` that differ from a run's saved ``config.json``, as one clause."""
+    try:
+        before = _flat(json.loads(saved.read_text()))
+    except (OSError, ValueError) as err:
+        return f"its config.json could not be read to name the settings that differ ({err})"
+    now = _flat(json.loads(config.to_json_best_effort()))
+    absent = object()
+    moot = ("trainer.resume", "trainer.overwrite", "trainer.output_dir")  # differ without changing the run
+    changed = [key for key in dict.fromkeys([*now, *before])
+               if key not in moot and now.get(key, absent) != before.get(key, absent)]
+    if not changed:
+        return ("no setting differs from the run's config.json: the model at model.source or the code changed "
+                "since it was saved")
+
+    def shown(value) -> str:
+        return "(none)" if value is absent else json.dumps(value)
+
+    named = ", ".join(f"{key} {shown(before.get(key, absent))} -> {shown(now.get(key, absent))}" for key in changed[:8])
+    more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+    return (f"settings that differ from the run's config.json (saved -> now): {named}{more}. Resume with the "
+            "saved values, or start a new run in another --config.trainer.output_dir")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _train(exp, iteration, stopping: Stopping) -> int:
+    """``train``'s loop; it tells ``stopping`` the step reached and what to close on a signal."""
     import jax
     from flax import nnx
     from tqdm import tqdm
 
-    from starpo_jax.runtime import checkpoint, distributed, sharding
     from starpo_jax.diagnostics.collapse import CollapseWatch
     from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
     from starpo_jax.models.loading import hf_name, save_model
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout.multi_turn import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.rollout.sampling import sampling_policy
+    from starpo_jax.runtime import checkpoint, distributed, sharding
     from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
     cfg = exp.config
@@ -219,19 +399,27 @@ def train(exp, iteration=None) -> int:
     state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
+    last_save = time.monotonic()  # trainer.save_every_minutes counts from here
 
-    out.mkdir(parents=True, exist_ok=True)
-    if writer:
-        (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-    mgr = checkpoint.manager(out / "checkpoints")
-    watch, start = CollapseWatch(), 0
+    watch, start, mgr = CollapseWatch(), 0, None
     metrics_path = out / "metrics.jsonl"
-    if cfg.trainer.resume:
+    if cfg.trainer.resume:  # restored before anything is written: a failed resume leaves the folder as it was
+        mgr = checkpoint.manager(out / "checkpoints")
         try:
             state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
+        except checkpoint.CheckpointMismatch as err:  # another model or config: name what changed
+            print(f"{distributed.tag()}error: {err}; {config_changes(out / 'config.json', cfg)}.", file=sys.stderr)
+            return 2
         except checkpoint.CheckpointError as err:
             print(f"{distributed.tag()}error: {err}", file=sys.stderr)
             return 2
+    stopping.finished = start
+    out.mkdir(parents=True, exist_ok=True)
+    if writer:
+        (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+    if mgr is None:
+        mgr = checkpoint.manager(out / "checkpoints")
+    if cfg.trainer.resume:
         damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
         if damaged:
             log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
@@ -241,6 +429,7 @@ def train(exp, iteration=None) -> int:
         log(f"resumed from step {start} in {out}")
     # purge_step: TensorBoard drops the events a killed run logged after its checkpoint.
     board = summary_writer(out / "tb", purge_step=start + 1 if start else None) if writer else None
+    stopping.board = board
 
     def record(step: int, metrics: dict) -> None:
         if not writer:
@@ -258,6 +447,8 @@ def train(exp, iteration=None) -> int:
         record(0, validation(exp, policy_of, val_rollout, val_init, state, 0, out, log))
 
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
+    stopping.bar = bar
+    save_every = cfg.trainer.save_every_minutes * 60
     for step in bar:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
@@ -290,8 +481,17 @@ def train(exp, iteration=None) -> int:
         )
         if cfg.trainer.test_freq > 0 and (done % cfg.trainer.test_freq == 0 or done == total):
             record(done, validation(exp, policy_of, val_rollout, val_init, state, done, out, log))
-        if (cfg.trainer.save_freq > 0 and done % cfg.trainer.save_freq == 0) or done == stop:
-            checkpoint.save(mgr, done, state, {"collapse_watch": watch.state()})
+        stopping.finished = done
+        # A save is due every trainer.save_freq steps, trainer.save_every_minutes after the last one,
+        # at the end, and when SIGTERM came (the processes of a multi-host run agree on both).
+        due = (cfg.trainer.save_freq > 0 and done % cfg.trainer.save_freq == 0) or done == stop or (
+            save_every > 0 and time.monotonic() - last_save >= save_every)
+        due, terminated = _agreed(due, stopping.terminated)
+        if due or terminated:
+            stopping.save(checkpoint.save, mgr, done, state, {"collapse_watch": watch.state()})
+            last_save = time.monotonic()
+        if terminated:
+            return stopping.report("terminated (SIGTERM)", 143)
     bar.close()
     if writer:
         board.close()
@@ -316,10 +516,17 @@ def train(exp, iteration=None) -> int:
 
 def _truncate_log(path: Path, step: int) -> None:
     """Drop log lines written after the checkpoint we resume from, so the log equals an
-    uninterrupted run's."""
+    uninterrupted run's (and a line a killed run left half-written)."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return float("inf")
+
+    lines = [line for line in path.read_text().splitlines() if step_of(line) <= step]
     path.write_text("".join(line + "\n" for line in lines))
 
 

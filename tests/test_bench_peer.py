@@ -65,6 +65,7 @@ def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
     args = bench_peer.parse_args(["--steps", "7", "--points", "3"])
     sets = dict(o.removeprefix("--config.").split("=", 1) for o in bench_peer.bench_overrides(config, args, tmp_path))
     assert (sets["trainer.total_steps"], sets["trainer.save_freq"], sets["filter.ratio"]) == ("7", "3", "1.0")
+    assert sets["trainer.save_every_minutes"] == "0"  # only the step points: they are the 3 checkpoints kept
     with pytest.raises(SystemExit):
         bench_peer.parse_args(["--val-levels", "100"])  # validated 64 at a time
     assert bench_peer.parse_args(["--val-levels", "128"]).val_levels == 128

@@ -58,3 +58,16 @@ def test_damaged_steps_are_set_aside_not_deleted(tmp_path):
     assert mgr.all_steps() == [1] and (aside / "2" / "state").is_dir()
     checkpoint.save(mgr, 2, STATE, {})  # the step number is free again
     assert sorted(mgr.all_steps()) == [1, 2]
+
+
+def test_other_arrays_are_a_mismatch_not_damage(tmp_path):
+    """A state of other shapes or structure (another model or config) is named from the metadata,
+    and no older step is tried: they would not match either."""
+    saved(tmp_path)
+    warnings = []
+    for like, named in (({**STATE, "w": jnp.zeros(99_999)}, "w: saved (100000,), built (99999,)"),
+                        ({**STATE, "v": jnp.zeros(3)}, "missing from the checkpoint, e.g. v")):
+        with pytest.raises(checkpoint.CheckpointMismatch) as err:
+            checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), like, warn=warnings.append)
+        assert "step 2" in str(err.value) and named in str(err.value) and "damaged" not in str(err.value)
+    assert warnings == []

@@ -8,7 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, assert_bandit_suite, command_env, evaluate, read_metrics, run, tensorboard_scalars, train_lines
+
+from helpers import (
+    REPO,
+    TINY,
+    assert_bandit_suite,
+    command_env,
+    evaluate,
+    read_metrics,
+    run,
+    tensorboard_scalars,
+    train_lines,
+)
 
 
 def test_outputs(full_run):
@@ -39,11 +50,18 @@ def test_outputs(full_run):
 
 
 def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
-    # An earlier run's files in the folder: overwrite=True must delete them (else resume picks step 5).
+    # An earlier run's files in the folder: overwrite=True must delete them (else resume picks step 5),
+    # its report and curves too, and say so in one line; a file of no run stays.
     (tmp_path / "checkpoints" / "5").mkdir(parents=True)
     (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
-    run(f"--config.trainer.output_dir={tmp_path}", "--max_steps=1", "--config.trainer.overwrite=True")
+    for name in ("report.html", "curves.png", "curves.json", "notes.txt"):
+        (tmp_path / name).write_text("earlier")
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--max_steps=1", "--config.trainer.overwrite=True")
     assert not (tmp_path / "checkpoints" / "5").exists()
+    assert not any((tmp_path / name).exists() for name in ("report.html", "curves.png", "curves.json"))
+    assert (tmp_path / "notes.txt").exists()
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("overwrite: ")]
+    assert line == f"overwrite: deleting the earlier run's metrics.jsonl, checkpoints/, report.html, curves.png, curves.json in {tmp_path}"
     # A killed run logged step 2 after its checkpoint at step 1: resume must not show step 2 twice.
     from tensorboardX import SummaryWriter
 
@@ -68,6 +86,24 @@ def test_fresh_run_refuses_a_folder_holding_an_earlier_run(full_run):
     assert str(full_run) in proc.stderr and "--config.trainer.resume=True" in proc.stderr
     assert "--config.trainer.overwrite=True" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert {p: p.read_bytes() for p in full_run.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_resume_with_another_config_names_the_settings_and_changes_nothing(full_run, tmp_path):
+    """A checkpoint of other arrays (here full fine-tuning, resumed with LoRA) is no damage: the
+    error names the settings that differ from the run's config.json, and the folder stays as it was."""
+    import shutil
+
+    shutil.copytree(full_run / "checkpoints", tmp_path / "checkpoints")
+    shutil.copy(full_run / "config.json", tmp_path / "config.json")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", "--config.lora.rank=2",
+               check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: Checkpoint step 2 ") and "other arrays than this run builds" in error
+    assert "lora.rank 0 -> 2" in error and "damaged" not in error
+    assert 'output_dir "' not in error  # the folder's own path differs from full_run's without mattering
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # config.json too
 
 
 def test_resume_from_a_truncated_checkpoint_is_one_line(full_run, tmp_path):
@@ -112,8 +148,16 @@ def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     assert "ppo_mini_batch_size (3)" in line
     assert "mesh.model=2" in one_line_error(run(*no_model, "--config.mesh.model=2", check=False))
     line = one_line_error(run(*no_model, "--config.trainer.resume=True", check=False))
-    assert "No checkpoint" in line
+    assert "No checkpoint" in line and "without --config.trainer.resume=True" in line
     assert not out.exists()  # no config.json, no empty checkpoints/
+    # A run that stopped before its first checkpoint: resume names the ways on, not "without resume".
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = one_line_error(run("--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={stopped}",
+                              "--config.trainer.resume=True", check=False))
+    assert "nothing to resume" in line and "--config.trainer.overwrite=True" in line
+    assert "--config.trainer.output_dir" in line and "without" not in line
 
 
 @pytest.mark.slow  # two 2-device runs, ~1.5 min on 2 cores; tests/test_any_mesh.py's FSDP run covers a 2-device run's validation, checkpoints and export, and restores them across meshes

@@ -79,6 +79,7 @@ def bench_overrides(config, args, out: Path) -> list[str]:
     sets = {
         "trainer.total_steps": steps,
         "trainer.save_freq": save_every(steps, args.points),
+        "trainer.save_every_minutes": 0,  # the points above are the last 3 checkpoints kept: no others
         "trainer.test_freq": 0,  # no in-run validation: both sides are scored afterwards, alike
         "trainer.output_dir": str(out / "starpo"),
         "trainer.overwrite": True,

@@ -5,7 +5,9 @@ renames it when complete), so a run killed at any moment resumes from the last c
 Orbax does not verify what it reads back: bytes damaged on disk restore silently as garbage (NaN
 or 3e38 Adam moments). So every step also stores a CRC-32 of each array's bytes in its JSON item,
 and ``restore`` recomputes them; a damaged step is reported in one line and the next older intact
-step is used instead.
+step is used instead. A step whose arrays have other shapes or another structure than the state
+the run builds (another model or config) is no damage: ``restore`` raises ``CheckpointMismatch``,
+found from orbax's metadata before anything is read, and tries no older step.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class CheckpointError(ValueError):
     """A missing, damaged or unreadable checkpoint; the message names the folder."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of other arrays (shapes, structure) than the state to restore into:
+    written by another model or config. The message names one array that differs."""
 
 
 def manager(directory: str | Path, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -49,8 +57,8 @@ def require_checkpoint(directory: str | Path) -> None:
 
 def _no_checkpoint(directory) -> CheckpointError:
     return CheckpointError(
-        f"No checkpoint in {directory}: start without resume, or point trainer.output_dir at a run "
-        "that saved one (trainer.save_freq > 0)."
+        f"No checkpoint in {directory}: there is nothing to resume. Start afresh with "
+        "--config.trainer.overwrite=True (deletes the earlier run's files) or in another --config.trainer.output_dir."
     )
 
 
@@ -90,6 +98,8 @@ def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, war
     for s, older in zip(steps, [*steps[1:], None]):
         try:
             return (*_restore_step(mgr, like_state, s), s)
+        except CheckpointMismatch:
+            raise  # every step of a run holds the same arrays: an older one would not match either
         except CheckpointError as err:
             if older is None:
                 raise CheckpointError(f"{err} No intact checkpoint is left to resume from.") from None
@@ -98,6 +108,9 @@ def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, war
 
 def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int):
     where = f"Checkpoint step {step} in {mgr.directory}"
+    difference = _difference(stored_shapes(mgr.directory, step), array_shapes(like_state))
+    if difference:
+        raise CheckpointMismatch(f"{where} holds other arrays than this run builds ({difference})")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore())
     out = reason = None
@@ -120,6 +133,45 @@ def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int):
                 f"{where} is damaged: {len(bad)} array(s), e.g. {bad[0]}, do not match the checksums written with it."
             )
     return out.state, host
+
+
+def stored_shapes(directory, step: int) -> dict[str, tuple] | None:
+    """{array path: shape} of the state saved at ``step``, from orbax's metadata (nothing else is
+    read); None when the metadata cannot be read (a damaged step: the restore reports it)."""
+    try:
+        with _quiet_storage_errors():
+            meta = ocp.StandardCheckpointHandler().metadata(epath.Path(str(directory)) / str(step) / "state")
+        return _shapes(getattr(meta, "tree", meta))
+    except Exception:  # orbax raises many types for a damaged file
+        return None
+
+
+def array_shapes(state) -> dict[str, tuple]:
+    """{array path: shape} of a state as orbax names its arrays in a checkpoint."""
+    return _shapes(ocp.tree.serialize_tree(state, keep_empty_nodes=True))
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    return {"/".join(map(str, path)): tuple(leaf.shape)
+            for path, leaf in ocp.tree.to_flat_dict(tree).items() if hasattr(leaf, "shape")}
+
+
+def _difference(stored: dict[str, tuple] | None, built: dict[str, tuple]) -> str | None:
+    """How the saved arrays differ from the state to restore into, in a few words; None when they
+    agree or the saved ones are unknown."""
+    if not stored:
+        return None
+    reshaped = [k for k in sorted(stored.keys() & built.keys()) if stored[k] != built[k]]
+    only_saved, only_built = sorted(stored.keys() - built.keys()), sorted(built.keys() - stored.keys())
+    parts = []
+    if reshaped:
+        k = reshaped[0]
+        parts.append(f"{len(reshaped)} array(s) of another shape, e.g. {k}: saved {stored[k]}, built {built[k]}")
+    if only_saved:
+        parts.append(f"{len(only_saved)} saved array(s) it does not build, e.g. {only_saved[0]}")
+    if only_built:
+        parts.append(f"{len(only_built)} array(s) it builds missing from the checkpoint, e.g. {only_built[0]}")
+    return "; ".join(parts) or None
 
 
 def _root_cause(err: BaseException) -> str:

@@ -193,6 +193,10 @@ SETTINGS: tuple[Setting, ...] = (
     S("trainer.test_freq", 10, "run.test_freq"),
     S("trainer.val_before_train", True, "run.val_before_train"),
     S("trainer.save_freq", -1, "run.save_freq"),
+    # also save after a step when this many minutes have passed since the last save (0: off; an
+    # addition, RAGEN saves by steps only): a killed run loses at most about that much. Either
+    # schedule may call a save; the checkpoint manager keeps the last 3 (runtime/checkpoint.py)
+    S("trainer.save_every_minutes", 10.0, "run.save_every_minutes", rule=(lambda v: v >= 0, "must be >= 0 (0: off)")),
     S("trainer.seed", 0, "run.seed"),
     S("trainer.output_dir", "runs/default", "run.output_dir"),
     S("trainer.resume", False, "run.resume"),  # excludes overwrite (experiments.run.check_output_dir)

@@ -1,0 +1,93 @@
+"""Stopping a run (``experiments.run``, real signals to a real process): Ctrl-C (SIGINT) stops at once
+with one line naming the last checkpoint and the command that resumes it, status 130 and no
+traceback; SIGTERM (SLURM, preemption) first saves the step it finishes, whatever the save
+schedule, status 143."""
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import REPO, command_env, read_metrics, tiny_with, train_lines
+
+# Long enough to be still training when the signal comes; no validation to wait for.
+LONG = {"trainer.total_steps": "1000", "trainer.test_freq": "0"}
+
+
+def saved(out) -> list[int]:
+    folder = out / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+def stopped(tmp_path, sig, overrides: dict, until_saved: bool) -> tuple[int, str]:
+    """Start a long tiny run into ``tmp_path / "run"``, send ``sig`` once it has logged a training
+    step (and, ``until_saved``, written a checkpoint); its exit status and stderr."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | overrides), f"--config.trainer.output_dir={out}"]
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, env=command_env())
+        deadline = time.monotonic() + 600
+        try:
+            metrics = out / "metrics.jsonl"
+            while not (metrics.exists() and "train/reward/mean" in metrics.read_text()):
+                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no training step logged in 10 minutes"
+                time.sleep(0.2)
+            deadline = time.monotonic() + 60  # steps take seconds
+            while until_saved and not saved(out):
+                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint a minute after the first step"
+                time.sleep(0.2)
+            proc.send_signal(sig)
+            status = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return status, (tmp_path / "stderr").read_text()
+
+
+def the_line(stderr: str, marker: str) -> str:
+    lines = [line for line in stderr.splitlines() if marker in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_ctrl_c_stops_at_once_with_one_line_whose_command_resumes(tmp_path):
+    out = tmp_path / "run"
+    # Saved by time alone (every step takes longer than 6 ms), not by steps.
+    status, stderr = stopped(tmp_path, signal.SIGINT, {"trainer.save_freq": "-1",
+                                                        "trainer.save_every_minutes": "0.0001"}, until_saved=True)
+    assert status == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    line = the_line(stderr, "resume with: ")
+    found = re.match(r"interrupted \(SIGINT\) after step \d+: the last checkpoint is step (\d+) in (\S+); resume with: ",
+                     line)
+    assert found, line
+    step = int(found[1])
+    assert found[2] == str(out / "checkpoints") and step == saved(out)[-1] >= 1
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[-1] == "--config.trainer.resume=True"
+    resumed = subprocess.run([*command, "--max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env=command_env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {step} in {out}" in resumed.stdout
+    # Steps the interrupted run logged past its checkpoint are dropped, then trained again once.
+    assert [r["step"] for r in train_lines(read_metrics(out))] == list(range(1, step + 2))
+
+
+def test_sigterm_saves_the_step_it_finishes_and_stops(tmp_path):
+    out = tmp_path / "run"
+    # No schedule would save before step 1000: only SIGTERM does.
+    status, stderr = stopped(tmp_path, signal.SIGTERM, {"trainer.save_freq": "-1", "trainer.save_every_minutes": "0"},
+                             until_saved=False)
+    assert status == 143, stderr[-3000:]
+    assert "Traceback" not in stderr
+    line = the_line(stderr, "resume with: ")
+    found = re.match(r"terminated \(SIGTERM\) after step (\d+): the last checkpoint is step (\d+) in ", line)
+    assert found and found[1] == found[2], line
+    step = int(found[1])
+    assert saved(out) == [step] and step >= 1
+    assert [r["step"] for r in train_lines(read_metrics(out))] == list(range(1, step + 1))  # nothing unsaved
+    assert line.endswith("--config.trainer.resume=True")
