@@ -1,6 +1,9 @@
 """What several test modules share: the tiny run's flags, starting a command in a subprocess with
-the suite's environment, and reading a run folder. (Fixtures live in conftest.py.)"""
+the suite's environment, reading a run folder, and a responder that answers from a script.
+(Fixtures live in conftest.py.) Importing it imports no jax: conftest.py sets jax's environment
+after importing it."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -133,3 +136,27 @@ def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of the rollout
+class ScriptedResponder:
+    """Answers ``script[b, turn]`` (token ids, padded) as row b's response, ignoring the prompt and
+    the model; every answer token's log-prob is -1."""
+
+    script: "np.ndarray"  # int32[B, T, R]  # noqa: F821
+    lengths: "np.ndarray"  # int32[B, T]  # noqa: F821
+
+    def init(self, model, batch_size):
+        import jax.numpy as jnp
+
+        return jnp.zeros((), jnp.int32)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        import jax.numpy as jnp
+
+        from starpo_jax.rollout.sampling import DecodeOutput
+
+        tokens = jnp.asarray(self.script)[:, turn]
+        lengths = jnp.where(active, jnp.asarray(self.lengths)[:, turn], 0)
+        return DecodeOutput(tokens=tokens, logprobs=-jnp.ones(tokens.shape, jnp.float32), lengths=lengths, cache=cache,
+                            last_logits=None)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import envs_jax
+from helpers import ScriptedResponder
 from starpo_jax.algo import advantages
 from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
@@ -23,7 +24,6 @@ from starpo_jax.rollout.multi_turn import (
     state_keys,
     stop_tokens_for,
 )
-from starpo_jax.rollout.sampling import DecodeOutput
 
 # ---- the oracle: verl-agent's algorithm, one batch row per played turn, dicts keyed by anchor state ----
 
@@ -333,26 +333,6 @@ def test_rollout_keys_every_row_by_its_own_env(frozen_lake, sokoban):
     assert np.all(groups == groups[:, :1]) and len(set(groups[:, 0].tolist())) == 4
 
 
-@dataclasses.dataclass(frozen=True)
-class Scripted:
-    """Answers ``script[b, turn]`` (token ids) for row b, whatever the prompt: no model."""
-
-    script: np.ndarray  # int32[B, T, R]
-    lengths: np.ndarray  # int32[B, T]
-
-    def __hash__(self):
-        return id(self)
-
-    def init(self, model, batch_size):
-        return jnp.zeros((), jnp.int32)
-
-    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
-        tokens = jnp.asarray(self.script)[:, turn]
-        lengths = jnp.where(active, jnp.asarray(self.lengths)[:, turn], 0)
-        return DecodeOutput(tokens=tokens, logprobs=jnp.zeros(tokens.shape, jnp.float32), lengths=lengths, cache=cache,
-                            last_logits=None)
-
-
 def test_the_rollout_records_the_key_each_turn_starts_from(smollm2_tokenizer, sokoban):
     """Two rows of one SimpleSokoban level (seed 10001, solved by Right, Up, Left): row 0 plays
     Right, Up, Left and is done; row 1 first answers nothing (the board stays), then Right, Right
@@ -371,7 +351,7 @@ def test_the_rollout_records_the_key_each_turn_starts_from(smollm2_tokenizer, so
         for t, text in enumerate(turns):
             ids = tok.encode(text, add_special_tokens=False) + [stop]
             script[b, t, :len(ids)], lengths[b, t] = ids, len(ids)
-    traj = make_rollout(plan, Scripted(script, lengths))(None, tables, initial_states_from_seeds(plan, 10001),
+    traj = make_rollout(plan, ScriptedResponder(script, lengths))(None, tables, initial_states_from_seeds(plan, 10001),
                                                          jax.random.PRNGKey(0), 1.0)
     step, key = jax.jit(env.step), jax.jit(env.state_key)
     start = env.reset_from_seed(10001)

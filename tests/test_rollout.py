@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import envs_jax
+from helpers import ScriptedResponder
 from starpo_jax.rollout import multi_turn as R_
 from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout.multi_turn import (
@@ -31,26 +32,6 @@ from starpo_jax.rollout.parsing import parse_response_text
 from starpo_jax.rollout.sampling import DecodeOutput
 
 R = 40  # response_length
-
-
-@dataclasses.dataclass(frozen=True)
-class ScriptedResponder:
-    """Returns ``script[b, turn]`` as row b's response (token ids, padded), ignoring the model."""
-
-    script: np.ndarray  # int32[B, T, R]
-    lengths: np.ndarray  # int32[B, T]
-
-    def __hash__(self):
-        return id(self)
-
-    def init(self, model, batch_size):
-        return jnp.zeros((), jnp.int32)
-
-    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
-        tokens = jnp.asarray(self.script)[:, turn]
-        lengths = jnp.where(active, jnp.asarray(self.lengths)[:, turn], 0)
-        logprobs = -jnp.ones(tokens.shape, jnp.float32)
-        return DecodeOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, cache=cache, last_logits=None)
 
 
 # (row, turn) responses, without the forced "<think>" (the model continues after it). Each starts

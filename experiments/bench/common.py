@@ -82,3 +82,28 @@ def load_config(path: str, overrides: list[str]):
     config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)
     values(argv)
     return values.config
+
+
+def parse_with_overrides(parser, argv=None):
+    """``parser``'s arguments, and the ``--config.KEY=VALUE`` overrides beside them as
+    ``args.overrides`` (anything else is an error)."""
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognised arguments: {' '.join(bad)}")
+    args.overrides = rest
+    return args
+
+
+def build_or_exit(path: str, overrides: list[str]):
+    """The experiment of a config file plus overrides, its model loaded; a bad config is one line
+    on stderr and exit status 2."""
+    import sys
+
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
+
+    try:
+        return build_experiment(check_config(load_config(path, overrides)))
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 import time
 
 import jax
 import numpy as np
+
+from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
 
 
 def parse_args(argv=None):
@@ -32,13 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="warm-up learning rate (default: actor.format_warmup_lr)")
     p.add_argument("--rollouts", type=int, default=1, help="training rollouts measured before and after (default 1)")
     p.add_argument("--out", default="bench_results/format_warmup/bench_format_warmup.json")
-    args, rest = p.parse_known_args(argv)
-    bad = [a for a in rest if not a.startswith("--config.")]
-    if bad:
-        p.error(f"unrecognised arguments: {' '.join(bad)}")
+    args = parse_with_overrides(p, argv)
     if args.steps < 1 or args.rollouts < 1:
         p.error("--steps and --rollouts must be at least 1")
-    args.overrides = rest
     return args
 
 
@@ -74,16 +71,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from experiments.bench.common import load_config, machine, write_report
     from starpo_jax.format_warmup import answer_pieces, format_warmup
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.train import init_train_state, make_train_step
 
-    try:
-        exp = build_experiment(check_config(load_config(args.config, args.overrides)))
-    except (ConfigError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    exp = build_or_exit(args.config, args.overrides)
     lr = args.lr if args.lr is not None else float(exp.config.actor.format_warmup_lr)
     collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).collect)
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(exp.config.trainer.seed))

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 import time
 
 import jax
+
+from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
 
 
 def parse_args(argv=None):
@@ -26,29 +27,19 @@ def parse_args(argv=None):
     p.add_argument("--config", default="configs/learn_frozen_lake.py", help="a config file[:preset]")
     p.add_argument("--repeats", type=int, default=2, help="timed calls after the first (default 2)")
     p.add_argument("--out", default="bench_results/template_collapse/bench_template_collapse.json")
-    args, rest = p.parse_known_args(argv)
-    bad = [a for a in rest if not a.startswith("--config.")]
-    if bad:
-        p.error(f"unrecognised arguments: {' '.join(bad)}")
+    args = parse_with_overrides(p, argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    args.overrides = rest
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from experiments.bench.common import load_config, machine, write_report
     from starpo_jax.diagnostics.template_collapse import collapse_metrics
     from starpo_jax.rollout.sampling import sampling_policy
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
-    try:
-        exp = build_experiment(check_config(load_config(args.config, args.overrides)))
-    except (ConfigError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    exp = build_or_exit(args.config, args.overrides)
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(exp.config.trainer.seed))
     collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).collect)
     t0 = time.perf_counter()
