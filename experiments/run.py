@@ -448,13 +448,12 @@ def _train(exp, iteration, stopping: Stopping) -> int:
 
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     stopping.bar = bar
-    save_every = cfg.trainer.save_every_minutes * 60
+    save_every, mi_freq = cfg.trainer.save_every_minutes * 60, cfg.trainer.mi_freq
     for step in bar:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
         t1 = time.perf_counter()
         # Scored by the weights that sampled the batch, before the update replaces (donates) them.
-        mi_freq = cfg.trainer.mi_freq
         collapse = template_collapse(exp, policy_of(state), traj, exp.train_plan, "train") if (
             mi_freq and (step + 1) % mi_freq == 0) else {}
         t_update = time.perf_counter()
