@@ -34,7 +34,13 @@ import jax
 import jax.numpy as jnp
 
 from starpo_jax.forward import UpdateLayout, token_logprobs
-from starpo_jax.rollout.multi_turn import RolloutPlan, RolloutTables, first_prompts, initial_states_from_key
+from starpo_jax.rollout.multi_turn import (
+    RolloutPlan,
+    RolloutTables,
+    concat_ids,
+    first_prompts,
+    initial_states_from_key,
+)
 from starpo_jax.runtime.settings import ConfigError, Hyperparams, TrainSettings
 from starpo_jax.train import TrainState, accumulate_gradients, apply_update, optimizer, with_adapters
 
@@ -128,18 +134,13 @@ def warmup_batch(plan: RolloutPlan, tables: RolloutTables, pieces: tuple[AnswerP
     level_key, answer_key = jax.random.split(key)
     states = initial_states_from_key(plan, level_key)
     prompt_ids, prompt_len = first_prompts(plan, tables, states)
-    answers, lengths = [], []
-    for t, (tag, tag_pieces, tag_states) in enumerate(zip(plan.tags, pieces, states)):
-        name_ids = jax.vmap(tag.env.action_name_ids)(tag_states).astype(jnp.int32)
-        tokens, length = random_answers(tag_pieces, name_ids, plan.max_actions_per_turn,
-                                        jax.random.fold_in(answer_key, t), plan.pad_id)
-        answers.append(tokens)
-        lengths.append(length)
-    width = max(a.shape[1] for a in answers)
-    answers = jnp.concatenate([jnp.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=plan.pad_id)
-                               for a in answers])
-    answer_len = jnp.concatenate(lengths)
+    answers, answer_len = concat_ids([
+        random_answers(tag_pieces, jax.vmap(tag.env.action_name_ids)(tag_states).astype(jnp.int32),
+                       plan.max_actions_per_turn, jax.random.fold_in(answer_key, t), plan.pad_id)
+        for t, (tag, tag_pieces, tag_states) in enumerate(zip(plan.tags, pieces, states))
+    ], plan.pad_id)
     B, P = prompt_ids.shape
+    width = answers.shape[1]
     tokens = jnp.full((B, P + width), plan.pad_id, jnp.int32).at[:, :P].set(prompt_ids)
     tokens, length = _write(tokens, prompt_len, answers, answer_len)
     positions = jnp.arange(P + width)[None]

@@ -262,7 +262,9 @@ def _per_row(plan: RolloutPlan, per_tag_values) -> jax.Array:
     )
 
 
-def _concat_ids(outs, pad_id):
+def concat_ids(outs, pad_id):
+    """``(ids, lengths)`` of several tags' rows, one after the other: ``outs`` a list of ``(ids
+    int32[n, W_t], lengths int32[n])``, the ids padded with ``pad_id`` to the widest."""
     width = max(ids.shape[1] for ids, _ in outs)
     ids = jnp.concatenate([_pad_to(ids, width, pad_id) for ids, _ in outs])
     return ids, jnp.concatenate([n for _, n in outs])
@@ -398,7 +400,7 @@ def first_prompts(plan: RolloutPlan, tables: RolloutTables, env_states):
         obs = jax.vmap(tag.env.observation_pieces)(states)
         left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
         outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tag_tables.prompts, obs, left))
-    return _concat_ids(outs, plan.pad_id)
+    return concat_ids(outs, plan.pad_id)
 
 
 def state_keys(plan: RolloutPlan, env_states) -> jax.Array:
@@ -481,7 +483,7 @@ def next_prompts(plan: RolloutPlan, tables: RolloutTables, env_states, res, acti
         outs.append(jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
             tag_tables.prompts, res.reward_index[sl], turn + 2, obs, actions_left[sl], ended_with_stop[sl]
         ))
-    return _concat_ids(outs, plan.pad_id)
+    return concat_ids(outs, plan.pad_id)
 
 
 def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, temperature, turn, c: _Carry):
