@@ -133,11 +133,13 @@ def main(argv) -> int:
     except distributed.DistributedError as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
+    import jax
+
     from starpo_jax.models.loading import ModelLoadError
     from starpo_jax.runtime import sharding
     from starpo_jax.runtime.checkpoint import CheckpointError
     from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
-    from starpo_jax.runtime.planning import PlanError, check_fits
+    from starpo_jax.runtime.planning import PlanError, check_fits, device_budget
 
     cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
@@ -145,8 +147,10 @@ def main(argv) -> int:
         checked = check_config(cfg)
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
         fit = check_fits(checked)  # refuse a run that cannot fit its devices (on CPU: the host) before loading it
-        if fit is not None and fit.available is not None and distributed.is_writer():  # CPU: what the host is asked for
-            print(fit.plan.host_line(fit.available), file=sys.stderr, flush=True)
+        if fit is not None and distributed.is_writer():  # what the host (CPU) or each device is asked for
+            line = fit.plan.host_line(fit.available) if fit.available is not None else fit.plan.device_line(
+                device_budget(jax.local_devices()))
+            print(line, file=sys.stderr, flush=True)
         exp = build_experiment(checked)
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
@@ -380,6 +384,7 @@ def _train(exp, iteration, stopping: Stopping) -> int:
     from starpo_jax.rollout.multi_turn import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import checkpoint, distributed, sharding
+    from starpo_jax.runtime.planning import device_peak
     from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
     cfg = exp.config
@@ -467,6 +472,9 @@ def _train(exp, iteration, stopping: Stopping) -> int:
             "perf/generated_tokens_per_s": metrics["train/generated_tokens"] / (t1 - t0),
             "perf/env_steps_per_s": metrics["train/env_steps"] / (t1 - t0),
         }
+        peak = device_peak(jax.local_devices())
+        if peak is not None:  # accelerators count it; a CPU's memory is the host's
+            metrics["perf/device_peak_gib"] = peak / 2**30
         warnings = watch.update(metrics)
         metrics["collapse/warning"] = float(bool(warnings))
         for w in warnings:

@@ -97,11 +97,12 @@ def command_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     return env | extra
 
 
-def run(*args, check=True, devices=1, module="experiments.run", tiny=True, timeout=900):
-    """``python -m experiments.run`` (or ``module``) with the tiny run's flags, then ``args``."""
+def run(*args, check=True, devices=1, module="experiments.run", tiny=True, timeout=900, env=None):
+    """``python -m experiments.run`` (or ``module``) with the tiny run's flags, then ``args``;
+    ``env``: variables added to ``command_env``'s."""
     proc = subprocess.run(
         [sys.executable, "-m", module, *(TINY if tiny else ()), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=command_env(devices),
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=command_env(devices, **(env or {})),
     )
     if check and proc.returncode != 0:
         raise AssertionError(proc.stderr[-4000:])

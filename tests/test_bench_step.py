@@ -206,3 +206,41 @@ def test_gpu_decode_check_script_says_what_it_does():
     script = Path(bench_step.__file__).with_name("gpu_decode_check.sh")
     proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "OLD_TREE" in proc.stdout and "BUDGET_S" in proc.stdout
+
+
+def test_gpu_window_script_says_what_it_does():
+    import subprocess
+
+    script = Path(bench_step.__file__).with_name("gpu_window.sh")
+    proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for word in ("STAGES", "BUDGET_S", "paper", "step", "decode", "bandit", "PAPER_ARGS"):
+        assert word in proc.stdout, word
+
+
+# The tiny shapes a CPU runs the paper's command at (the window script's PAPER_ARGS).
+TINY_PAPER = ("--config.model.random_init_preset=tiny-llama --config.model.dtype=float32 "
+              "--config.envs.train.n_groups=(4,) --config.envs.train.group_size=2 --config.rollout.max_turn=2 "
+              "--config.rollout.response_length=8 --config.rollout.max_model_len=512 "
+              "--config.actor.ppo_mini_batch_size=2 --config.actor.micro_batch_size=2")
+
+
+@pytest.mark.slow  # ~90 s: two processes of the paper's command at tiny shapes
+def test_gpu_window_runs_the_papers_command_and_its_resume(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    script = Path(bench_step.__file__).with_name("gpu_window.sh")
+    env = {**os.environ, "PY": sys.executable, "WHEELS": "", "OUT": str(tmp_path), "BUDGET_S": "600",
+           "STAGES": "paper", "VAL_LEVELS": "4", "PAPER_ARGS": TINY_PAPER}
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=Path(bench_step.__file__).parents[2])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    with tarfile.open(tmp_path / "paper.tar.gz") as tar:
+        assert "first process (3 steps): rc=0" in tar.extractfile("paper/log").read().decode()
+    with tarfile.open(tmp_path / "paper_resume.tar.gz") as tar:
+        assert "resume (1 step, validation, export): rc=0" in tar.extractfile("paper_resume/log").read().decode()
+        rows = [json.loads(line) for line in tar.extractfile("paper_resume/metrics.jsonl").read().splitlines()]
+    assert [r["step"] for r in rows if "timing_s/step" in r] == [1, 2, 3, 4]

@@ -238,3 +238,19 @@ def test_a_gguf_file_is_planned_from_its_header():
     want = planner.model_config_and_tokenizer(base.with_overrides(config, {"model.source": "smollm2-135m-instruct"}))[0]
     shape = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "intermediate_size")
     assert [getattr(got, f) for f in shape] == [getattr(want, f) for f in shape]
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_peak_and_budget_read_the_allocator():
+    """An accelerator's peak is its allocator's most bytes in use, the largest over devices; a CPU
+    device counts none, and a run logs no peak there."""
+    gpus = [_Device({"peak_bytes_in_use": 5, "bytes_limit": 20}), _Device({"peak_bytes_in_use": 7, "bytes_limit": 16})]
+    assert planner.device_peak(gpus) == 7 and planner.device_budget(gpus) == 16
+    assert planner.device_peak(jax.devices("cpu")) is None and planner.device_budget(jax.devices("cpu")) is None

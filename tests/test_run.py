@@ -67,7 +67,12 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
 
     with SummaryWriter(str(tmp_path / "tb")) as w:
         w.add_scalar("train/reward/mean", 123.0, 2)
-    run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True")
+    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True",
+               env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"})
+    # The validation rollout reads the restored state as the first process read the fresh one: the
+    # program compiled then is found in the persistent cache (minutes of compiling at the paper's size).
+    assert "Persistent compilation cache hit for 'jit_rollout'" in proc.stderr
+    assert "CACHE MISS for 'jit_rollout'" not in proc.stderr
     full, resumed = train_lines(read_metrics(full_run)), train_lines(read_metrics(tmp_path))
     assert len(resumed) == 2
     # Exact: the resumed process compiles the same programs for the same shapes on the same machine

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import pytest
 from flax import nnx
+from jax.sharding import AbstractMesh
 
 from helpers import simulated_devices
 from starpo_jax.models import Decoder, ModelState, preset
@@ -87,11 +88,14 @@ json.dump(out, sys.stdout)
 """
 
 
+MESH_AXES = ("data", "fsdp", "model")
+
+
 def test_rules_name_every_weight_axis():
     """Each weight's spec follows the rules table: heads, MLP and vocabulary on ``model``, the
     embedding dimension on ``fsdp``; the rollout's layout keeps the weights whole over ``fsdp``."""
     params = ModelState.split(Decoder(preset("tiny-qwen2"), rngs=nnx.Rngs(0))).params
-    mesh = sharding.make_mesh(1, 1, 1)
+    mesh = AbstractMesh((1, 2, 2), MESH_AXES)
     specs = jax.tree.map(lambda s: tuple(s.spec), sharding.shardings(params, mesh))
     assert specs["layers"]["q_proj"].value == (None, "fsdp", "model", None)  # layers, embed, heads, kv
     assert specs["layers"]["k_proj"].value == (None, "fsdp", None, None)  # kv heads stay whole
@@ -101,6 +105,10 @@ def test_rules_name_every_weight_axis():
     decode = jax.tree.map(lambda s: tuple(s.spec), sharding.shardings(params, mesh, sharding.DECODE_RULES))
     assert decode["layers"]["q_proj"].value == (None, None, "model", None)
     assert decode["embed"].value == ("model", None)
+    # a mesh axis of size 1 splits nothing and is left out: one spelling for one layout
+    fsdp_only = jax.tree.map(lambda s: tuple(s.spec), sharding.shardings(params, AbstractMesh((2, 2, 1), MESH_AXES)))
+    assert fsdp_only["embed"].value == (None, "fsdp")
+    assert fsdp_only["layers"]["q_proj"].value == (None, "fsdp", None, None)
 
 
 # The rollout's copy of an FSDP policy, cast then gathered over 2 devices: the compiled program's

@@ -14,38 +14,12 @@
 # Settings: PY, DECODE_ARGS, GEN_ARGS, APPEND_ARGS, STEP_ARGS (see below). Figures of 2026-11-27: docs/benchmarks.md.
 set -u
 if [[ ${1-} == -h || ${1-} == --help ]]; then sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
-PY=${PY:-python3}
 DECODE_ARGS=${DECODE_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4" for a CPU smoke run
 GEN_ARGS=${GEN_ARGS:---models qwen2.5-0.5b --batch-sizes 128 --prompt-len 512 --new-tokens 512 --repeats 3}
-STEP_ARGS=${STEP_ARGS:---response-tokens 100 --steps 3}
+STEP_ARGS=${STEP_ARGS---response-tokens 100 --steps 3}  # empty: no step stage
 APPEND_ARGS=${APPEND_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4 --repeats 2"
-OUT=${OUT:-bench_results/gpu}; OLD_TREE=${OLD_TREE:-}; mkdir -p "$OUT"
-DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
-LOG="$OUT/session.log"; WORK=$(mktemp -d)
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-log() { echo "$@" | tee -a "$LOG"; }
-
-# stage NAME CAP_S DIR CMD...: run CMD in DIR for at most CAP_S seconds (less if the budget is
-# nearly spent), its output in WORK/NAME/log, then tar WORK/NAME into OUT/NAME.tar.gz.
-stage() {
-    local name=$1 cap=$2 dir=$3; shift 3
-    local left=$(( DEADLINE - $(date +%s) )); (( left < cap )) && cap=$left
-    if (( cap < 30 )); then log "== $name skipped: ${left}s left"; return; fi
-    mkdir -p "$WORK/$name"; log "== $name (cap ${cap}s) $(date -u +%T)"
-    (cd "$dir" && STAGE_OUT="$WORK/$name" timeout "$cap" "$@") >"$WORK/$name/log" 2>&1
-    log "-- $name rc=$? $(date -u +%T)"; grep -v "^\s*$" "$WORK/$name/log" | tail -n 14 | tee -a "$LOG"
-    tar -czf "$OUT/$name.tar.gz" -C "$WORK" "$name"
-}
-
-ROOT=$(pwd)
-WHEELS=${WHEELS-.whl}
-if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-        && export PYTHONPATH=/tmp/site
-fi
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee -a "$LOG"
-$PY -c "import jax, flax, transformers; print('jax', jax.__version__, 'flax', flax.__version__,
-'transformers', transformers.__version__, jax.devices())" 2>&1 | tail -n 2 | tee -a "$LOG"
+OLD_TREE=${OLD_TREE:-}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"  # PY, OUT, BUDGET_S, WHEELS; stage, log
 
 # The card's copy bandwidth, measured (bytes read + written), the ceiling a decode step is held to.
 stage bandwidth 60 "$ROOT" $PY -c "
@@ -72,5 +46,5 @@ stage generate_new 170 "$ROOT" sh -c "XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 XLA_FLA
 stage append_window 90 "$ROOT" sh -c "$PY -m experiments.bench.append_window $APPEND_ARGS"
 
 # With what is left: one training iteration at the paper's size (bench.step, N = 100).
-stage step 600 "$ROOT" sh -c "$PY -m experiments.bench.step $STEP_ARGS --no-baseline --no-hf --out \$STAGE_OUT/step.json"
+[ -n "$STEP_ARGS" ] && stage step 600 "$ROOT" sh -c "$PY -m experiments.bench.step $STEP_ARGS --no-baseline --no-hf --out \$STAGE_OUT/step.json"
 log "== done $(date -u +%T)"

@@ -76,6 +76,7 @@ from tqdm import tqdm
 from experiments.bench import generation_timing, rollout_timing
 from experiments.bench.common import hbm_bandwidth, machine, markdown_table, timed, write_markdown, write_report
 from experiments.bench.hlo_bytes import hlo_bytes
+from starpo_jax.runtime.planning import device_peak
 
 # ---- the workload ------------------------------------------------------------------------------
 
@@ -373,11 +374,6 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def peak_memory() -> int | None:
-    stats = jax.devices()[0].memory_stats()
-    return stats.get("peak_bytes_in_use") if stats else None
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from starpo_jax.runtime.experiment import build_experiment
@@ -402,7 +398,7 @@ def main(argv=None) -> dict:
                 bar.set_postfix_str(f"N={n}")
                 state, result = run_n(exp, state, programs, n, args, bandwidth, bar)
                 report["results"].append(result)
-        report["peak_device_bytes"] = peak_memory()
+        report["peak_device_bytes"] = device_peak(jax.devices()[:1])
     if args.cost_analysis:
         report["decode_cost"] = {"date": _now(), "device": "cpu (compiled, not run)", "model": "qwen2.5-0.5b",
                                  "batch": 128, "max_len": 3600, "steps": cost_analysis(128, 3600)}

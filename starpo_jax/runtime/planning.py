@@ -137,6 +137,11 @@ class MemoryPlan:
             lines.append(advice)
         return "\n".join(lines)
 
+    def device_line(self, budget: int) -> str:
+        """One line for an accelerator run: its planned peak per device against the device's memory."""
+        return (f"device memory: about {gib(self.peak)} per device at the peak (rollout {gib(self.rollout_peak)}, "
+                f"update {gib(self.update_peak)}) of {gib(budget)}")
+
     def host_line(self, available: int) -> str:
         """One line for a CPU run: its estimated peak resident memory against what the host has."""
         return (f"host memory: about {gib(self.host_peak)} resident at the peak ({gib(self.runtime)} runtime "
@@ -278,6 +283,13 @@ def device_budget(devices) -> int | None:
     whose memory is the host's RAM, shared and not fixed."""
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
     return None if any(limit is None for limit in limits) else min(limits)
+
+
+def device_peak(devices) -> int | None:
+    """The most memory any of ``devices`` has held at once so far (the allocator's
+    ``peak_bytes_in_use``); None for CPU devices, which do not count it."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    return None if any(peak is None for peak in peaks) else max(peaks)
 
 
 # ---- the host: on CPU a run's memory is its process's --------------------------------------------

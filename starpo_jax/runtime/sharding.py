@@ -92,6 +92,12 @@ def _axis_size(mesh, axis) -> int:
 
 
 def _spec(names, shape, mesh, where: str, rules=RULES) -> PartitionSpec:
+    """The mesh axes of an array with logical axes ``names``, mesh axes of size 1 left out.
+
+    Leaving them out keeps one spelling for one layout: the arrays XLA returns from a program name
+    no axis of size 1, so a state placed with them and the state an update returns would otherwise
+    be the same layout spelled two ways, and every program that reads both (the validation
+    rollout at step 0 and after a resume) would be compiled and cached twice."""
     spec = nn.logical_to_mesh_axes(names, rules)
     for size, axis, name in zip(shape, spec, names):
         if axis is not None and size % _axis_size(mesh, axis):
@@ -99,7 +105,15 @@ def _spec(names, shape, mesh, where: str, rules=RULES) -> PartitionSpec:
                 f"{where}: its {name!r} axis ({size}) does not divide over mesh.{axis}={_axis_size(mesh, axis)}; "
                 f"choose a mesh.{axis} that divides it."
             )
-    return spec
+    return PartitionSpec(*(_without_unit_axes(axis, mesh) for axis in spec))
+
+
+def _without_unit_axes(axis, mesh):
+    """``axis`` (None, a mesh axis or a tuple of them) without the mesh axes of size 1."""
+    if axis is None:
+        return None
+    kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis) if mesh.shape[a] > 1)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _names(x):
