@@ -18,13 +18,21 @@ def parse_flags(argv: list[str]) -> list[str]:
         app.usage(shorthelp="--helpfull" not in argv, writeto_stdout=True)
         sys.exit(0)
     try:
-        rest = flags.FLAGS(argv)
+        rest = flags.FLAGS(last_overrides_only(argv))
         if "config" in flags.FLAGS:
             flags.FLAGS.config.keys()  # a config file that failed to load raises only when read
         return rest
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as err:
         print(f"error: {flag_error_message(err, argv)}", file=sys.stderr)
         sys.exit(2)
+
+
+def last_overrides_only(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config.KEY=VALUE`` override given more than once kept only where it
+    was given last: the last value wins, as for any flag (absl would join two tuple values)."""
+    name = lambda arg: arg.split("=", 1)[0] if arg.startswith("--config.") and "=" in arg else None  # noqa: E731
+    last = {name(arg): i for i, arg in enumerate(argv) if name(arg)}
+    return [arg for i, arg in enumerate(argv) if name(arg) is None or last[name(arg)] == i]
 
 
 def flag_error_message(err: Exception, argv: list[str]) -> str:
@@ -64,4 +72,13 @@ def run(main) -> None:
     ``main`` returns the exit status."""
     if not HELP_FLAGS & set(sys.argv[1:]):
         start_distributed(sys.argv)
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    app.run(lambda argv: sys.exit(interruptible(main, argv)), flags_parser=parse_flags)
+
+
+def interruptible(main, argv) -> int:
+    """``main(argv)``, a Ctrl-C it does not handle itself one line and status 130, not a traceback."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return 130

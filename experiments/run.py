@@ -133,15 +133,23 @@ def main(argv) -> int:
     except distributed.DistributedError as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
+    cfg = _CONFIG.value
+    try:
+        return _checked_and_trained(cfg)
+    except KeyboardInterrupt:  # Ctrl-C while checking, planning or loading (training reports its own)
+        return Stopping(cfg).report("interrupted (SIGINT) before training started", 130)
+
+
+def _checked_and_trained(cfg) -> int:
+    """``main`` once the runtime has started: refuse bad input, plan, load, then ``train``."""
     import jax
 
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.runtime import sharding
+    from starpo_jax.runtime import distributed, sharding
     from starpo_jax.runtime.checkpoint import CheckpointError
     from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
     from starpo_jax.runtime.planning import PlanError, check_fits, device_budget
 
-    cfg = _CONFIG.value
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
         checked = check_config(cfg)
@@ -290,17 +298,19 @@ class Stopping:
         saved = checkpoint.saved_steps(folder)
         if saved:
             how = f"the last checkpoint is step {saved[0]} in {folder}; resume with: {resume_command(self.config)}"
-        else:
+        else:  # overwrite only what this run left in its folder; an empty folder takes the same command
+            wrote = any((folder.parent / name).exists() for name in RUN_FILES)
             how = ("no checkpoint was saved, so there is nothing to resume; start again with: "
-                   f"{resume_command(self.config, restart=True)}")
+                   f"{resume_command(self.config, restart=True, overwrite=wrote)}")
         when = "" if self.finished is None else f" after step {self.finished}"
         print(f"{distributed.tag()}{what}{when}: {how}", file=sys.stderr, flush=True)
         return status
 
 
-def resume_command(config, restart: bool = False) -> str:
+def resume_command(config, restart: bool = False, overwrite: bool = True) -> str:
     """This process's command line with ``--config.trainer.resume=True`` (``restart``:
-    ``--config.trainer.overwrite=True``) in place of either switch, quoted for a shell."""
+    ``--config.trainer.overwrite=True``, or with ``overwrite=False`` neither) in place of either
+    switch, quoted for a shell."""
     argv = list(sys.argv)
     python = os.path.relpath(sys.executable)  # as typed when it lies below here (.venv/bin/python)
     python = sys.executable if python.startswith("..") else python
@@ -318,7 +328,7 @@ def resume_command(config, restart: bool = False) -> str:
 
     args = [arg for arg in argv[1:] if not switch(arg)]
     if restart:
-        return shlex.join([*head, *args, "--config.trainer.overwrite=True"])
+        return shlex.join([*head, *args, *(["--config.trainer.overwrite=True"] if overwrite else [])])
     if config.trainer.overwrite and not any(switch(arg) and "overwrite" in arg for arg in argv[1:]):
         args.append("--config.trainer.overwrite=False")  # the config file sets it; resume excludes it
     return shlex.join([*head, *args, "--config.trainer.resume=True"])

@@ -35,8 +35,7 @@ TINY = [
 ]
 
 def tiny_with(overrides: dict[str, str]) -> list[str]:
-    """``TINY`` with ``{"section.key": value}`` in place of its own values (a tuple flag given twice
-    would be read as both)."""
+    """``TINY`` with ``{"section.key": value}`` in place of its own values."""
     kept = [arg for arg in TINY if arg.split("=", 1)[0].removeprefix("--config.") not in overrides]
     return kept + [f"--config.{key}={value}" for key, value in overrides.items()]
 

@@ -91,3 +91,31 @@ def test_sigterm_saves_the_step_it_finishes_and_stops(tmp_path):
     assert saved(out) == [step] and step >= 1
     assert [r["step"] for r in train_lines(read_metrics(out))] == list(range(1, step + 1))  # nothing unsaved
     assert line.endswith("--config.trainer.resume=True")
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line(tmp_path):
+    """Before training starts (here: while the bundled SmolLM2's weights load, seconds after the
+    plan's memory line) Ctrl-C is the same one line, status 130, and the command to start again:
+    this run wrote nothing, so it is the command as typed."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "experiments.run",
+            *tiny_with({"model.random_init_preset": "", "trainer.test_freq": "0"}), f"--config.trainer.output_dir={out}"]
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env())
+        deadline = time.monotonic() + 600
+        try:
+            while "host memory:" not in (tmp_path / "stderr").read_text():
+                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no plan in 10 minutes"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            status = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert status == 130 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    line = the_line(stderr, "interrupted (SIGINT)")
+    assert line.startswith("interrupted (SIGINT) before training started: no checkpoint was saved"), line
+    command = shlex.split(line.split("start again with: ", 1)[1])
+    assert command[3:] == args[3:] and not out.exists()

@@ -149,6 +149,9 @@ def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     line = one_line_error(run(*no_model, "--config.envs.train.tags=('Sokobon',)", "--config.envs.train.n_groups=(2,)",
                               check=False))
     assert "Sokobon" in line and "Known envs" in line
+    # A setting given twice takes its last value, a tuple too (absl alone would join the two tuples).
+    line = one_line_error(run(*no_model, "--config.envs.train.n_groups=(1,1)", check=False))
+    assert "envs.train.tags has 3 entries but envs.train.n_groups has 2" in line
     line = one_line_error(run(*no_model, "--config.actor.ppo_mini_batch_size=3", check=False))
     assert "ppo_mini_batch_size (3)" in line
     assert "mesh.model=2" in one_line_error(run(*no_model, "--config.mesh.model=2", check=False))
