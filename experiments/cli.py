@@ -35,6 +35,11 @@ def last_overrides_only(argv: list[str]) -> list[str]:
     return [arg for i, arg in enumerate(argv) if name(arg) is None or last[name(arg)] == i]
 
 
+# What Python or absl says when a value does not parse as the key's type -> what the key takes.
+WRONG_TYPE = (("invalid literal for int()", "a whole number"), ("could not convert string to float", "a number"),
+              ("Non-boolean argument", "True or False"))
+
+
 def flag_error_message(err: Exception, argv: list[str]) -> str:
     """One line for a flag error; a missing config key is named with its full path and
     ml_collections' "Did you mean" suggestion."""
@@ -49,6 +54,12 @@ def flag_error_message(err: Exception, argv: list[str]) -> str:
         return f"--{path}: config key {missing!r} does not exist (see configs/base.py). {hint}".strip()
     if isinstance(err, OSError):  # ml_collections: "Failed loading config file ...\n ... [Errno 2] ..."
         return f"--config: {text.strip().splitlines()[-1].strip()}"
+    wrong_type = re.match(r"flag --(config\.(\S+?))=(.*?): (.*)", text, re.S)
+    if wrong_type:  # a value the key's type cannot parse: say the type, not Python's wording
+        flag, key, value, why = wrong_type.groups()
+        expected = next((kind for marker, kind in WRONG_TYPE if marker in why), None)
+        if expected:
+            return f"--{flag}={value}: {key} takes {expected}, not {value!r}."
     if "Traceback (most recent call last)" in text:  # an exception inside the config file: its last line
         return f"{text.split(':', 1)[0]}: {text.strip().splitlines()[-1].strip()}"
     return re.sub(r"\s+", " ", text).strip()

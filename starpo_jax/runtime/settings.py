@@ -77,10 +77,18 @@ class Setting:
         return (self.cast_to or type(self.default))(value)
 
     def check(self, value) -> None:
+        if isinstance(self.default, tuple) and not _numbers(value, len(self.default)):  # a command line gives a string
+            raise ConfigError(f"{self.key} takes a tuple of {len(self.default)} numbers, e.g. {self.default}, "
+                              f"not {value!r}.")
         if self.choices and value not in self.choices:
             raise ConfigError(f"{self.key} = {value!r} is not one of {', '.join(self.choices)}.")
         if self.rule and not self.rule[0](value):
             raise ConfigError(f"{self.key} {self.rule[1]}, not {value!r}.")
+
+
+def _numbers(value, count: int) -> bool:
+    return isinstance(value, tuple) and len(value) == count and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
 
 
 S = Setting
