@@ -464,6 +464,7 @@ def _train(exp, iteration, stopping: Stopping) -> int:
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     stopping.bar = bar
     save_every, mi_freq = cfg.trainer.save_every_minutes * 60, cfg.trainer.mi_freq
+    cut_warned = False  # turns cut short by the context are said once a run
     for step in bar:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
@@ -485,6 +486,9 @@ def _train(exp, iteration, stopping: Stopping) -> int:
         peak = device_peak(jax.local_devices())
         if peak is not None:  # accelerators count it; a CPU's memory is the host's
             metrics["perf/device_peak_gib"] = peak / 2**30
+        if not cut_warned and metrics.get("train/context_exhausted", 0) > 0:
+            cut_warned = True
+            log(f"warning @ step {step + 1}: {context_cut(metrics['train/context_exhausted'], exp.train_plan)}")
         warnings = watch.update(metrics)
         metrics["collapse/warning"] = float(bool(warnings))
         for w in warnings:
@@ -529,6 +533,15 @@ def _train(exp, iteration, stopping: Stopping) -> int:
                 log(f"LoRA adapters saved for peft (base {base}): {folder}")
     log(f"done: {stop} steps, outputs in {out}")
     return 0
+
+
+def context_cut(fraction: float, plan) -> str:
+    """What to say when trajectories ran out of context before their last turn (RAGEN ends them
+    there, unsuccessful), which the metrics alone show only as ``context_exhausted``."""
+    cut = round(fraction * plan.batch_size)
+    return (f"{cut} of {plan.batch_size} trajectories ran out of context (rollout.max_model_len = {plan.max_len} "
+            f"tokens) before rollout.max_turn = {plan.max_turn} turns and ended there, unsuccessful; raise "
+            "rollout.max_model_len to let them play every turn (this is said once a run).")
 
 
 def _truncate_log(path: Path, step: int) -> None:

@@ -18,6 +18,7 @@ from helpers import (
     read_metrics,
     run,
     tensorboard_scalars,
+    tiny_with,
     train_lines,
 )
 
@@ -264,3 +265,16 @@ def test_lora_run_exports_adapters_and_evaluates(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=command_env())
     assert bad.returncode == 2 and "sweep lora.actor_lr instead" in bad.stderr
+
+
+def test_turns_cut_by_the_context_are_said_once(tmp_path):
+    """A context too short for rollout.max_turn ends trajectories early; the run says so in one line
+    naming how many and the key to raise, once however many steps cut them."""
+    proc = run(*tiny_with({"rollout.max_turn": "4", "rollout.max_model_len": "512", "trainer.total_steps": "2",
+                           "trainer.test_freq": "0", "trainer.export_hf": "False"}),
+               f"--config.trainer.output_dir={tmp_path}", tiny=False)
+    lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "ran out of context" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "rollout.max_model_len = 512" in lines[0] and "raise rollout.max_model_len" in lines[0]
+    cut = [r["train/context_exhausted"] for r in train_lines(read_metrics(tmp_path))]
+    assert cut[0] > 0 and lines[0].startswith(f"warning @ step 1: {round(cut[0] * 6)} of 6 trajectories")
