@@ -39,6 +39,13 @@ flags.DEFINE_integer("max_steps", None, "Stop after this many training steps thi
 FLAGS = flags.FLAGS
 
 
+def inner_bar_position() -> int | None:
+    """Where a bar drawn inside the training bar goes: below it in a terminal (tqdm's choice), on
+    the same line in a log file, where tqdm's cursor-up codes to reach the line below would be
+    left as ``ESC[A`` in the text."""
+    return None if sys.stderr.isatty() else 0
+
+
 def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, log) -> dict:
     """One validation rollout on the fixed levels (a bar per ``trainer.val_chunks`` chunk): metrics,
     JSONL dump and a printed sample."""
@@ -56,7 +63,7 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     chunks = cfg.trainer.val_chunks
     policy = policy_of(state)
     with tqdm(total=chunks, desc=f"{distributed.tag()}validation @ step {step}", unit="chunk", leave=False,
-              disable=not distributed.is_writer()) as bar:
+              disable=not distributed.is_writer(), position=inner_bar_position()) as bar:
         traj = jax.block_until_ready(
             val_rollout(policy, exp.val_tables, val_init, key, cfg.rollout.val_temperature, bar.update))
     seconds = time.perf_counter() - t0
@@ -103,7 +110,7 @@ def warm_up_format(exp, state, log):
     cfg, nll, t0 = exp.config, [], time.perf_counter()
     steps = cfg.actor.format_warmup_steps
     with tqdm(total=steps, desc=f"{distributed.tag()}format warm-up", unit="step", leave=False,
-              disable=not distributed.is_writer()) as bar:
+              disable=not distributed.is_writer(), position=inner_bar_position()) as bar:
 
         def on_step(i: int, metrics: dict) -> None:
             nll.append(metrics["format_warmup/nll"])

@@ -78,5 +78,6 @@ def full_run(tmp_path_factory):
     from helpers import run
 
     out = tmp_path_factory.mktemp("full")
-    run(f"--config.trainer.output_dir={out}")
+    proc = run(f"--config.trainer.output_dir={out}")
+    (out / "stderr.txt").write_text(proc.stderr)  # what a log file of the run holds (test_run.py)
     return out

@@ -48,6 +48,10 @@ def test_outputs(full_run):
     assert val[1]["val-env/reward/mean"] == pytest.approx(mean("env_reward") + mean("format_penalty_sum"), abs=1e-6)
     assert "train/Bandit/pass@2" in tensorboard_scalars(full_run)  # verbatim, as in metrics.jsonl
     assert (full_run / "hf_policy" / "config.json").exists() and (full_run / "hf_policy" / "model.safetensors").exists()
+    # Its bars written to a file (not a terminal): the validation inside the training bar leaves no
+    # cursor-up codes in the log.
+    log = (full_run / "stderr.txt").read_text()
+    assert "validation @ step 2" in log and "\x1b[A" not in log
 
 
 def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
