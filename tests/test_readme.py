@@ -239,3 +239,15 @@ def test_setup_installs_quietly(tmp_path):
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                             "-w", str(tmp_path / "wheel"), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0 and "deprecated" not in build.stderr, build.stderr
+
+
+def test_setup_installs_the_browser_only_when_asked():
+    """apt runs only under --browser (CI passes it); --help lists it, an unknown option is one line."""
+    text = (REPO / "setup.sh").read_text()
+    apt = text[text.index("apt-get update"):]
+    assert 'if [[ -n "$browser" ]]' in text[:text.index("apt-get update")] and ">\"$log\" 2>&1" in apt
+    assert "bash setup.sh --browser" in (REPO / ".ci" / "run").read_text()
+    shown = subprocess.run(["bash", str(REPO / "setup.sh"), "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "--browser" in shown.stdout
+    bad = subprocess.run(["bash", str(REPO / "setup.sh"), "--bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["setup.sh: unknown option --bogus (see bash setup.sh --help)"]
