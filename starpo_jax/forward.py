@@ -150,13 +150,14 @@ def first_prompt_split(traj: Trajectories):
     return jnp.maximum(traj.turn_start[..., 0] - 1, 0).astype(jnp.int32)
 
 
-def size_bucket(n: int) -> int:
-    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``: at most
-    half of a computed width is padding, and a run compiles the update for few widths."""
+def size_bucket(n: int, limit: int | None = None) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``, at most
+    ``limit`` (the rows' own width): at most half of a computed width is padding, and a run
+    compiles the update for few widths."""
     size = 16
     while size < n:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return size
+    return size if limit is None else min(size, limit)
 
 
 def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
@@ -165,7 +166,7 @@ def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
     With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
     length = np.asarray(distributed.to_host(traj.length))  # every process picks the same layout
     if share == 1:
-        return UpdateLayout(prefix=0, width=min(size_bucket(int(length.max())), max_len))
+        return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), max_len))
     split = np.asarray(distributed.to_host(first_prompt_split(traj)))
-    width = min(size_bucket(int((length - split).max())), max_len)
-    return UpdateLayout(prefix=min(size_bucket(int(split.max())), max_len), width=width)
+    return UpdateLayout(prefix=size_bucket(int(split.max()), max_len),
+                        width=size_bucket(int((length - split).max()), max_len))

@@ -14,6 +14,10 @@
 #   OUT=/tmp/gpu BUDGET_S=540 bash experiments/bench/gpu_window.sh
 #   STAGES="step decode" OUT=/tmp/gpu BUDGET_S=300 bash experiments/bench/gpu_window.sh  # a later call
 #
+# The paper stages fill a 10-minute call on an H200 (its first process is mostly compiling;
+# docs/benchmarks.md): run them alone in a lease's first call. Give that call a minute more than
+# BUDGET_S, for the wheels' install and the stages' tarballs.
+#
 # Settings: STAGES (default "paper step decode bandit"), PAPER_ARGS (extra --config overrides of the
 # paper's command, e.g. tiny shapes for a CPU smoke run), VAL_LEVELS (128), STEP_ARGS, OLD_TREE,
 # BANDIT_ARGS, BANDIT_STEPS (40); PY, OUT, BUDGET_S, WHEELS as in gpu_lib.sh.
@@ -59,7 +63,7 @@ PY
 paper_first() { paper_process "first process (3 steps)" --max_steps=3; }
 paper_resume() { paper_process "resume (1 step, validation, export)" --config.trainer.resume=True; rm -rf "$PAPER_RUN" "$PAPER_CACHE"; }
 export -f paper_process paper_first paper_resume; export PY VAL_LEVELS PAPER_ARGS BANDIT_ARGS BANDIT_STEPS
-wants paper && stage paper 420 "$ROOT" bash -c paper_first
+wants paper && stage paper 450 "$ROOT" bash -c paper_first
 wants paper && stage paper_resume 300 "$ROOT" bash -c paper_resume
 if wants step; then
     stage step_new 300 "$ROOT" sh -c "$PY -m experiments.bench.step $STEP_ARGS --no-baseline --no-hf --out \$STAGE_OUT/step.json"

@@ -77,10 +77,9 @@ def sampled_groups(plan: RolloutPlan, max_prompts: int) -> list[tuple[str, np.nd
 
 
 def prompt_width(traj: Trajectories) -> int:
-    """The static width that holds every row's first prompt (picked on the host, as the update's
-    layout is: a few compiled widths per run)."""
-    longest = int(np.max(distributed.to_host(first_prompt_split(traj))))
-    return min(size_bucket(longest), traj.tokens.shape[-1])
+    """The static width that holds every row's first prompt: the update layout's prefix
+    (``forward.update_layout``), picked on the host, a few compiled widths per run."""
+    return size_bucket(int(np.max(distributed.to_host(first_prompt_split(traj)))), traj.tokens.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "groups", "width", "response_length",
