@@ -9,8 +9,9 @@
 ``--model`` is anything ``load_model`` takes (the bundled name, a GGUF file, a Hugging Face folder
 or hub id) or a training run folder (its config and latest checkpoint). Prints a success table per
 env, in the shape of the paper's Tables 2-4, and writes JSON: ``--out``, by default
-``<run folder>/evaluate_<suite>.json`` beside an evaluated run, else
-``bench_results/evaluate_<model>_<suite>.json``; replacing an earlier file is announced.
+``<run folder>/evaluate_<suite>_<levels>levels.json`` beside an evaluated run, else
+``bench_results/evaluate_<model>_<suite>_<levels>levels.json``; replacing an earlier file is
+announced once the inputs are checked. Success rates come with their 95 % Wilson intervals.
 On a CPU each level is a full multi-turn rollout: 256 levels per env (the paper's, the default)
 take minutes per env; ``--levels 16`` gives a first look.
 """
@@ -49,8 +50,8 @@ def parse_args(argv=None):
                    help="answer with <answer> only, no <think> (rollout.enable_think=False): for a model that "
                         "cannot close <think>; default: the run's config, else thinking on")
     p.add_argument("--seed", type=int, default=123, help="first level seed")
-    p.add_argument("--out", default=None, help="results JSON; default: <run folder>/evaluate_<suite>.json beside a "
-                   "run, else bench_results/evaluate_<model>_<suite>.json")
+    p.add_argument("--out", default=None, help="results JSON; default: <run folder>/evaluate_<suite>_<levels>levels.json "
+                   "beside a run, else bench_results/evaluate_<model>_<suite>_<levels>levels.json")
     return p.parse_args(argv)
 
 
@@ -58,13 +59,14 @@ def is_run_folder(source: str) -> bool:
     return (Path(source) / "config.json").is_file() and (Path(source) / "checkpoints").is_dir()
 
 
-def default_out(model: str, suite: str) -> Path:
+def default_out(model: str, suite: str, levels: int) -> Path:
     """Where results go without ``--out``: beside an evaluated run folder, else under a name that
-    holds the model's, so evaluating another model or suite keeps the earlier results."""
+    holds the model's; the suite and level count in the name, so evaluating another model, suite
+    or number of levels (a 16-level first look beside the 256 levels) keeps the earlier results."""
     name = lambda text: re.sub(r"[^\w.+-]+", "_", text).strip("_") or "model"  # noqa: E731
     if is_run_folder(model):
-        return Path(model) / f"evaluate_{name(suite)}.json"
-    return Path("bench_results") / f"evaluate_{name(model)}_{name(suite)}.json"
+        return Path(model) / f"evaluate_{name(suite)}_{levels}levels.json"
+    return Path("bench_results") / f"evaluate_{name(model)}_{name(suite)}_{levels}levels.json"
 
 
 def out_note(out: Path) -> str:
@@ -148,7 +150,9 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def evaluate(args) -> dict:
+def evaluate(args, checked=lambda: None) -> dict:
+    """The report of ``args``' evaluation; ``checked()`` is called once the inputs are checked and
+    the policy loaded, before the rollouts."""
     import jax
 
     from starpo_jax.rollout.sampling import sampling_policy
@@ -162,6 +166,7 @@ def evaluate(args) -> dict:
     config = evaluated_config(args)
     mesh = check_evaluation(config, tags, batch)
     model, tokenizer = load_evaluated_policy(config, args.model)
+    checked()
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
         results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
@@ -175,6 +180,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
     import jax
     from tqdm import tqdm
 
+    from experiments.curves import wilson
     from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
     from starpo_jax.rollout.multi_turn import initial_states_from_seeds, make_rollout
     from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
@@ -196,8 +202,10 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * batch / args.levels
             bar.update(batch)
+        success = sums[f"val/{tag}/success"]
         results[tag] = {
-            "success": sums[f"val/{tag}/success"],
+            "success": success,
+            "success_interval": wilson(round(success * args.levels), args.levels),
             "reward": sums["val/reward/mean"],
             "num_actions": sums[f"val/{tag}/num_actions"],
             "action_is_effective": sums[f"val/{tag}/action_is_effective"],
@@ -210,16 +218,18 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
 
 
 def format_table(report: dict) -> str:
-    rows = [f"{'env':28s} {'success %':>10s} {'reward':>8s} {'actions':>8s} {'levels':>7s}"]
+    rows = [f"{'env':28s} {'success %':>10s} {'95 % interval':>15s} {'reward':>8s} {'actions':>8s} {'levels':>7s}"]
     for tag, r in report["results"].items():
-        rows.append(f"{tag:28s} {100 * r['success']:10.2f} {r['reward']:8.3f} {r['num_actions']:8.2f} {r['levels']:7d}")
+        low, high = (100 * x for x in r["success_interval"])
+        interval = f"[{low:.1f}, {high:.1f}]"
+        rows.append(f"{tag:28s} {100 * r['success']:10.2f} {interval:>15s} {r['reward']:8.3f} {r['num_actions']:8.2f} "
+                    f"{r['levels']:7d}")
     return "\n".join(rows)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out) if args.out else default_out(args.model, args.suite)
-    print(out_note(out))
+    out = Path(args.out) if args.out else default_out(args.model, args.suite, args.levels)
     from starpo_jax.models.loading import ModelLoadError
     from starpo_jax.runtime.caches import setup_compilation_cache
     from starpo_jax.runtime.checkpoint import CheckpointError
@@ -227,7 +237,7 @@ def main(argv=None) -> int:
 
     setup_compilation_cache()  # before the first compile
     try:
-        report = evaluate(args)
+        report = evaluate(args, checked=lambda: print(out_note(out), flush=True))
     except (ValueError, ConfigError, ModelLoadError, CheckpointError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

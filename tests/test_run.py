@@ -199,8 +199,15 @@ def test_evaluate_a_run_folder(full_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["enable_think"] is False
-    assert set(report["results"]) == {"FrozenLake"} and report["results"]["FrozenLake"]["levels"] == 2
-    assert "FrozenLake" in proc.stdout and "success %" in proc.stdout
+    result = report["results"]["FrozenLake"]
+    assert set(report["results"]) == {"FrozenLake"} and result["levels"] == 2
+    assert "FrozenLake" in proc.stdout and "success %" in proc.stdout and "95 % interval" in proc.stdout
+    low, high = result["success_interval"]  # Wilson's for 0, 1 or 2 successes of 2
+    assert 0 <= low <= result["success"] <= high <= 1 and high - low > 0.5
+    # Where the results go is said once the inputs are checked, not before (an error says nothing else).
+    assert proc.stdout.index(f"results go to {out}") < proc.stdout.index("success %")
+    bad = evaluate("--model", str(full_run), "--suite", "chess", "--out", str(out))
+    assert bad.returncode == 2 and "results go to" not in bad.stdout
 
 
 @pytest.mark.slow  # the real 135M model, ~35 s; tests/test_readme.py checks the Bandit suite's results on the quick start's folder, tests/envs/test_countdown.py evaluates the bundled model
@@ -219,10 +226,11 @@ def test_evaluate_writes_beside_the_model_and_says_when_it_replaces(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.json").write_text("{}")
-    assert default_out(str(run_dir), "bandit") == run_dir / "evaluate_bandit.json"
-    assert default_out("Qwen/Qwen2.5-0.5B-Instruct", "guess_digit:GuessDigit") == Path(
-        "bench_results/evaluate_Qwen_Qwen2.5-0.5B-Instruct_guess_digit_GuessDigit.json")
-    out = run_dir / "evaluate_bandit.json"
+    assert default_out(str(run_dir), "bandit", 256) == run_dir / "evaluate_bandit_256levels.json"
+    assert default_out(str(run_dir), "bandit", 16) != default_out(str(run_dir), "bandit", 256)  # both kept
+    assert default_out("Qwen/Qwen2.5-0.5B-Instruct", "guess_digit:GuessDigit", 4) == Path(
+        "bench_results/evaluate_Qwen_Qwen2.5-0.5B-Instruct_guess_digit_GuessDigit_4levels.json")
+    out = run_dir / "evaluate_bandit_256levels.json"
     assert out_note(out) == f"results go to {out}"
     out.write_text("{}")
     assert out_note(out) == f"results go to {out} (replacing the earlier evaluation there)"

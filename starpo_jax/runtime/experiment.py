@@ -101,9 +101,10 @@ def _tokenizer_only(source: str):
 
 def _tag_plans(config: ConfigDict, side: str) -> tuple[TagPlan, ...]:
     split = config.envs[side]
-    if not (isinstance(split.tags, tuple) and all(isinstance(t, str) for t in split.tags)):
+    # tuples, or lists in a config read back from a run's config.json
+    if not (isinstance(split.tags, (tuple, list)) and all(isinstance(t, str) for t in split.tags)):
         raise ConfigError(f"envs.{side}.tags takes a tuple of env names, e.g. ('SimpleSokoban',), not {split.tags!r}.")
-    if not (isinstance(split.n_groups, tuple) and all(isinstance(n, int) and n > 0 for n in split.n_groups)):
+    if not (isinstance(split.n_groups, (tuple, list)) and all(isinstance(n, int) and n > 0 for n in split.n_groups)):
         raise ConfigError(f"envs.{side}.n_groups takes a tuple of whole numbers > 0, one per tag, e.g. (8,), "
                           f"not {split.n_groups!r}.")
     if len(split.tags) != len(split.n_groups):

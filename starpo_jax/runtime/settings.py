@@ -87,7 +87,7 @@ class Setting:
 
 
 def _numbers(value, count: int) -> bool:
-    return isinstance(value, tuple) and len(value) == count and all(
+    return isinstance(value, (tuple, list)) and len(value) == count and all(  # a list: a config read from JSON
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
 
 
