@@ -102,7 +102,10 @@ def test_ctrl_c_while_the_model_loads_is_one_line(tmp_path):
     args = [sys.executable, "-m", "experiments.run", "--config", "configs/quickstart.py", "--config.lora.rank=2",
             f"--config.trainer.output_dir={out}"]
     with open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env())
+        # Ctrl-C as a terminal delivers it: a test runner started in the background (CI) passes SIGINT
+        # on ignored, and Python keeps an ignored SIGINT ignored until the run sets its own handler.
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env(),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 600
         try:
             while "host memory:" not in (tmp_path / "stderr").read_text():
