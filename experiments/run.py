@@ -182,12 +182,17 @@ RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damage
              "lora_adapter", "base_model", "report.html", "curves.png", "curves.json")
 
 
+def run_files_in(out: Path) -> list[str]:
+    """The names of ``RUN_FILES`` that ``out`` holds: what a run, or an earlier one, left there."""
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """A fresh run never mixes with an earlier one in the same folder, and resume needs a checkpoint."""
     from starpo_jax.runtime import checkpoint
     from starpo_jax.runtime.experiment import ConfigError
 
-    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    earlier = run_files_in(out)
     if resume:
         if overwrite:
             raise ConfigError("trainer.resume and trainer.overwrite exclude each other; set one of them.")
@@ -216,7 +221,7 @@ def clear_run(out: Path) -> list[str]:
     line; others stay. Returns what it deleted (folders with a trailing /)."""
     import shutil
 
-    gone = [name + "/" * (out / name).is_dir() for name in RUN_FILES if (out / name).exists()]
+    gone = [name + "/" * (out / name).is_dir() for name in run_files_in(out)]
     if gone:
         print(f"overwrite: deleting the earlier run's {', '.join(gone)} in {out}", file=sys.stderr, flush=True)
     for name in RUN_FILES:
@@ -306,9 +311,8 @@ class Stopping:
         if saved:
             how = f"the last checkpoint is step {saved[0]} in {folder}; resume with: {resume_command(self.config)}"
         else:  # overwrite only what this run left in its folder; an empty folder takes the same command
-            wrote = any((folder.parent / name).exists() for name in RUN_FILES)
             how = ("no checkpoint was saved, so there is nothing to resume; start again with: "
-                   f"{resume_command(self.config, restart=True, overwrite=wrote)}")
+                   f"{resume_command(self.config, restart=True, overwrite=bool(run_files_in(folder.parent)))}")
         when = "" if self.finished is None else f" after step {self.finished}"
         print(f"{distributed.tag()}{what}{when}: {how}", file=sys.stderr, flush=True)
         return status
