@@ -141,13 +141,16 @@ def main(argv) -> int:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
     cfg = _CONFIG.value
-    try:
-        return _checked_and_trained(cfg)
-    except KeyboardInterrupt:  # Ctrl-C while checking, planning or loading (training reports its own)
-        return Stopping(cfg).report("interrupted (SIGINT) before training started", 130)
+    stopping = Stopping(cfg)  # from here on, while checking, planning and loading too
+    with stopping:
+        try:
+            return _checked_and_trained(cfg, stopping)
+        except KeyboardInterrupt:
+            before = " before training started" if stopping.finished is None else ""
+            return stopping.report(f"interrupted (SIGINT){before}", 130)
 
 
-def _checked_and_trained(cfg) -> int:
+def _checked_and_trained(cfg, stopping: Stopping) -> int:
     """``main`` once the runtime has started: refuse bad input, plan, load, then ``train``."""
     import jax
 
@@ -170,10 +173,13 @@ def _checked_and_trained(cfg) -> int:
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
+    stopping.check()  # a signal while loading that no exception carried out (a gc callback swallows them)
+    if stopping.terminated:
+        return stopping.report("terminated (SIGTERM) before training started", 143)
     if cfg.trainer.overwrite and not cfg.trainer.resume and distributed.is_writer():
         clear_run(out)
     with sharding.use_mesh(exp.mesh):
-        return train(exp, fit.iteration_for(exp) if fit is not None else None)
+        return train(exp, fit.iteration_for(exp) if fit is not None else None, stopping)
 
 
 # What a run writes into its output folder, and what experiments.report and experiments.curves
@@ -233,29 +239,28 @@ def clear_run(out: Path) -> list[str]:
     return gone
 
 
-def train(exp, iteration=None) -> int:
-    """The training loop of a built experiment (inside its mesh). ``iteration``: its
-    ``train.jit_iteration`` when already compiled (``planning.Fit.iteration_for``), else jitted here.
+def _ctrl_c_dropped(hook):
+    """``hook`` for the exceptions Python has to drop, except a Ctrl-C raised inside a garbage-
+    collector callback: ``Stopping.check`` says that one later, instead of a traceback now."""
 
-    The first Ctrl-C stops the run where it is (status 130), SIGTERM after saving the step it
-    finishes (143); each prints one line naming the last checkpoint and the command that resumes
-    (``Stopping``)."""
-    stopping = Stopping(exp.config)
-    with stopping:
-        try:
-            return _train(exp, iteration, stopping)
-        except KeyboardInterrupt:
-            return stopping.report("interrupted (SIGINT)", 130)
+    def report(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            hook(unraisable)
+
+    return report
 
 
 class Stopping:
-    """SIGINT and SIGTERM while a run trains.
+    """SIGINT and SIGTERM while a run checks its config, loads and trains.
 
     The first SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` where the run is, as Python's own handler
-    does, except while a checkpoint is being written: then once it is complete. ``train`` catches it
-    and reports instead of a traceback; nothing more is computed or saved. A second SIGINT ends the
-    process at once (the default action, whatever the run is doing). SIGTERM only sets
-    ``terminated``: the loop saves the step it is on when that step is done, and reports."""
+    does, except while a checkpoint is being written: then once it is complete. ``main`` catches it
+    and reports instead of a traceback; nothing more is computed or saved. Python drops an exception
+    raised inside a garbage-collector callback, so the flag ``interrupted`` stays, and ``check``
+    raises it again where the run can stop (before training, after each step). A second SIGINT
+    ends the process at once (the default action, whatever the run is doing). SIGTERM only sets
+    ``terminated``: the loop saves the step it is on when that step is done, and reports (before
+    training: once the model is loaded, with nothing to save)."""
 
     def __init__(self, config):
         self.config = config
@@ -268,12 +273,15 @@ class Stopping:
         if threading.current_thread() is threading.main_thread():  # handlers can be set nowhere else
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
+        sys.unraisablehook = _ctrl_c_dropped(sys.unraisablehook)
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             if not (sig == signal.SIGINT and self.interrupted):  # after a Ctrl-C the next one aborts
                 signal.signal(sig, handler)
+        # The hook stays: the process ends here, and putting Python's own back makes it print
+        # the closed-event-loop errors of orbax's reader threads at shutdown, which it drops else.
 
     def _handle(self, signum, frame):
         if signum == signal.SIGTERM:
@@ -282,6 +290,11 @@ class Stopping:
         self.interrupted = True
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if not self.saving:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` if a Ctrl-C came and was not raised where it came."""
+        if self.interrupted:
             raise KeyboardInterrupt
 
     def save(self, write, *args) -> None:
@@ -392,8 +405,14 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def _train(exp, iteration, stopping: Stopping) -> int:
-    """``train``'s loop; it tells ``stopping`` the step reached and what to close on a signal."""
+def train(exp, iteration, stopping: Stopping) -> int:
+    """The training loop of a built experiment (inside its mesh). ``iteration``: its
+    ``train.jit_iteration`` when already compiled (``planning.Fit.iteration_for``), else None (jitted
+    here). It tells ``stopping`` the step reached and what to close on a signal.
+
+    The first Ctrl-C stops the run where it is (status 130: ``main`` reports it), SIGTERM after
+    saving the step it finishes (143); each prints one line naming the last checkpoint and the
+    command that resumes (``Stopping``)."""
     import jax
     from flax import nnx
     from tqdm import tqdm
@@ -524,6 +543,7 @@ def _train(exp, iteration, stopping: Stopping) -> int:
             last_save = time.monotonic()
         if terminated:
             return stopping.report("terminated (SIGTERM)", 143)
+        stopping.check()
     bar.close()
     if writer:
         board.close()

@@ -218,11 +218,10 @@ def test_gpu_window_script_says_what_it_does():
         assert word in proc.stdout, word
 
 
-# The tiny shapes a CPU runs the paper's command at (the window script's PAPER_ARGS).
-TINY_PAPER = ("--config.model.random_init_preset=tiny-llama --config.model.dtype=float32 "
-              "--config.envs.train.n_groups=(4,) --config.envs.train.group_size=2 --config.rollout.max_turn=2 "
-              "--config.rollout.response_length=8 --config.rollout.max_model_len=512 "
-              "--config.actor.ppo_mini_batch_size=2 --config.actor.micro_batch_size=2")
+# The paper's command at bench.step's tiny CPU shapes (the window script's PAPER_ARGS), with the
+# command's own Qwen2.5 tokenizer.
+TINY_PAPER = " ".join(f"--config.{key}={value}".replace(" ", "") for key, value in bench_step.TINY.items()
+                      if key != "model.source")
 
 
 @pytest.mark.slow  # ~90 s: two processes of the paper's command at tiny shapes

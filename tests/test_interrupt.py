@@ -21,6 +21,16 @@ def saved(out) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
+def wait_until(proc, ready, late: str, seconds: float, stderr_path, poll: float = 0.2) -> None:
+    """Wait until ``ready()`` while ``proc`` runs; fail with its stderr if it ends first, or with
+    ``late`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert proc.poll() is None, stderr_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, late
+        time.sleep(poll)
+
+
 def stopped(tmp_path, sig, overrides: dict, until_saved: bool) -> tuple[int, str]:
     """Start a long tiny run into ``tmp_path / "run"``, send ``sig`` once it has logged a training
     step (and, ``until_saved``, written a checkpoint); its exit status and stderr."""
@@ -28,18 +38,13 @@ def stopped(tmp_path, sig, overrides: dict, until_saved: bool) -> tuple[int, str
     args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | overrides), f"--config.trainer.output_dir={out}"]
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, env=command_env())
-        deadline = time.monotonic() + 600
         try:
             metrics = out / "metrics.jsonl"
-            while not (metrics.exists() and "train/reward/mean" in metrics.read_text()):
-                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no training step logged in 10 minutes"
-                time.sleep(0.2)
-            deadline = time.monotonic() + 60  # steps take seconds
-            while until_saved and not saved(out):
-                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no checkpoint a minute after the first step"
-                time.sleep(0.2)
+            wait_until(proc, lambda: metrics.exists() and "train/reward/mean" in metrics.read_text(),
+                       "no training step logged in 10 minutes", 600, tmp_path / "stderr")
+            if until_saved:  # steps take seconds
+                wait_until(proc, lambda: saved(out), "no checkpoint a minute after the first step", 60,
+                           tmp_path / "stderr")
             proc.send_signal(sig)
             status = proc.wait(timeout=300)
         finally:
@@ -106,12 +111,9 @@ def test_ctrl_c_while_the_model_loads_is_one_line(tmp_path):
         # on ignored, and Python keeps an ignored SIGINT ignored until the run sets its own handler.
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env(),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 600
         try:
-            while "host memory:" not in (tmp_path / "stderr").read_text():
-                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no plan in 10 minutes"
-                time.sleep(0.05)
+            wait_until(proc, lambda: "host memory:" in (tmp_path / "stderr").read_text(), "no plan in 10 minutes", 600,
+                       tmp_path / "stderr", poll=0.05)
             proc.send_signal(signal.SIGINT)
             status = proc.wait(timeout=300)
         finally:
