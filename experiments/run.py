@@ -280,8 +280,8 @@ class Stopping:
         for sig, handler in self._previous.items():
             if not (sig == signal.SIGINT and self.interrupted):  # after a Ctrl-C the next one aborts
                 signal.signal(sig, handler)
-        # The hook stays: the process ends here, and putting Python's own back makes it print
-        # the closed-event-loop errors of orbax's reader threads at shutdown, which it drops else.
+        # The hook stays (the process ends here): a failed restore inside this block chains its own
+        # filter onto it (checkpoint._drop_abandoned_reads), which must outlive the block.
 
     def _handle(self, signum, frame):
         if signum == signal.SIGTERM:
