@@ -71,3 +71,26 @@ def test_other_arrays_are_a_mismatch_not_damage(tmp_path):
             checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), like, warn=warnings.append)
         assert "step 2" in str(err.value) and named in str(err.value) and "damaged" not in str(err.value)
     assert warnings == []
+
+
+def test_frozen_initial_weights_are_rebuilt_not_stored(tmp_path):
+    """The KL reference and LoRA's base are copies of model.source's weights: a checkpoint leaves
+    them out (half the disk of a PPO run with a KL term), the restored state keeps the rebuilt ones,
+    and other initial weights than the run started from are refused as a mismatch."""
+    import flax
+
+    @flax.struct.dataclass
+    class State:
+        actor: jnp.ndarray
+        ref: jnp.ndarray | None
+        base: jnp.ndarray | None
+
+    start = State(actor=jnp.zeros(1000), ref=jnp.arange(1000.0), base=None)
+    mgr = checkpoint.manager(tmp_path / "checkpoints")
+    checkpoint.save(mgr, 1, start.replace(actor=start.actor + 1), {})
+    assert list(checkpoint.stored_shapes(tmp_path / "checkpoints", 1)) == ["actor"]
+    state, _, _ = checkpoint.restore(mgr, start)
+    np.testing.assert_array_equal(state.actor, np.ones(1000))
+    assert state.ref is start.ref and state.base is None
+    with pytest.raises(checkpoint.CheckpointMismatch, match="other initial weights"):
+        checkpoint.restore(mgr, start.replace(ref=start.ref.at[7].set(0.5)))
