@@ -6,11 +6,10 @@ The Bandit's risky arm (Dragon) pays 1 with probability 0.25, else 0 (expected 0
 (Phoenix) pays 0.1 every time (RAGEN's code; the paper says 0.15). Success is choosing the risky
 arm. Before training the model mostly names the safe arm and often fails the answer format; this
 preset trains it for 20 steps with validation on 256 Bandit and 256 BanditTest levels (the renamed
-arms, the paper's generalisation test) before, half-way and after training: about 40 minutes on the
-shared 2-core CPU with three runs beside each other (~100 s per step), less alone. Measured
-(docs/results.md, seeds 0-2): every seed learns the format; seeds 0 and 1 reach Bandit success
-1.000, seed 2 settles at 0.44-0.5 (the policy picks the risky arm on some levels and the safe one
-on others, every group unanimous: the Echo Trap per level).
+arms, the paper's generalisation test) before, half-way and after training. docs/results.md §1 has
+its runs, their wall times and success rates: every seed learns the format, two of three learn the
+risky arm, and the third stops half-way (the policy picks the risky arm on some levels and the safe
+one on others, every group unanimous: the Echo Trap per level).
 
 Choices, each for the budget or for what the probe runs showed (docs/results.md):
 

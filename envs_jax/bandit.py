@@ -19,8 +19,8 @@ written from ``step_reward_values``.
 
 Departures from RAGEN, documented:
 
-- [quirk §1.1 / §8.16] The paper says the safe arm pays 0.15; RAGEN's code pays 0.1. We keep the
-  code's 0.1 as the default (``lo_arm_score``).
+- [quirk 16, configurable; ragen-reference.md §1.2] The paper says the safe arm pays 0.15; RAGEN's
+  code pays 0.1. We keep the code's 0.1 as the default (``lo_arm_score``).
 - Payout draws hash the key in the state (``envs_jax.hashing.draw_bits``, a counter-based hash that
   is much cheaper under ``vmap`` than ``jax.random``), not gymnasium's ``np_random`` stream, so a
   given seed reproduces RAGEN's arm order (``reset_from_seed``) but not its payout sequence.

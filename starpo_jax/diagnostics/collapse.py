@@ -1,5 +1,5 @@
 """The collapse watch: warnings when training shows the paper's collapse signs (the "Echo Trap",
-RAGEN §4), judged on the host from each step's metrics."""
+whose indicators the paper plots in Fig. 6), judged on the host from each step's metrics."""
 
 from __future__ import annotations
 

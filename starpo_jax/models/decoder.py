@@ -13,8 +13,8 @@ Layout choices:
   axis, MaxText's name), ``mlp``. Activations carry the same names through
   ``with_logical_constraint``, a no-op until a rules table is set.
 - The KV cache is ``[layers, batch, kv_heads, max_len, head_dim]``: each head's keys are contiguous,
-  so the decode-time score and value products are plain batched matrix products. (The
-  ``[.., max_len, kv_heads, ..]`` layout measured 4x slower for decode attention on CPU.)
+  so the decode-time score and value products are plain batched matrix products (docs/benchmarks.md,
+  "Decode attention on CPU", has what the ``[.., max_len, kv_heads, ..]`` layout cost).
 - Rows of a cache are ragged: each has its own length. ``extend`` writes each row's new tokens at
   that row's offset, continues its positions from there, and attends to the cached prefix
   (``slot < length``) plus the new block (causal); only the real tokens of the block are written.

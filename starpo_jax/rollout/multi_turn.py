@@ -243,7 +243,7 @@ def initial_states_from_seeds(plan: RolloutPlan, first_seed: int) -> tuple:
 
 # ---- the rollout ---------------------------------------------------------------------------------
 #
-# One turn is ``play_turn``: ``turn_rows`` (who plays) → ``generate`` (the responder answers) →
+# One turn is ``play_turn``: ``turn_rows`` (who plays) → ``sample_turn`` (the responder answers) →
 # ``write_turn`` (prompt and response into the token buffers) → ``parse_turn`` (the answers, on
 # token ids) → ``step_envs`` (the actions, in the envs) → ``next_prompts`` (reward message and next
 # observation as tokens) → a new ``_Carry`` and the turn's record. Each is a pure function of the

@@ -7,7 +7,7 @@ Two implementations of the same function:
 - An in-graph byte machine on token ids (``init_parser_state`` → ``parser_feed_tokens`` per token
   → ``parser_result``), ``jit``/``vmap``-able, with about sixty int32s of state per row.
   ``parse_response_tokens`` runs it over a whole ``[B, T]`` response with ``lax.scan``; the
-  rollout calls that once a turn's responses are decoded (``rollout.parse_turn``), in the same
+  rollout calls that once a turn's responses are decoded (``multi_turn.parse_turn``), in the same
   compiled program, so parsing never leaves the device. (Fed one token at a time, it could run
   inside the decode loop instead; nothing the rollout does needs that.)
 

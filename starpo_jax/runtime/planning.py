@@ -295,9 +295,8 @@ def device_peak(devices) -> int | None:
 
 # ---- the host: on CPU a run's memory is its process's --------------------------------------------
 
-# What the CPU estimate (runtime + peak) leaves out, said where it is printed. Measured: a run's peak
-# resident memory is 1.17-1.20 x the estimate (tests/test_plan.py's tiny run, the quick start).
-# The runs measured against their plan (docs/benchmarks.md, docs/scaling.md; tests/test_plan.py holds
+# What the CPU estimate (runtime + peak) leaves out, said where it is printed. The runs measured
+# against their plan (docs/scaling.md, "On a CPU host"; docs/benchmarks.md; tests/test_plan.py holds
 # a run to it): said wherever the plan is printed, in one wording.
 MEASURED = "measured runs peaked at up to 1.25 x this"
 MEASURED_OVER_PLAN = f"{MEASURED} (programs beyond the plan's two, allocator slack)"

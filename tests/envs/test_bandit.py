@@ -9,7 +9,8 @@ from envs_jax.bandit import Bandit, BanditState
 from starpo_jax.rollout import prompts
 from starpo_jax.rollout.env_turn import execute_turn
 
-# §1.1, written out by hand: trailing spaces after "pull." and "Rules:", a newline after every line.
+# The observation (ragen-reference.md §1.2), written out by hand: trailing spaces after "pull." and
+# "Rules:", a newline after every line.
 DRAGON_FIRST_PROMPT = """\
 You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. 
 Game Rules: 

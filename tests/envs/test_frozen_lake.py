@@ -36,7 +36,7 @@ def pos(state):
     return tuple(int(x) for x in state.pos)
 
 
-# ---- golden vectors (§1.10) -------------------------------------------------------------------
+# ---- golden vectors (ragen-reference.md §1.6) --------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def test_larger_sokoban_generates_two_box_levels():
 
 # ---- the reference generator and the BFS on RAGEN's validation seeds ----------------------------
 
-# Spec §1.2: optimal solution lengths of SimpleSokoban seeds 123..378 (RAGEN's validation set).
+# ragen-reference.md §1.3: optimal solution lengths of SimpleSokoban seeds 123..378 (RAGEN's validation set).
 RAGEN_VALIDATION_LENGTHS = {1: 28, 2: 60, 3: 27, 4: 47, 5: 37, 6: 24, 7: 12, 8: 14, 9: 2, 10: 5}
 
 
