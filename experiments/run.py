@@ -419,7 +419,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
 
     from starpo_jax.diagnostics.collapse import CollapseWatch
     from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
-    from starpo_jax.models.loading import hf_name, save_model
+    from starpo_jax.models.loading import hf_name, save_model, source_dtype
     from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout.multi_turn import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.rollout.sampling import sampling_policy
@@ -551,13 +551,16 @@ def train(exp, iteration, stopping: Stopping) -> int:
         weights = distributed.to_host(policy_weights(exp.settings, state))  # a collective with several processes
         if writer:
             policy = nnx.merge(exp.model.graphdef, weights)
-            folder = save_model(policy, exp.tokenizer, out / "hf_policy")
+            dtype = cfg.trainer.export_dtype  # "source": model.source's; random weights: the model's own
+            if dtype == "source":
+                dtype = None if cfg.model.random_init_preset else source_dtype(cfg.model.source)
+            folder = save_model(policy, exp.tokenizer, out / "hf_policy", dtype)
             log(f"policy saved as a Hugging Face checkpoint: {folder}")
             if exp.settings.lora_rank:
                 base = None if cfg.model.random_init_preset else hf_name(cfg.model.source)
                 if base is None:  # GGUF, bundled or random weights: a peft client needs them as a folder
                     base_weights = nnx.merge(exp.model.graphdef, state.base)
-                    base = str(save_model(base_weights, exp.tokenizer, out / "base_model"))
+                    base = str(save_model(base_weights, exp.tokenizer, out / "base_model", dtype))
                     log(f"LoRA base saved as a Hugging Face checkpoint: {base}")
                 folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
                                       base_model=base)

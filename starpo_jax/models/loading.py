@@ -273,9 +273,10 @@ def _gguf_tokenizer_folder(path: Path) -> Path | None:
     return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
+def save_model(model, tokenizer, folder: str | os.PathLike, dtype: str | None = None) -> Path:
     """Write ``model`` and ``tokenizer`` as a Hugging Face checkpoint folder (config.json,
-    model.safetensors, tokenizer files with the chat template) that transformers and vLLM load.
+    model.safetensors, tokenizer files with the chat template) that transformers and vLLM load,
+    its weights in ``dtype`` (default: the model's ``param_dtype``).
 
     The folder is written next to its destination under a temporary name and renamed into place,
     so a crash never leaves a half-written checkpoint; an existing folder is replaced.
@@ -285,15 +286,39 @@ def save_model(model, tokenizer, folder: str | os.PathLike) -> Path:
     from starpo_jax.models.decoder import decoder_to_hf_tensors
 
     with atomic_folder(folder) as staging:
-        hf_config = _hf_config_for_saving(model.config, tokenizer)
+        dtype = dtype or model.config.param_dtype
+        hf_config = {**_hf_config_for_saving(model.config, tokenizer), "torch_dtype": dtype, "dtype": dtype}
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         # The dtype config.json states; copy=False: a float32 model's tensors are already float32, and a
         # second copy of every weight (0.55 GB for SmolLM2) made the export the quick start's peak.
-        tensors = {name: value.astype(_numpy_dtype(model.config.param_dtype), copy=False)
+        tensors = {name: value.astype(_numpy_dtype(dtype), copy=False)
                    for name, value in decoder_to_hf_tensors(model).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         save_tokenizer(tokenizer, staging)
     return Path(folder).expanduser().absolute()
+
+
+# GGUF's float tensor types; a quantized file states no float dtype, and its weights export as
+# bfloat16, the dtype Qwen2.5's and SmolLM2's released checkpoints have.
+_GGUF_FLOAT_TYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def source_dtype(source: str | os.PathLike) -> str:
+    """The dtype ``source`` stores its weights in: a folder's config.json ``torch_dtype``
+    (transformers 5: ``dtype``; float32 when it says neither), the float type of most of a GGUF
+    file's matrices, or bfloat16 when any is quantized (the bundled model)."""
+    from collections import Counter
+
+    kind, path = resolve_source(source)
+    if kind == "folder":
+        config = read_hf_config(path)
+        return str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    from starpo_jax.models.gguf_reader import open_gguf
+
+    matrices = Counter(tensor.tensor_type.name for tensor in open_gguf(path).tensors if len(tensor.shape) > 1)
+    if not matrices or not set(matrices) <= set(_GGUF_FLOAT_TYPES):
+        return "bfloat16"
+    return _GGUF_FLOAT_TYPES[matrices.most_common(1)[0][0]]
 
 
 def save_tokenizer(tokenizer, folder: Path) -> None:

@@ -222,6 +222,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("trainer.mi_prompts", 8, "run.mi_prompts",
       rule=(lambda v: v == 0 or v >= 2, "must be 0 (never) or at least 2 (prompts to tell apart)")),
     S("trainer.export_hf", True, "run.export_hf"),  # save the final policy as a Hugging Face folder (hf_policy/)
+    # The exported weights' dtype: "source", that of model.source's stored weights (a training run's
+    # float32 policy then takes half the disk when the source is bfloat16), or a dtype named here.
+    S("trainer.export_dtype", "source", "run.export_dtype", ("source", "float32", "bfloat16", "float16")),
 )
 del S
 

@@ -16,7 +16,7 @@ from starpo_jax.models import bundled
 from starpo_jax.models.config import ModelConfig, preset
 from starpo_jax.models.decoder import ModelState, decoder_from_hf_tensors, decoder_to_hf_tensors
 from starpo_jax.models.gguf_reader import read_gguf
-from starpo_jax.models.loading import ModelLoadError, load_model, save_model
+from starpo_jax.models.loading import ModelLoadError, load_model, save_model, source_dtype
 from starpo_jax.rollout.sampling import generate
 
 # On a shared 2-core machine torch's second intra-op thread mostly spins: one thread runs the
@@ -140,6 +140,13 @@ def test_f32_file_gives_back_the_original_weights_exactly(tmp_path, model_type, 
     assert_same_config(hf_config, model.config)
     assert hf_config["rms_norm_eps"] == model.config.rms_norm_eps == 1e-5  # the decimal, not float32's 9.99999974738e-06
     assert hf_config["attention_bias"] == (model_type == "qwen2")
+
+
+def test_source_dtype_is_the_files_float_type_or_bfloat16_when_quantised(tmp_path, mixed_type_file):
+    for qtype, dtype in ((Q.F32, "float32"), (Q.F16, "float16")):
+        write_gguf(tmp_path / f"{dtype}.gguf", tiny_hf_model("qwen2", True), [qtype])
+        assert source_dtype(tmp_path / f"{dtype}.gguf") == dtype
+    assert source_dtype(mixed_type_file[0]) == "bfloat16" == source_dtype(bundled.SMOLLM2_NAME)
 
 
 @pytest.fixture(scope="module")

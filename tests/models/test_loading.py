@@ -21,6 +21,7 @@ from starpo_jax.models.loading import (
     read_safetensors,
     save_model,
     save_tokenizer,
+    source_dtype,
 )
 
 # On a shared 2-core machine torch's second intra-op thread mostly spins: one thread runs the
@@ -160,6 +161,17 @@ def test_bfloat16_model_saves_bfloat16_weights(tmp_path, tied_folder, tokens):
     # bf16 weights and activations: within bf16 rounding of fp32 transformers, not equal.
     ours, expected = jax_logits(model, tokens), torch_logits(tied_folder[1], tokens)
     assert np.linalg.norm(ours - expected) / np.linalg.norm(expected) < 0.05  # a wrong model: ~1.4
+
+
+def test_export_takes_the_sources_dtype_or_one_asked_for(tmp_path, tied_folder, qwen_tokenizer):
+    """trainer.export_dtype="source": a bfloat16 checkpoint's policy, trained in float32, exports
+    at bfloat16 (half the disk), and config.json says so."""
+    bf16_folder = save_hf_folder(tmp_path / "bf16_source", tiny_qwen2(tie=True, dtype=torch.bfloat16), qwen_tokenizer)
+    assert source_dtype(bf16_folder) == "bfloat16" and source_dtype(tied_folder[0]) == "float32"
+    model, tokenizer = load_model(bf16_folder, dtype="float32")
+    folder = save_model(model, tokenizer, tmp_path / "exported", dtype=source_dtype(bf16_folder))
+    assert {t.dtype.name for t in read_safetensors(folder).values()} == {"bfloat16"}
+    assert AutoModelForCausalLM.from_pretrained(folder).dtype == torch.bfloat16
 
 
 # --- bad input --------------------------------------------------------------------------------
