@@ -83,6 +83,8 @@ class Bandit(TextEnv):
         self.hi_arm_loscore = hi_arm_loscore
         self.hi_arm_hiscore = hi_arm_hiscore
         self.hi_arm_hiscore_prob = hi_arm_hiscore_prob
+        self.success_meaning = (f"pulling the risky arm, {hi_arm_name}, whatever it pays; the safe arm, "
+                                f"{lo_arm_name}, pays {lo_arm_score} every time and is a failure")
         super().__init__()
 
     def __repr__(self) -> str:

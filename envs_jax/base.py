@@ -103,6 +103,9 @@ class TextEnv(Environment, abc.ABC):
       ``step(state, (bytes, length))`` then gets each answer piece's text as ``uint8[answer_width]``.
     - optionally ``reset_from_seed(seed)``: RAGEN's level for a seed (validation sets); by default
       ``reset(PRNGKey(seed))``.
+    - optionally ``success_meaning``: what a successful episode is, in a few words (the
+      ``extras["success"]`` the env reports at the episode's end); ``experiments/report.py`` shows
+      it beside each outcome. Default: that the env reported success.
     - optionally ``default_max_actions_per_traj``: the action budget of an episode when the config
       names none (RAGEN's envs.yaml ``max_actions_per_traj``), and
       ``sample_observation_pieces(rng, P)``: random observations for the tokenizer cut checks
@@ -121,6 +124,8 @@ class TextEnv(Environment, abc.ABC):
     instruction: str = ""
     #: whether the prompt lists the action names and the action budget after the instruction.
     lists_actions: bool = True
+    #: what ``extras["success"]`` at an episode's end means, in a few words (shown by the run report).
+    success_meaning: str = "the env reports success at the episode's end"
     #: an episode's action budget where the config gives none.
     default_max_actions_per_traj: int = 10
     #: language-action envs (Countdown): the answer bytes ``step(state, (bytes, length))`` reads
@@ -207,7 +212,9 @@ class GridEnv(TextEnv, abc.ABC):
 
     #: The glyph of each symbol id, e.g. Sokoban ``("#", "_", "O", "√", "X", "P", "S")``; set in ``__init__``.
     grid_symbols: tuple[str, ...] = ()
-    #: What each symbol id means, for the legend; ``()``: no legend.
+    #: What each symbol id means, for the legend and the run report's boards (``experiments/report.py``
+    #: draws the meanings it knows, such as "wall", "box on target" or "hole", and any other as its
+    #: glyph); ``()``: no legend.
     symbol_meanings: tuple[str, ...] = ()
     #: Symbol id every border cell holds in every state (Sokoban's wall), or None. Only the interior
     #: of a row then varies, which keeps the row table small (an 8x8 room: 7**6 rows, not 7**8).

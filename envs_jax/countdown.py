@@ -132,6 +132,8 @@ class Countdown(TextEnv):
     default_max_actions_per_traj = 1
     step_reward_values = STEP_REWARDS
     action_names = ()  # a language action: the answer text itself
+    success_meaning = (f"the answer uses the task's numbers and equals the target (reward {SCORE}); "
+                       f"a well-formed wrong answer's {FORMAT_SCORE} is a failure")
 
     def __init__(self, tasks: str = "", max_instances: int = 20000, answer_width: int = 64, max_value: int = 99):
         if answer_width < 8:

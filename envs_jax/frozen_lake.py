@@ -132,6 +132,7 @@ def goal_reachable(board) -> jnp.ndarray:
 class FrozenLake(GridEnv):
     instruction = INSTRUCTION
     symbol_meanings = SYMBOL_MEANINGS
+    success_meaning = "the player reaches the goal"
     legend_symbols = DEFAULT_GRID_SYMBOLS  # RAGEN's legend names its config class's glyphs
     step_reward_values = (0.0, 1.0)
 

@@ -169,6 +169,7 @@ def _fixed_codes(walls, targets):
 class Sokoban(GridEnv):
     instruction = INSTRUCTION
     symbol_meanings = SYMBOL_MEANINGS
+    success_meaning = "every box on a target"
     border_symbol = WALL  # levels are enclosed by walls (``state_from_text`` enforces it)
     legend_symbols = DEFAULT_GRID_SYMBOLS  # quirk 1
     # Each value built in gym_sokoban's order of additions (penalty, box change, bonus): the

@@ -8,9 +8,11 @@ Reads what ``experiments/run.py`` writes: ``metrics.jsonl`` (curves: success per
 and validation, reward mean and in-group std, entropy, the answers' mutual information with the
 board (template collapse), gradient norm, response and think length,
 reasoning diversity, throughput; collapse warnings marked), ``val/step_N.jsonl`` (each trajectory as
-a dialogue, turn by turn, with the board drawn) and ``config.json`` (env overrides, for the board's
-symbols). The page holds its data, script and style inline: no network, it opens offline and as an
-e-mail attachment. Missing or partial inputs (a run still writing, a truncated line, no
+a dialogue, turn by turn, with the board drawn, and why a penalised reply broke the format) and
+``config.json`` (env overrides, for the board's symbols; the rollout's parse settings). What success
+means, the symbols' roles and the action names come from each env's contract (``envs_jax.base``).
+The page holds its data, script and style inline: no network, it opens offline and as an e-mail
+attachment. Missing or partial inputs (a run still writing, a truncated line, no
 validation) give a page of what exists with a note saying what was skipped.
 """
 
@@ -32,12 +34,7 @@ from starpo_jax.diagnostics.diversity import distinct_ngrams, think_texts
 
 ASSETS = Path(__file__).with_name("report_assets")
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
-
-# Cell roles in the order of each env class's ``grid_symbols`` (envs_jax/sokoban.py, frozen_lake.py).
-GRID_ROLES = {
-    "Sokoban": ("wall", "empty", "target", "box_on_target", "box", "player", "player_on_target"),
-    "FrozenLake": ("player", "empty", "hole", "goal", "player_in_hole", "player_on_goal"),
-}
+SUCCESS_KEY = re.compile(r"^(?:train|val-env)/([^/]+)/success$")
 
 
 # ---- reading a run (tolerant: a run may be still writing) ----------------------------------------
@@ -47,7 +44,7 @@ def read_jsonl(path: Path, notes: list[str], gaps: list | None = None) -> list[d
     """The JSON objects of a JSONL file. A line that does not parse is skipped with a note saying
     which and why: the last lines cut short (the run may still be writing them), or broken lines
     among complete ones (what they logged is lost). Each of the latter adds to ``gaps`` the
-    ``step`` of the rows either side of it, where the curves break."""
+    ``step`` of the rows either side of it: the curves that may have lost a point there break."""
     rows, broken = [], []  # broken: (line number, why, how many complete rows precede it)
     for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
@@ -88,20 +85,60 @@ def finite(value):
     return value
 
 
-def board_spec(tag: str, overrides: dict) -> dict:
-    """How to draw a tag's observation: a grid with a role per symbol, the Bandit's arms, or text."""
-    try:
-        import envs_jax
+def make_env(tag: str, overrides: dict):
+    """The env of a tag as the run built it, or None for one this version does not know (its boards
+    are then shown as text, and its format failures without a reason)."""
+    import envs_jax
 
-        env = envs_jax.make(tag, **overrides)
-    except Exception:  # an env this version does not know: its boards are shown as text
-        return {"kind": "text"}
-    kind = type(env).__name__
-    if kind in GRID_ROLES:
-        return {"kind": "grid", "roles": dict(zip(env.grid_symbols, GRID_ROLES[kind]))}
-    if kind == "Bandit":
+    try:
+        return envs_jax.make(tag, **overrides)
+    except Exception:
+        return None
+
+
+def board_spec(env) -> dict:
+    """How to draw an env's observation: a grid with a role per glyph (its ``symbol_meanings``,
+    "box on target" as "box_on_target"), the Bandit's arms, or text."""
+    from envs_jax.base import GridEnv
+
+    if isinstance(env, GridEnv) and env.symbol_meanings:
+        return {"kind": "grid", "roles": {s: m.replace(" ", "_") for s, m in zip(env.symbols, env.symbol_meanings)}}
+    if type(env).__name__ == "Bandit":
         return {"kind": "bandit"}
     return {"kind": "text"}
+
+
+def env_spec(env) -> dict:
+    """What the page says of a tag's env: how to draw its boards and what its success means."""
+    return {"board": board_spec(env), "success": env.success_meaning if env is not None else None}
+
+
+def parse_settings(config: dict) -> tuple[int, bool]:
+    """``(max_actions_per_turn, enable_think)`` the run parsed replies with (config defaults if unsaid)."""
+    from starpo_jax.runtime.settings import setting_defaults
+
+    defaults, rollout = setting_defaults("RolloutPlan"), config.get("rollout") or {}
+    return (rollout.get("max_actions_per_turn", defaults["max_actions_per_turn"]),
+            rollout.get("enable_think", defaults["enable_think"]))
+
+
+def format_failure(response: str, env, settings: tuple[int, bool]) -> str:
+    """Why a reply earned the format penalty, by the rollout's own parser (``parse_response_text``,
+    the oracle of the in-graph one): no closing tag, an answer that is not an action name, or no
+    answer at all. "" when the env is unknown or the text parses clean."""
+    from starpo_jax.rollout.parsing import parse_response_text
+
+    if env is None:
+        return ""
+    max_actions, think = settings
+    parsed = parse_response_text(response, None if env.answer_width else env.action_names, max_actions, think)
+    if not parsed.matched:
+        return "no closing tag: the reply never completes " + (
+            "<think>…</think><answer>…</answer>" if think else "<answer>…</answer>")
+    unknown = [a for a, i in zip(parsed.actions, parsed.action_ids) if i < 0]
+    if unknown:
+        return "not an action name: " + ", ".join(repr(a) for a in unknown)
+    return "" if parsed.actions else "empty answer: no action"
 
 
 def observed_state(observation: str) -> str:
@@ -115,20 +152,22 @@ def prompt_text(observation: str) -> str:
     return observation.split("State:\n")[0].strip("\n")
 
 
-def compact_turn(turn: dict) -> dict:
+def compact_turn(turn: dict, env, settings: tuple[int, bool]) -> dict:
+    response, penalty = str(turn.get("response") or ""), bool(turn.get("format_error"))
     return {
         "state": observed_state(str(turn.get("observation", ""))),
         "think": turn.get("think") or "",
         "answer": turn.get("answer") or "",
         "actions": list(turn.get("actions") or []),
         "reward": finite(turn.get("reward")),
-        "penalty": bool(turn.get("format_error")),
-        "response": turn.get("response") or "",
+        "penalty": penalty,
+        "why": format_failure(response, env, settings) if penalty else "",
+        "response": response,
     }
 
 
-def compact_record(record: dict, step: int) -> dict:
-    """A dumped trajectory without its repeated prompt text."""
+def compact_record(record: dict, step: int, env, settings: tuple[int, bool]) -> dict:
+    """A dumped trajectory without its repeated prompt text; each penalised turn says why."""
     return {
         "step": step,
         "tag": str(record.get("tag", "?")),
@@ -138,7 +177,7 @@ def compact_record(record: dict, step: int) -> dict:
         "reward": finite(record.get("env_reward")),
         "penalty": finite(record.get("format_penalty_sum")),
         "actions": record.get("num_actions"),
-        "turns": [compact_turn(t) for t in record.get("turns") or [] if isinstance(t, dict)],
+        "turns": [compact_turn(t, env, settings) for t in record.get("turns") or [] if isinstance(t, dict)],
     }
 
 
@@ -184,6 +223,13 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
             notes.append(f"{run_dir / 'config.json'} is not valid JSON; boards use the envs' default symbols.")
     config = config if isinstance(config, dict) else {}
     overrides = (config.get("envs") or {}).get("overrides") or {}
+    settings = parse_settings(config)
+    envs: dict = {}  # tag -> its env (None: unknown), built once
+
+    def env_of(tag: str):
+        if tag not in envs:
+            envs[tag] = make_env(tag, overrides.get(tag, {}))
+        return envs[tag]
 
     metrics_path = run_dir / "metrics.jsonl"
     metrics, gaps = [], []
@@ -210,7 +256,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
                 continue
             kept[tag] += 1
             shown += 1
-            trajectories.append(compact_record(record, step))
+            trajectories.append(compact_record(record, step, env_of(tag), settings))
             first = (record.get("turns") or [{}])[0]
             if tags.get(tag) is None and isinstance(first, dict) and first.get("observation"):
                 tags[tag] = prompt_text(str(first["observation"]))
@@ -219,6 +265,8 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
         if shown < len(records):
             notes.append(f"step {step}: showing {shown} of {len(records)} trajectories (--max-levels {max_levels}).")
 
+    for tag in {m.group(1) for r in metrics for m in map(SUCCESS_KEY.match, r) if m}:  # curves, no dump yet
+        env_of(tag)
     collapse = [r["step"] for r in metrics if r.get("collapse/warning")]
     if collapse:
         notes.append(f"Collapse warning (reward std and entropy falling, a gradient spike, or the answers' "
@@ -232,7 +280,7 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
         "collapse_steps": collapse,
         "trajectories": trajectories,
         "diversity": {str(k): v for k, v in diversity.items()},
-        "boards": {tag: board_spec(tag, overrides.get(tag, {})) for tag in tags},
+        "envs": {tag: env_spec(env) for tag, env in sorted(envs.items())},
         "prompts": {tag: prompt for tag, prompt in tags.items() if prompt},
         "notes": notes,
     }

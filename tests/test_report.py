@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import envs_jax
+from envs_jax.base import GridEnv, TextEnv
+from envs_jax.sokoban import Sokoban
 from experiments import report
 from helpers import REPO, command_env, tiny_with
 from starpo_jax.diagnostics.diversity import distinct_ngrams, think_diversity_metrics
@@ -163,9 +166,9 @@ def test_partial_and_malformed_runs_give_a_report_with_notes(tiny_run, browser, 
     writing = tmp_path / "writing"  # a run still writing: truncated last lines, a temporary dump
     shutil.copytree(tiny_run, writing, ignore=shutil.ignore_patterns("checkpoints", "tb"))
     with (writing / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 2.5, "train/rew\n')  # a broken line among complete ones: a gap in the curves
-        f.write(json.dumps({"step": 3, "train/reward/mean": 0.1, "collapse/warning": 1.0}) + "\n")
-        f.write('{"step": 4, "train/reward/me')
+        f.write('{"step": 3, "train/rew\n')  # a broken line among complete ones: a gap in the curves
+        f.write(json.dumps({"step": 4, "train/reward/mean": 0.1, "collapse/warning": 1.0}) + "\n")
+        f.write('{"step": 5, "train/reward/me')
     with (writing / "val" / "step_2.jsonl").open("a") as f:
         f.write('{"tag": "FrozenLake", "turns": [{"obs')
     (writing / "val" / "step_3.tmp").write_text("{")
@@ -187,9 +190,9 @@ def test_partial_and_malformed_runs_give_a_report_with_notes(tiny_run, browser, 
     assert "no_val: No validation dumps" in notes
     assert "empty: No metrics.jsonl" in notes
     assert ("Collapse warning (reward std and entropy falling, a gradient spike, or the answers' mutual information "
-            "with the board falling) at step(s) 3.") in notes
+            "with the board falling) at step(s) 4.") in notes
     marks = page.page.locator("#curves line.collapse")
-    assert marks.count() > 0 and marks.first.locator("title").text_content() == "collapse warning at step 3 (writing)"
+    assert marks.count() > 0 and marks.first.locator("title").text_content() == "collapse warning at step 4 (writing)"
     # What exists is still drawn: the complete lines of each run.
     assert page.page.locator('#curves path.series[data-key="train/reward/mean"]').count() == 2
     curve = page.page.locator('#curves path.series[data-key="train/reward/mean"][data-run="writing"]')
@@ -273,3 +276,149 @@ def test_max_levels_keeps_the_first_levels_of_each_env(tmp_path):
     assert run["trajectories"][0]["turns"][0]["state"] == "P_G"
     assert "step 5: showing 3 of 4 trajectories" in " ".join(run["notes"])
     assert run["diversity"]["5"]["FrozenLake"]["texts"] == 3  # measured over every level, not only those shown
+
+
+# ---- what the page says of envs and replies: synthetic runs, no training -------------------------
+
+
+def turn_of(response, format_error, state="P_G", actions=(), reward=0.0):
+    return {"observation": f"State:\n{state}\nYou have 3 actions left.", "response": response, "think": "",
+            "answer": "", "actions": list(actions), "format_error": format_error, "reward": reward}
+
+
+def write_dump(run_dir, step, records):
+    (run_dir / "val").mkdir(parents=True, exist_ok=True)
+    full = [{"group": g, "seed": 123 + g, "env_reward": 0.0, "format_penalty_sum": 0.0, "num_actions": 0} | r
+            for g, r in enumerate(records)]
+    (run_dir / "val" / f"step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full))
+
+
+BANDIT_STATE = "1. There are 2 arms, named Phoenix and Dragon\n2. Each arm has its own reward distribution."
+
+
+def test_format_failures_say_why_by_the_rollouts_parser(tmp_path, browser):
+    """A penalised turn says why, from its recorded reply parsed by ``parse_response_text``: no
+    closing tag, not an action name (the env's, Bandit's arms included), or no answer."""
+    turns = [
+        turn_of("go left</think><answer>Left", True),  # </answer> never comes
+        turn_of("hmm</think><answer>Jump || Left</answer>", True, actions=["Left"]),
+        turn_of("hmm</think> <answer> </answer>", True),
+        turn_of("ok</think><answer>Left</answer>", False, actions=["Left"]),
+    ]
+    write_dump(tmp_path, 1, [{"tag": "FrozenLake", "success": False, "turns": turns},
+                             {"tag": "Bandit", "success": False, "turns": [
+                                 turn_of("</think><answer>Tiger</answer>", True, BANDIT_STATE)]}])
+    (run,) = report.build_data([tmp_path])["runs"]
+    lake, bandit = run["trajectories"]
+    assert [t["why"] for t in lake["turns"]] == [
+        "no closing tag: the reply never completes <think>…</think><answer>…</answer>",
+        "not an action name: 'Jump'", "empty answer: no action", ""]
+    assert bandit["turns"][0]["why"] == "not an action name: 'Tiger'"
+
+    out = tmp_path / "r.html"
+    report.write_report([tmp_path], out)
+    page = Page(browser, out.as_uri())
+    whys = page.articles().first.locator(".format-why")
+    assert whys.count() == 3 and whys.nth(1).text_content() == "not an action name: 'Jump'"
+    assert page.errors == []
+
+    # config.json's rollout settings are the parser's: without thinking, "<answer>" alone is the format
+    (tmp_path / "config.json").write_text(json.dumps({"rollout": {"enable_think": False}}))
+    (run,) = report.build_data([tmp_path])["runs"]
+    assert run["trajectories"][0]["turns"][0]["why"] == "no closing tag: the reply never completes <answer>…</answer>"
+    assert run["trajectories"][1]["turns"][0]["why"] == "not an action name: 'Tiger'"
+
+
+def test_the_page_says_what_success_means_in_each_env(tmp_path, browser):
+    """From the env's contract (``success_meaning``): a Bandit pull of the safe arm pays 0.1 and is a
+    failure, and the page says why."""
+    write_dump(tmp_path, 1, [
+        {"tag": "Bandit", "success": False, "env_reward": 0.1, "num_actions": 1,
+         "turns": [turn_of("</think><answer>Phoenix</answer>", False, BANDIT_STATE, ["Phoenix"], 0.1)]},
+        {"tag": "FrozenLake", "success": True, "env_reward": 1.0, "turns": [turn_of("", False, "P_G")]}])
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "val-env/Bandit/success": 0.0}) + "\n")
+    (run,) = report.build_data([tmp_path])["runs"]
+    bandit = envs_jax.make("Bandit")
+    assert run["envs"]["Bandit"]["success"] == bandit.success_meaning
+    assert "Dragon" in bandit.success_meaning and "0.1" in bandit.success_meaning
+    assert run["envs"]["FrozenLake"]["success"] == "the player reaches the goal"
+
+    out = tmp_path / "r.html"
+    report.write_report([tmp_path], out)
+    page = Page(browser, out.as_uri())
+    p = page.page
+    card = page.articles().first
+    assert card.locator(".badge").text_content() == "failure" and "reward 0.1" in card.inner_text()
+    assert card.locator(".badge").get_attribute("title") == f"success in Bandit: {bandit.success_meaning}"
+    key = p.locator("#trajectories .success-key li")
+    assert [key.nth(i).get_attribute("data-tag") for i in range(key.count())] == ["Bandit", "FrozenLake"]
+    assert bandit.success_meaning in key.first.text_content()
+    assert p.locator("#curves .panel .caption").first.text_content() == f"success: {bandit.success_meaning}"
+    assert page.errors == []
+
+
+def test_a_broken_training_line_leaves_the_validation_curve_whole(tmp_path, browser):
+    """Validation every 2 steps, the training line of step 3 broken: the training curve breaks there,
+    the validation curve (0, 2, 4: nothing of it lost) stays one line. A lost validation breaks it."""
+    train, val = "train/reward/mean", "val-env/reward/mean"
+    line = lambda step, key: json.dumps({"step": step, key: 0.1 * step})  # noqa: E731
+    lines = [line(0, val), line(1, train), line(2, train), line(2, val), '{"step": 3, "train/rew', line(4, train),
+             line(4, val), line(5, train), line(6, train), '{"step": 6, "val-env/rew', line(7, train), line(8, train),
+             line(8, val)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run,) = report.build_data([tmp_path])["runs"]
+    assert run["gaps"] == [[2, 4], [6, 7]]
+
+    out = tmp_path / "r.html"
+    report.write_report([tmp_path], out)
+    page = Page(browser, out.as_uri())
+    path = lambda key: page.page.locator(f'#curves path.series[data-key="{key}"]').first.get_attribute("d")  # noqa: E731
+    assert path("train/reward/mean").count("M") == 2  # 1 2 | 4 5 6 7 8
+    assert path("val-env/reward/mean").count("M") == 2  # 0 2 4 | 8: step 6's validation is the lost line
+    assert path("val-env/reward/mean").count("L") == 2
+    assert page.errors == []
+
+
+def test_a_flat_series_gets_an_axis_around_its_value(tmp_path, browser):
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "train/reward/mean": 0.25, "actor/entropy_loss": 0.0}) + "\n" for s in range(1, 5)))
+    out = tmp_path / "r.html"
+    report.write_report([tmp_path], out)
+    page = Page(browser, out.as_uri())
+    for key, value in (("train/reward/mean", 0.25), ("actor/entropy_loss", 0.0)):
+        panel = page.page.locator(f'#curves .panel:has(path.series[data-key="{key}"])').first
+        y_ticks = [float(t) for t in panel.locator('text.tick[text-anchor="end"]').all_text_contents()]
+        assert len(set(y_ticks)) >= 2 and min(y_ticks) < value < max(y_ticks), (key, y_ticks)
+        ys = {float(d.split(" ")[1]) for d in panel.locator("path.series").get_attribute("d").replace("M", "L")
+              .split("L")[1:]}
+        (y,) = ys  # one height, inside the plot, not on its edge
+        assert 10 + 20 < y < 230 - 34 - 20, (key, y)
+    assert page.errors == []
+
+
+class Warehouse(Sokoban):
+    """A new grid env (a new class name): the report draws it from its symbol_meanings."""
+
+
+def test_boards_draw_each_glyph_by_the_envs_symbol_meanings(tmp_path, monkeypatch):
+    monkeypatch.setitem(envs_jax.VARIANTS, "Warehouse", (Warehouse, {"dim_room": (6, 6), "num_boxes": 1}))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"envs": {"overrides": {"Warehouse": {"grid_symbols": ["W", ".", "G", "C", "B", "A", "@"]}}}}))
+    write_dump(tmp_path, 1, [{"tag": "Warehouse", "success": False, "turns": [turn_of("", False, "WWW\nWA.\nWWW")]}])
+    (run,) = report.build_data([tmp_path])["runs"]
+    assert run["envs"]["Warehouse"]["board"] == {"kind": "grid", "roles": {
+        "W": "wall", ".": "empty", "G": "target", "C": "box_on_target", "B": "box", "A": "player",
+        "@": "player_on_target"}}
+    assert report.board_spec(envs_jax.make("FrozenLake"))["roles"] == dict(zip(
+        "P_OGX√", ("player", "empty", "hole", "goal", "player_in_hole", "player_on_goal")))
+
+
+def test_every_shipped_env_says_what_success_means_and_what_its_symbols_are():
+    """What the report reads from the env contract: ``success_meaning`` (each shipped env its own, an
+    env that declares none the base class's default) and, for grid envs, a meaning per glyph."""
+    for name in sorted(envs_jax.VARIANTS):
+        env = envs_jax.make(name)
+        assert env.success_meaning and env.success_meaning != TextEnv.success_meaning, name
+        if isinstance(env, GridEnv):
+            assert len(env.symbol_meanings) == len(env.symbols), name
+    assert "success" in TextEnv.success_meaning

@@ -73,12 +73,19 @@ function tagsOf(pattern) {
   return [...tags].sort();
 }
 
-// Each panel: a title and its series (metric name, legend label, dashed for validation).
+// What success means in an env (its contract's success_meaning), from the first run that knows it.
+function successMeaning(tag) {
+  for (const run of RUNS) { const env = run.envs[tag]; if (env && env.success) return env.success; }
+  return null;
+}
+
+// Each panel: a title, an optional caption and its series (metric name, legend label, dashed for validation).
 function panels() {
   const list = [];
   const trainTags = tagsOf(/^train\/([^/]+)\/success$/), valTags = tagsOf(/^val-env\/([^/]+)\/success$/);
   for (const tag of [...new Set([...trainTags, ...valTags])].sort()) {
-    list.push({ title: `Success: ${tag}`, series: [
+    const meaning = successMeaning(tag);
+    list.push({ title: `Success: ${tag}`, caption: meaning && `success: ${meaning}`, series: [
       { key: `train/${tag}/success`, label: "train" }, { key: `val-env/${tag}/success`, label: "validation", val: true }] });
   }
   list.push(
@@ -125,9 +132,16 @@ function points(run, s) {
   return pts.sort((a, b) => a[0] - b[0]);
 }
 
-// Whether a broken metrics line lies between steps a < b: the curve is not drawn across it.
-function brokenBetween(run, a, b) {
-  return (run.gaps || []).some(([before, after]) => a <= before && after <= b);
+// Whether a curve breaks between its consecutive points at steps a < b: a broken metrics line lies
+// between them and they are further apart than the curve's closest two points (spacing), so a point
+// of it may be what the line logged. A series logged every k steps (validation) whose points stay k
+// apart lost nothing: the broken line was another series' (a training step's).
+function brokenBetween(run, a, b, spacing) {
+  return b - a > spacing && (run.gaps || []).some(([before, after]) => a <= before && after <= b);
+}
+
+function spacingOf(pts) {
+  return Math.min(...pts.slice(1).map((p, j) => p[0] - pts[j][0]));
 }
 
 function niceTicks(lo, hi, n = 5, integer = false) {
@@ -150,7 +164,8 @@ function chart(panel) {
     const pts = points(run, s);
     if (pts.length) lines.push({ run, r, s, i, pts });
   }));
-  const box = el("div", { class: "panel" }, el("h3", { text: panel.title }));
+  const box = el("div", { class: "panel" }, el("h3", { text: panel.title }),
+    panel.caption ? el("p", { class: "muted caption", text: panel.caption }) : null);
   if (!lines.length) {
     box.classList.add("empty");
     box.append(el("p", { class: "muted", text: "not logged in " + (RUNS.length > 1 ? "these runs" : "this run") }));
@@ -182,7 +197,8 @@ function chart(panel) {
   for (const l of lines) {
     const color = PALETTE[(RUNS.length > 1 ? l.r : l.i) % PALETTE.length];
     const dash = RUNS.length > 1 ? DASHES[l.i % DASHES.length] : (l.s.val ? "6 4" : "");
-    const d = l.pts.map((p, j) => `${j && !brokenBetween(l.run, l.pts[j - 1][0], p[0]) ? "L" : "M"}${x(p[0]).toFixed(1)} ${y(p[1]).toFixed(1)}`).join("");
+    const spacing = spacingOf(l.pts);
+    const d = l.pts.map((p, j) => `${j && !brokenBetween(l.run, l.pts[j - 1][0], p[0], spacing) ? "L" : "M"}${x(p[0]).toFixed(1)} ${y(p[1]).toFixed(1)}`).join("");
     plot.append(svg("path", { d, class: "series", stroke: color, "stroke-dasharray": dash, "data-key": l.s.key, "data-run": l.run.name }));
     const name = (RUNS.length > 1 ? l.run.name + " · " : "") + l.s.label;
     if (l.pts.length <= 400) {
@@ -338,9 +354,9 @@ function drawBoard(spec, turn) {
 // ---- trajectories ----------------------------------------------------------------------------------
 
 function trajectoryCard(run, t, compact = false) {
-  const spec = run.boards[t.tag];
+  const env = run.envs[t.tag] || {};
   const head = el("div", { class: "traj-head" },
-    el("span", { class: "badge " + (t.success ? "ok" : "fail"), text: t.success ? "success" : "failure" }),
+    el("span", { class: "badge " + (t.success ? "ok" : "fail"), text: t.success ? "success" : "failure", title: env.success ? `success in ${t.tag}: ${env.success}` : "" }),
     el("b", { text: t.tag }),
     el("span", { text: `step ${t.step}` }),
     el("span", { text: `level seed ${t.seed ?? "?"}` }),
@@ -359,12 +375,13 @@ function trajectoryCard(run, t, compact = false) {
     if (turn.actions.length) for (const a of turn.actions) acts.append(el("span", { class: "chip", text: a }));
     else acts.append(el("span", { class: "muted", text: "none executed" }));
     acts.append(el("span", { class: "turn-reward", text: `reward ${fmt(turn.reward)}` + (turn.penalty ? " · format penalty" : "") }));
+    if (turn.penalty && turn.why) acts.append(el("span", { class: "format-why", text: turn.why }));
     said.append(acts);
     if (turn.response) {
       said.append(el("details", { class: "raw" }, el("summary", { text: "raw response" }), el("pre", { text: turn.response })));
     }
     const label = el("div", { class: "turn-no", title: "the board as the agent saw it, before this turn's actions" }, el("span", { text: `turn ${i + 1}` }));
-    card.append(el("div", { class: "turn" }, label, drawBoard(spec, turn), said));
+    card.append(el("div", { class: "turn" }, label, drawBoard(env.board, turn), said));
   });
   if (!t.turns.length) card.append(el("p", { class: "muted", text: "no turn recorded" }));
   return card;
@@ -428,7 +445,13 @@ function trajectoriesSection() {
     seen.add(tag + "\n" + text);
     promptBox.append(el("details", { class: "prompt" }, el("summary", { text: `prompt of ${tag}` + (RUNS.length > 1 ? ` (${run.name})` : "") }), el("pre", { text })));
   }
-  section.append(el("p", { class: "muted", text: "Each turn: the board as the agent saw it, then what it thought, answered and did, and the turn's reward." }), promptBox, bar, count, list, pager);
+  const tags = [...new Set(RUNS.flatMap((run) => run.trajectories.map((t) => t.tag)))].sort();
+  const meanings = tags.filter(successMeaning).map((tag) =>
+    el("li", { "data-tag": tag }, el("b", { text: tag }), document.createTextNode(`: ${successMeaning(tag)}`)));
+  section.append(el("p", { class: "muted", text: "Each turn: the board as the agent saw it, then what it thought, answered and did, and the turn's reward." }),
+    meanings.length ? el("div", { class: "success-key" },
+      el("span", { text: "What counts as success (each env's own rule, whatever the reward):" }), el("ul", {}, ...meanings)) : null,
+    promptBox, bar, count, list, pager);
   return section;
 }
 
