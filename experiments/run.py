@@ -98,9 +98,9 @@ def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
     return metrics | {f"timing_s/{prefix}_mi": time.perf_counter() - t0} if metrics else {}
 
 
-def warm_up_format(exp, state, log):
+def warm_up_format(exp, state, log, stopping: Stopping):
     """``actor.format_warmup_steps`` supervised steps on random valid answers before RL
-    (``starpo_jax.format_warmup``): (state, metrics of step 0)."""
+    (``starpo_jax.format_warmup``): (state, metrics of step 0). A signal stops it between steps."""
     import jax
     from tqdm import tqdm
 
@@ -116,6 +116,7 @@ def warm_up_format(exp, state, log):
             nll.append(metrics["format_warmup/nll"])
             bar.update()
             bar.set_postfix(nll=f"{nll[-1]:.3f}")
+            stopping.check_before_training()
 
         pieces = answer_pieces(exp.tokenizer, exp.train_plan, exp.train_tables)
         state = format_warmup(exp.settings, exp.model.graphdef, exp.train_plan, exp.train_tables, pieces, state,
@@ -146,8 +147,10 @@ def main(argv) -> int:
         try:
             return _checked_and_trained(cfg, stopping)
         except KeyboardInterrupt:
-            before = " before training started" if stopping.finished is None else ""
+            before = "" if stopping.finished else " before training started"
             return stopping.report(f"interrupted (SIGINT){before}", 130)
+        except TerminatedBeforeTraining:
+            return stopping.report("terminated (SIGTERM) before training started", 143)
 
 
 def _checked_and_trained(cfg, stopping: Stopping) -> int:
@@ -173,9 +176,7 @@ def _checked_and_trained(cfg, stopping: Stopping) -> int:
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
-    stopping.check()  # a signal while loading that no exception carried out (a gc callback swallows them)
-    if stopping.terminated:
-        return stopping.report("terminated (SIGTERM) before training started", 143)
+    stopping.check_before_training()  # a signal that came while checking or loading
     if cfg.trainer.overwrite and not cfg.trainer.resume and distributed.is_writer():
         clear_run(out)
     with sharding.use_mesh(exp.mesh):
@@ -250,6 +251,10 @@ def _ctrl_c_dropped(hook):
     return report
 
 
+class TerminatedBeforeTraining(Exception):
+    """SIGTERM before the first training step: the run ends with nothing to save."""
+
+
 class Stopping:
     """SIGINT and SIGTERM while a run checks its config, loads and trains.
 
@@ -259,13 +264,14 @@ class Stopping:
     raised inside a garbage-collector callback, so the flag ``interrupted`` stays, and ``check``
     raises it again where the run can stop (before training, after each step). A second SIGINT
     ends the process at once (the default action, whatever the run is doing). SIGTERM only sets
-    ``terminated``: the loop saves the step it is on when that step is done, and reports (before
-    training: once the model is loaded, with nothing to save)."""
+    ``terminated``: the loop saves the step it is on when that step is done, and reports; before
+    the first step (once the model is loaded, between format warm-up steps, after the first
+    validation) it ends the run with nothing to save (``check_before_training``)."""
 
     def __init__(self, config):
         self.config = config
         self.terminated = self.saving = self.interrupted = False
-        self.finished = None  # the last training step done, once known
+        self.finished = None  # the last training step done, once known (0: none yet)
         self.bar = self.board = None  # closed before the report
         self._previous = {}
 
@@ -297,6 +303,14 @@ class Stopping:
         if self.interrupted:
             raise KeyboardInterrupt
 
+    def check_before_training(self) -> None:
+        """``check``, and end the run on SIGTERM: before the first step there is nothing trained to
+        save (the format warm-up and the first validation are redone by the next start)."""
+        self.check()
+        (terminated,) = _agreed(self.terminated)
+        if terminated:
+            raise TerminatedBeforeTraining
+
     def save(self, write, *args) -> None:
         """``write(*args)`` a checkpoint; a Ctrl-C meanwhile stops the run once it is complete."""
         self.saving = True
@@ -326,7 +340,7 @@ class Stopping:
         else:  # overwrite only what this run left in its folder; an empty folder takes the same command
             how = ("no checkpoint was saved, so there is nothing to resume; start again with: "
                    f"{resume_command(self.config, restart=True, overwrite=bool(run_files_in(folder.parent)))}")
-        when = "" if self.finished is None else f" after step {self.finished}"
+        when = f" after step {self.finished}" if self.finished else ""
         print(f"{distributed.tag()}{what}{when}: {how}", file=sys.stderr, flush=True)
         return status
 
@@ -484,12 +498,13 @@ def train(exp, iteration, stopping: Stopping) -> int:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     if start == 0 and cfg.actor.format_warmup_steps:
-        state, warmup_metrics = warm_up_format(exp, state, log)
+        state, warmup_metrics = warm_up_format(exp, state, log, stopping)
         record(0, warmup_metrics)
     total = cfg.trainer.total_steps
     stop = total if FLAGS.max_steps is None else min(total, start + FLAGS.max_steps)
     if cfg.trainer.val_before_train and start == 0 and cfg.trainer.test_freq > 0:
         record(0, validation(exp, policy_of, val_rollout, val_init, state, 0, out, log))
+        stopping.check_before_training()
 
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     stopping.bar = bar

@@ -98,6 +98,29 @@ def test_sigterm_saves_the_step_it_finishes_and_stops(tmp_path):
     assert line.endswith("--config.trainer.resume=True")
 
 
+def test_sigterm_during_the_format_warm_up_ends_it_between_steps(tmp_path):
+    """Preemption gives seconds, not the minutes a warm-up and the first validation take: SIGTERM
+    before the first training step ends the run at the next warm-up step, with nothing to save."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | {"actor.format_warmup_steps": "100000"}),
+            f"--config.trainer.output_dir={out}"]
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env())
+        try:
+            wait_until(proc, lambda: "nll=" in (tmp_path / "stderr").read_text(), "no warm-up step in 10 minutes", 600,
+                       tmp_path / "stderr")
+            proc.send_signal(signal.SIGTERM)
+            status = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert status == 143 and "Traceback" not in stderr, stderr[-3000:]
+    line = the_line(stderr, "terminated (SIGTERM)")
+    assert line.startswith("terminated (SIGTERM) before training started: no checkpoint was saved"), line
+    assert saved(out) == [] and not (out / "metrics.jsonl").exists()
+
+
 def test_ctrl_c_while_the_model_loads_is_one_line(tmp_path):
     """Before training starts (here: while the bundled SmolLM2's weights load, seconds after the
     plan's memory line) Ctrl-C is the same one line, status 130, and the command to start again:
