@@ -85,6 +85,22 @@ def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, lo
     return metrics
 
 
+def dump_training(exp, traj, step: int, out: Path) -> None:
+    """The first ``trainer.log_trajectories`` trajectories of training step ``step``'s batch as
+    ``train/step_<step>.jsonl`` (the records of ``val/``), for the run report."""
+    import jax
+    import numpy as np
+
+    from starpo_jax.diagnostics import dumps
+    from starpo_jax.runtime import distributed
+
+    traj = distributed.to_host(traj)  # a collective with several processes
+    if distributed.is_writer():
+        first = jax.tree.map(lambda rows: np.asarray(rows)[: exp.config.trainer.log_trajectories], traj)
+        dumps.write_jsonl(dumps.trajectory_records(first, exp.train_plan, exp.tokenizer),
+                          out / "train" / f"step_{step}.jsonl")
+
+
 def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
     """RAGEN-2's template-collapse figures of a rollout batch (``diagnostics.template_collapse``),
     per env tag, with their time; none when ``trainer.mi_prompts`` is 0."""
@@ -185,7 +201,7 @@ def _checked_and_trained(cfg, stopping: Stopping) -> int:
 
 # What a run writes into its output folder, and what experiments.report and experiments.curves
 # write there (``clear_run`` deletes exactly these).
-RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "checkpoints", "damaged_checkpoints", "hf_policy",
+RUN_FILES = ("config.json", "metrics.jsonl", "tb", "val", "train", "checkpoints", "damaged_checkpoints", "hf_policy",
              "lora_adapter", "base_model", "report.html", "curves.png", "curves.json")
 
 
@@ -514,6 +530,8 @@ def train(exp, iteration, stopping: Stopping) -> int:
         t0 = time.perf_counter()
         traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
         t1 = time.perf_counter()
+        if cfg.trainer.log_trajectories > 0:
+            dump_training(exp, traj, step + 1, out)
         # Scored by the weights that sampled the batch, before the update replaces (donates) them.
         collapse = template_collapse(exp, policy_of(state), traj, exp.train_plan, "train") if (
             mi_freq and (step + 1) % mi_freq == 0) else {}

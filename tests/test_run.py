@@ -41,6 +41,10 @@ def test_outputs(full_run):
     dump = [json.loads(line) for line in (full_run / "val" / "step_2.jsonl").read_text().splitlines()]
     assert len(dump) == 2 and dump[0]["turns"] and {"observation", "think", "answer", "actions", "reward"} <= set(dump[0]["turns"][0])
     assert "State:" in dump[0]["turns"][0]["observation"]
+    # trainer.log_trajectories (1 here) training trajectories of every step, as the validation's.
+    for step in (1, 2):
+        [record] = [json.loads(line) for line in (full_run / "train" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert record["turns"] and record["tag"] == "SimpleSokoban" and "response" in record["turns"][0]
     # The logged validation metrics are those of the dumped trajectories.
     mean = lambda field: sum(d[field] for d in dump) / len(dump)  # noqa: E731
     assert val[1]["val-env/FrozenLake/success"] == mean("success")  # exact: 0, 1/2 or 1
