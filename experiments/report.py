@@ -1,4 +1,5 @@
-"""One self-contained HTML page per run: curves and every validation trajectory, drawn.
+"""One self-contained HTML page per run: curves, every validation trajectory and the dumped
+training samples, drawn.
 
     python -m experiments.report runs/quickstart                       # writes runs/quickstart/report.html
     python -m experiments.report runs/starpo runs/starpo_s -o cmp.html  # several runs overlaid
@@ -8,7 +9,9 @@ Reads what ``experiments/run.py`` writes: ``metrics.jsonl`` (curves: success per
 and validation, reward mean and in-group std, entropy, the answers' mutual information with the
 board (template collapse), gradient norm, response and think length,
 reasoning diversity, throughput; collapse warnings marked), ``val/step_N.jsonl`` (each trajectory as
-a dialogue, turn by turn, with the board drawn, and why a penalised reply broke the format) and
+a dialogue, turn by turn, with the board drawn, and why a penalised reply broke the format),
+``train/step_N.jsonl`` (the first ``trainer.log_trajectories`` training trajectories of step N:
+the same records, drawn the same way in a section of their own, labelled as training samples) and
 ``config.json`` (env overrides, for the board's symbols; the rollout's parse settings). What success
 means, the symbols' roles and the action names come from each env's contract (``envs_jax.base``).
 The page holds its data, script and style inline: no network, it opens offline and as an e-mail
@@ -204,16 +207,51 @@ def diversity_of(records: list[dict]) -> dict:
     return table
 
 
-def validation_dumps(run_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the run's ``val/step_N.jsonl`` files, by step (temporary files left out)."""
-    found = ((STEP_FILE.match(p.name), p) for p in (run_dir / "val").glob("step_*.jsonl"))
+DUMPS = {"val": "validation", "train": "training"}  # folder of step_N.jsonl dumps -> what they hold
+
+
+def step_dumps(run_dir: Path, folder: str = "val") -> list[tuple[int, Path]]:
+    """``(step, path)`` of the run's ``<folder>/step_N.jsonl`` files (``val``: validations, ``train``:
+    training samples), by step (temporary files left out)."""
+    found = ((STEP_FILE.match(p.name), p) for p in (run_dir / folder).glob("step_*.jsonl"))
     return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+def read_dumps(run_dir: Path, folder: str, env_of, settings: tuple[int, bool], max_levels: int | None,
+               notes: list[str], prompts: dict) -> tuple[list[dict], dict]:
+    """The compact trajectories of a run's ``<folder>/step_N.jsonl`` dumps (each marked with its
+    ``kind``, the folder) and, per step, the diversity of their think texts. Each tag's prompt text goes
+    to ``prompts`` (tag -> text, None while no dump of it had one)."""
+    from tqdm import tqdm
+
+    step_files = step_dumps(run_dir, folder)
+    trajectories, diversity = [], {}
+    for step, path in tqdm(step_files, desc=f"report {run_dir.name} {folder}", unit="file",
+                           disable=len(step_files) < 20):
+        records = read_jsonl(path, notes)
+        diversity[step] = diversity_of(records)
+        kept, shown = Counter(), 0
+        for record in records:
+            tag = str(record.get("tag", "?"))
+            if max_levels is not None and kept[tag] >= max_levels:
+                continue
+            kept[tag] += 1
+            shown += 1
+            trajectories.append(compact_record(record, step, env_of(tag), settings) | {"kind": folder})
+            first = (record.get("turns") or [{}])[0]
+            if prompts.get(tag) is None and isinstance(first, dict) and first.get("observation"):
+                prompts[tag] = prompt_text(str(first["observation"]))
+            else:
+                prompts.setdefault(tag, None)
+        if shown < len(records):
+            what = "" if folder == "val" else f"{DUMPS.get(folder, folder)} "
+            notes.append(f"{what}step {step}: showing {shown} of {len(records)} trajectories "
+                         f"(--max-levels {max_levels}).")
+    return trajectories, diversity
 
 
 def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
     """Everything the page shows of one run, with notes on what is missing or was skipped."""
-    from tqdm import tqdm
-
     notes: list[str] = []
     config = {}
     if (run_dir / "config.json").exists():
@@ -241,29 +279,13 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
     else:
         notes.append(f"No metrics.jsonl in {run_dir}: no curves.")
 
-    step_files = validation_dumps(run_dir)
-    if not step_files:
+    if not step_dumps(run_dir, "val"):
         notes.append(f"No validation dumps (val/step_N.jsonl) in {run_dir}: no trajectories "
                      "(validation off, trainer.test_freq=0, or not reached yet).")
-    trajectories, diversity, tags = [], {}, {}  # tags: tag -> its prompt text
-    for step, path in tqdm(step_files, desc=f"report {run_dir.name}", unit="file", disable=len(step_files) < 20):
-        records = read_jsonl(path, notes)
-        diversity[step] = diversity_of(records)
-        kept, shown = Counter(), 0
-        for record in records:
-            tag = str(record.get("tag", "?"))
-            if max_levels is not None and kept[tag] >= max_levels:
-                continue
-            kept[tag] += 1
-            shown += 1
-            trajectories.append(compact_record(record, step, env_of(tag), settings))
-            first = (record.get("turns") or [{}])[0]
-            if tags.get(tag) is None and isinstance(first, dict) and first.get("observation"):
-                tags[tag] = prompt_text(str(first["observation"]))
-            else:
-                tags.setdefault(tag, None)
-        if shown < len(records):
-            notes.append(f"step {step}: showing {shown} of {len(records)} trajectories (--max-levels {max_levels}).")
+    tags: dict = {}  # tag -> its prompt text
+    trajectories, diversity = read_dumps(run_dir, "val", env_of, settings, max_levels, notes, tags)
+    # Training samples (train/step_N.jsonl, trainer.log_trajectories): none in runs from before them.
+    train_trajectories, _ = read_dumps(run_dir, "train", env_of, settings, max_levels, notes, tags)
 
     for tag in {m.group(1) for r in metrics for m in map(SUCCESS_KEY.match, r) if m}:  # curves, no dump yet
         env_of(tag)
@@ -278,7 +300,8 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
         "metrics": metrics,
         "gaps": gaps,  # [step before, step after] of each broken metrics line among complete ones
         "collapse_steps": collapse,
-        "trajectories": trajectories,
+        "trajectories": trajectories,  # validation
+        "train_trajectories": train_trajectories,  # training samples (no level seed)
         "diversity": {str(k): v for k, v in diversity.items()},
         "envs": {tag: env_spec(env) for tag, env in sorted(envs.items())},
         "prompts": {tag: prompt for tag, prompt in tags.items() if prompt},
@@ -334,10 +357,11 @@ def write_report(run_dirs: list[Path], out: Path, max_levels: int | None = None,
 
 
 def inputs_signature(run_dirs: list[Path]) -> str:
-    """Changes whenever a run writes a metric line or a validation dump."""
+    """Changes whenever a run writes a metric line, a validation dump or a training-sample dump."""
     parts = []
     for d in run_dirs:
-        for p in sorted([d / "metrics.jsonl", d / "config.json", *(d / "val").glob("step_*.jsonl")]):
+        dumps = [p for folder in DUMPS for p in (d / folder).glob("step_*.jsonl")]
+        for p in sorted([d / "metrics.jsonl", d / "config.json", *dumps]):
             if p.exists():
                 st = p.stat()
                 parts.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")

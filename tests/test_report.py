@@ -129,6 +129,19 @@ def test_report_of_a_tiny_real_run_in_a_browser(tiny_run, browser, tmp_path):
             assert t.locator(".bubble.think").count() == 1 and t.locator(".bubble.answer").count() == 1
             assert turn["response"] in t.locator("details.raw pre").text_content()
 
+    # The training samples (train/step_N.jsonl, trainer.log_trajectories=1): a section of their own.
+    samples = {int(f.stem.split("_")[1]): read_jsonl(f) for f in (tiny_run / "train").glob("step_*.jsonl")}
+    assert sorted(samples) == [1, 2] and [len(samples[s]) for s in (1, 2)] == [1, 1]
+    train_cards = page.articles("#training")
+    assert train_cards.count() == 2
+    for i, step in enumerate((1, 2)):
+        (record,) = samples[step]
+        card = train_cards.nth(i)
+        assert card.get_attribute("data-step") == str(step) and card.get_attribute("data-kind") == "train"
+        assert card.get_attribute("data-tag") == record["tag"] and record["seed"] is None
+        assert card.locator(".turn").count() == len(record["turns"]) > 0
+        assert card.locator(".badge.kind-train").text_content() == "training sample"
+
     # Each env's prompt once, not repeated in every trajectory.
     prompts = p.locator("#trajectories details.prompt")
     assert prompts.count() == 3 and "Sokoban puzzle" in prompts.first.locator("pre").text_content()
@@ -286,11 +299,12 @@ def turn_of(response, format_error, state="P_G", actions=(), reward=0.0):
             "answer": "", "actions": list(actions), "format_error": format_error, "reward": reward}
 
 
-def write_dump(run_dir, step, records):
-    (run_dir / "val").mkdir(parents=True, exist_ok=True)
-    full = [{"group": g, "seed": 123 + g, "env_reward": 0.0, "format_penalty_sum": 0.0, "num_actions": 0} | r
-            for g, r in enumerate(records)]
-    (run_dir / "val" / f"step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full))
+def write_dump(run_dir, step, records, folder="val"):
+    """``<folder>/step_<step>.jsonl``: validation levels have seeds, training samples (``train``) none."""
+    (run_dir / folder).mkdir(parents=True, exist_ok=True)
+    full = [{"group": g, "seed": 123 + g if folder == "val" else None, "env_reward": 0.0, "format_penalty_sum": 0.0,
+             "num_actions": 0} | r for g, r in enumerate(records)]
+    (run_dir / folder / f"step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full))
 
 
 BANDIT_STATE = "1. There are 2 arms, named Phoenix and Dragon\n2. Each arm has its own reward distribution."
@@ -327,6 +341,70 @@ def test_format_failures_say_why_by_the_rollouts_parser(tmp_path, browser):
     (run,) = report.build_data([tmp_path])["runs"]
     assert run["trajectories"][0]["turns"][0]["why"] == "no closing tag: the reply never completes <answer>…</answer>"
     assert run["trajectories"][1]["turns"][0]["why"] == "not an action name: 'Tiger'"
+
+
+def test_training_samples_are_drawn_beside_the_validation_ones(tmp_path, browser):
+    """``train/step_N.jsonl`` (the first ``trainer.log_trajectories`` trajectories of a training step,
+    validation's records without a level seed) are drawn by the same code in a section of their own,
+    labelled as training samples and filtered by step; ``--serve`` notices a new one; a run from before
+    them (no ``train/``) still renders."""
+    write_dump(tmp_path, 0, [{"tag": "FrozenLake", "success": False, "turns": [turn_of("validation reply", False)]}])
+    write_dump(tmp_path, 1, [
+        {"tag": "FrozenLake", "success": True, "env_reward": 1.0, "num_actions": 1,
+         "turns": [turn_of("step one</think><answer>Right</answer>", False, "P_G", ["Right"], 1.0)]},
+        {"tag": "Bandit", "success": False, "turns": [turn_of("</think><answer>Tiger</answer>", True, BANDIT_STATE)]}],
+        folder="train")
+    write_dump(tmp_path, 2, [{"tag": "FrozenLake", "success": False, "turns": [turn_of("step two</think>", True)]}],
+               folder="train")
+    signature = report.inputs_signature([tmp_path])
+    (run,) = report.build_data([tmp_path])["runs"]
+    assert [(t["kind"], t["step"]) for t in run["trajectories"]] == [("val", 0)]
+    train = run["train_trajectories"]
+    assert [(t["kind"], t["step"], t["tag"], t["seed"]) for t in train] == [
+        ("train", 1, "FrozenLake", None), ("train", 1, "Bandit", None), ("train", 2, "FrozenLake", None)]
+    assert train[1]["turns"][0]["why"] == "not an action name: 'Tiger'"
+    assert train[2]["turns"][0]["why"] == "no closing tag: the reply never completes <think>…</think><answer>…</answer>"
+
+    out = tmp_path / "r.html"
+    report.write_report([tmp_path], out)
+    page = Page(browser, out.as_uri())
+    p = page.page
+    assert page.articles().count() == 1 and p.locator("#trajectories .badge.kind-train").count() == 0
+    section = p.locator("#training")
+    assert section.locator("h2").text_content() == "Trajectories (training samples)"
+    assert "not the fixed validation levels" in section.locator("p.about").text_content()
+    cards = page.articles("#training")
+    assert cards.count() == 3
+    first = cards.first
+    assert first.locator(".badge.kind-train").text_content() == "training sample"
+    assert "training step 1" in first.inner_text() and "group 0" in first.inner_text()
+    assert not any("level seed" in cards.nth(i).inner_text() for i in range(3))
+    assert "step one</think><answer>Right</answer>" in first.locator("details.raw pre").text_content()
+    assert cards.nth(1).locator(".format-why").text_content() == "not an action name: 'Tiger'"
+    page.choose("tf-step", "2")  # pick a training step: its samples only
+    assert cards.count() == 1 and cards.first.get_attribute("data-step") == "2"
+    assert cards.first.locator(".format-why").text_content().startswith("no closing tag")
+    assert page.articles().count() == 1  # the validation section's filters are its own
+    page.choose("tf-step", "all")
+    page.choose("tf-env", "Bandit")
+    assert cards.count() == 1 and cards.first.get_attribute("data-tag") == "Bandit"
+    assert "3 training samples" in p.locator("header").inner_text()
+    assert p.locator('nav a[href="#training"]').count() == 1
+    assert page.errors == []
+
+    with (tmp_path / "train" / "step_2.jsonl").open("a") as f:  # a run writing its next training dump
+        f.write(json.dumps(train[0] | {"turns": []}) + "\n")
+    assert report.inputs_signature([tmp_path]) != signature
+
+    shutil.rmtree(tmp_path / "train")  # a run from before training samples were dumped
+    (run,) = report.build_data([tmp_path])["runs"]
+    assert run["train_trajectories"] == [] and len(run["trajectories"]) == 1
+    report.write_report([tmp_path], out)
+    page = Page(browser, out.as_uri())
+    assert page.articles("#training").count() == 0 and page.articles().count() == 1
+    assert "No training samples to show" in page.page.locator("#training .note").text_content()
+    assert "training samples" not in page.page.locator("header ul.runs").inner_text()
+    assert page.errors == []
 
 
 def test_the_page_says_what_success_means_in_each_env(tmp_path, browser):

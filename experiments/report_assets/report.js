@@ -54,9 +54,12 @@ function select(label, options, value, onChange, cls = "") {
 // ---- UI state (kept across the reloads of --serve) ------------------------------------------------
 
 const UI = Object.assign(
-  { run: 0, step: "all", tag: "all", outcome: "all", search: "", page: 0, cmpRun: 0, cmpTag: "", cmpSeed: "", explore: "" },
+  { cmpRun: 0, cmpTag: "", cmpSeed: "", explore: "" },
   (() => { try { return JSON.parse(sessionStorage.getItem(STORE_KEY)) || {}; } catch (e) { return {}; } })(),
 );
+// The filters of each trajectory section (KINDS), apart.
+const VIEW = () => ({ run: 0, step: "all", tag: "all", outcome: "all", search: "", page: 0 });
+UI.views = Object.assign({ val: VIEW(), train: VIEW() }, UI.views);
 function saveUI() { try { sessionStorage.setItem(STORE_KEY, JSON.stringify(UI)); } catch (e) { /* file:// in some browsers */ } }
 
 // ---- curves --------------------------------------------------------------------------------------
@@ -353,18 +356,38 @@ function drawBoard(spec, turn) {
 
 // ---- trajectories ----------------------------------------------------------------------------------
 
+// The dumps drawn as trajectories, each in a section of its own, by the same code: a run's
+// validations (val/step_N.jsonl: the fixed validation levels, by seed) and its training samples
+// (train/step_N.jsonl: the first trainer.log_trajectories trajectories of a training step's batch).
+const KINDS = {
+  val: {
+    id: "trajectories", field: "trajectories", prefix: "f", title: "Trajectories (validation)", what: "validation trajectories",
+    none: "No validation trajectories to show (see the notes above).",
+    about: "Each turn: the board as the agent saw it, then what it thought, answered and did, and the turn's reward.",
+  },
+  train: {
+    id: "training", field: "train_trajectories", prefix: "tf", title: "Trajectories (training samples)", what: "training samples",
+    none: "No training samples to show: no train/step_N.jsonl (trainer.log_trajectories=0, or a run from before they were written).",
+    about: "Training samples, not validation: the first trainer.log_trajectories trajectories of each training step's batch, " +
+      "as that step's policy played them, on the levels the step drew (not the fixed validation levels, so no level seed). " +
+      "Each turn: the board as the agent saw it, then what it thought, answered and did, and the turn's reward.",
+  },
+};
+
 function trajectoryCard(run, t, compact = false) {
   const env = run.envs[t.tag] || {};
+  const train = t.kind === "train";
   const head = el("div", { class: "traj-head" },
     el("span", { class: "badge " + (t.success ? "ok" : "fail"), text: t.success ? "success" : "failure", title: env.success ? `success in ${t.tag}: ${env.success}` : "" }),
+    train ? el("span", { class: "badge kind-train", text: "training sample", title: "a trajectory of the training batch, not a validation level" }) : null,
     el("b", { text: t.tag }),
-    el("span", { text: `step ${t.step}` }),
-    el("span", { text: `level seed ${t.seed ?? "?"}` }),
+    el("span", { text: `${train ? "training " : ""}step ${t.step}` }),
+    el("span", { text: train ? `group ${t.group ?? "?"}` : `level seed ${t.seed ?? "?"}` }),
     el("span", { text: `reward ${fmt(t.reward)}` + (t.penalty ? ` (format penalty ${fmt(t.penalty)})` : "") }),
     el("span", { text: `${t.actions ?? "?"} action(s), ${t.turns.length} turn(s)` }),
   );
   if (RUNS.length > 1 && !compact) head.append(el("span", { class: "muted", text: run.name }));
-  const card = el("article", { class: "trajectory" + (compact ? " compact" : ""), "data-tag": t.tag, "data-step": t.step, "data-success": t.success }, head);
+  const card = el("article", { class: "trajectory" + (compact ? " compact" : "") + (train ? " train" : ""), "data-tag": t.tag, "data-step": t.step, "data-success": t.success, "data-kind": t.kind || "val" }, head);
   t.turns.forEach((turn, i) => {
     const said = el("div", { class: "dialogue" });
     said.append(el("div", { class: "bubble think" }, el("span", { class: "who", text: "think" }),
@@ -387,57 +410,63 @@ function trajectoryCard(run, t, compact = false) {
   return card;
 }
 
-function filtered(run) {
-  const q = UI.search.trim().toLowerCase();
-  return run.trajectories.filter((t) =>
-    (UI.step === "all" || String(t.step) === UI.step) &&
-    (UI.tag === "all" || t.tag === UI.tag) &&
-    (UI.outcome === "all" || (UI.outcome === "success") === t.success) &&
+function filtered(list, V) {
+  const q = V.search.trim().toLowerCase();
+  return list.filter((t) =>
+    (V.step === "all" || String(t.step) === V.step) &&
+    (V.tag === "all" || t.tag === V.tag) &&
+    (V.outcome === "all" || (V.outcome === "success") === t.success) &&
     (!q || t.turns.some((u) => (u.think + " " + u.answer + " " + u.response).toLowerCase().includes(q))));
 }
 
-function trajectoriesSection() {
-  const section = el("section", { id: "trajectories" }, el("h2", { text: "Trajectories (validation)" }));
-  if (!RUNS.some((r) => r.trajectories.length)) {
-    section.append(el("p", { class: "note", text: "No validation trajectories to show (see the notes above)." }));
+// One section of trajectories of a kind (KINDS): filters by run, step, env, outcome and text, pages of PAGE_SIZE.
+function trajectoriesSection(kind) {
+  const K = KINDS[kind], V = UI.views[kind];
+  const of = (run) => run[K.field] || [];
+  const section = el("section", { id: K.id, class: `trajectories ${kind}` }, el("h2", { text: K.title }));
+  if (!RUNS.some((r) => of(r).length)) {
+    section.append(el("p", { class: "note", text: K.none }));
     return section;
   }
+  const p = K.prefix;
   const bar = el("div", { class: "filters" }), count = el("p", { class: "count" }), list = el("div", { class: "traj-list" }), pager = el("div", { class: "pager" });
   const draw = () => {
     saveUI();
-    if (UI.run >= RUNS.length) UI.run = 0;
-    const run = RUNS[UI.run];
-    const steps = [...new Set(run.trajectories.map((t) => t.step))].sort((a, b) => a - b);
-    const tags = [...new Set(run.trajectories.map((t) => t.tag))].sort();
-    if (UI.step !== "all" && !steps.map(String).includes(UI.step)) UI.step = "all";
-    if (UI.tag !== "all" && !tags.includes(UI.tag)) UI.tag = "all";
-    const reset = (f) => (v) => { f(v); UI.page = 0; draw(); };
-    const search = el("input", { type: "search", placeholder: "search think / answer", value: UI.search, "aria-label": "search" });
-    search.addEventListener("change", (e) => reset((v) => { UI.search = v; })(e.target.value));
+    if (V.run >= RUNS.length) V.run = 0;
+    const run = RUNS[V.run], all = of(run);
+    const steps = [...new Set(all.map((t) => t.step))].sort((a, b) => a - b);
+    const tags = [...new Set(all.map((t) => t.tag))].sort();
+    if (V.step !== "all" && !steps.map(String).includes(V.step)) V.step = "all";
+    if (V.tag !== "all" && !tags.includes(V.tag)) V.tag = "all";
+    const reset = (f) => (v) => { f(v); V.page = 0; draw(); };
+    const search = el("input", { type: "search", placeholder: "search think / answer", value: V.search, "aria-label": "search", class: `${p}-text` });
+    search.addEventListener("change", (e) => reset((v) => { V.search = v; })(e.target.value));
+    const stepName = kind === "train" ? "training step" : "step";
     bar.replaceChildren(...[
-      RUNS.length > 1 ? select("run", RUNS.map((r, i) => [i, r.name]), UI.run, reset((v) => { UI.run = Number(v); })) : null,
-      select("step", [["all", "all steps"], ...steps.map((s) => [String(s), `step ${s}`])], UI.step, reset((v) => { UI.step = v; }), "f-step"),
-      select("env", [["all", "all envs"], ...tags.map((t) => [t, t])], UI.tag, reset((v) => { UI.tag = v; }), "f-env"),
-      select("outcome", [["all", "all"], ["success", "success"], ["failure", "failure"]], UI.outcome, reset((v) => { UI.outcome = v; }), "f-outcome"),
+      RUNS.length > 1 ? select("run", RUNS.map((r, i) => [i, r.name]), V.run, reset((v) => { V.run = Number(v); }), `${p}-run`) : null,
+      select(stepName, [["all", "all steps"], ...steps.map((s) => [String(s), `${stepName} ${s}`])], V.step, reset((v) => { V.step = v; }), `${p}-step`),
+      select("env", [["all", "all envs"], ...tags.map((t) => [t, t])], V.tag, reset((v) => { V.tag = v; }), `${p}-env`),
+      select("outcome", [["all", "all"], ["success", "success"], ["failure", "failure"]], V.outcome, reset((v) => { V.outcome = v; }), `${p}-outcome`),
       el("label", { class: "filter" }, el("span", { text: "text" }), search),
     ].filter(Boolean));
-    const shown = filtered(run);
+    const shown = filtered(all, V);
     const pages = Math.max(1, Math.ceil(shown.length / PAGE_SIZE));
-    UI.page = Math.min(UI.page, pages - 1);
-    const first = UI.page * PAGE_SIZE;
+    V.page = Math.min(V.page, pages - 1);
+    const first = V.page * PAGE_SIZE;
     const page = shown.slice(first, first + PAGE_SIZE);
     count.textContent = shown.length
-      ? `${shown.length} of ${run.trajectories.length} trajectories match; showing ${first + 1}–${first + page.length}`
-      : `no trajectory matches (of ${run.trajectories.length})`;
+      ? `${shown.length} of ${all.length} ${K.what} match; showing ${first + 1}–${first + page.length}`
+      : `no trajectory matches (of ${all.length} ${K.what})`;
     list.replaceChildren(...page.map((t) => trajectoryCard(run, t)));
     pager.replaceChildren(
-      el("button", { text: "◀ previous", class: "prev", on: { click: () => { UI.page = Math.max(0, UI.page - 1); draw(); } } }),
-      el("span", { text: ` page ${UI.page + 1} of ${pages} ` }),
-      el("button", { text: "next ▶", class: "next", on: { click: () => { UI.page = Math.min(pages - 1, UI.page + 1); draw(); } } }),
+      el("button", { text: "◀ previous", class: "prev", on: { click: () => { V.page = Math.max(0, V.page - 1); draw(); } } }),
+      el("span", { text: ` page ${V.page + 1} of ${pages} ` }),
+      el("button", { text: "next ▶", class: "next", on: { click: () => { V.page = Math.min(pages - 1, V.page + 1); draw(); } } }),
     );
   };
   draw();
-  const prompts = RUNS.flatMap((run) => Object.entries(run.prompts || {}).map(([tag, text]) => [run, tag, text]));
+  const tags = [...new Set(RUNS.flatMap((run) => of(run).map((t) => t.tag)))].sort();
+  const prompts = RUNS.flatMap((run) => Object.entries(run.prompts || {}).filter(([tag]) => tags.includes(tag)).map(([tag, text]) => [run, tag, text]));
   const seen = new Set();
   const promptBox = el("div", { class: "prompts" });
   for (const [run, tag, text] of prompts) {
@@ -445,10 +474,9 @@ function trajectoriesSection() {
     seen.add(tag + "\n" + text);
     promptBox.append(el("details", { class: "prompt" }, el("summary", { text: `prompt of ${tag}` + (RUNS.length > 1 ? ` (${run.name})` : "") }), el("pre", { text })));
   }
-  const tags = [...new Set(RUNS.flatMap((run) => run.trajectories.map((t) => t.tag)))].sort();
   const meanings = tags.filter(successMeaning).map((tag) =>
     el("li", { "data-tag": tag }, el("b", { text: tag }), document.createTextNode(`: ${successMeaning(tag)}`)));
-  section.append(el("p", { class: "muted", text: "Each turn: the board as the agent saw it, then what it thought, answered and did, and the turn's reward." }),
+  section.append(el("p", { class: "muted about", text: K.about }),
     meanings.length ? el("div", { class: "success-key" },
       el("span", { text: "What counts as success (each env's own rule, whatever the reward):" }), el("ul", {}, ...meanings)) : null,
     promptBox, bar, count, list, pager);
@@ -494,13 +522,15 @@ function header() {
   RUNS.forEach((run, i) => {
     const steps = run.metrics.length ? Math.max(...run.metrics.map((r) => r.step)) : 0;
     const broken = (run.gaps || []).length ? ` (${run.gaps.length} broken metrics line(s) missing, see the notes)` : "";
+    const samples = (run.train_trajectories || []).length;
     runs.append(el("li", {}, el("span", { class: "run-swatch", style: `background:${PALETTE[i % PALETTE.length]}` }),
-      el("b", { text: run.name }), el("span", { class: "muted", text: ` ${run.path} · ${steps} step(s) logged${broken} · ${run.trajectories.length} validation trajectories` })));
+      el("b", { text: run.name }), el("span", { class: "muted", text: ` ${run.path} · ${steps} step(s) logged${broken} · ${run.trajectories.length} validation trajectories` +
+        (samples ? ` · ${samples} training samples` : "") })));
   });
   h.append(runs, el("p", { class: "muted", text: `generated ${DATA.generated}` + (DATA.live ? ` · live: checks for new data every ${DATA.live.interval} s` : "") }));
   const notes = RUNS.flatMap((r) => r.notes.map((n) => (RUNS.length > 1 ? `${r.name}: ` : "") + n));
   if (notes.length) h.append(el("div", { class: "notes", id: "notes" }, el("b", { text: "Notes" }), el("ul", {}, ...notes.map((n) => el("li", { text: n })))));
-  h.append(el("nav", {}, ...[["#curves", "Curves"], ["#diversity", "Diversity"], ["#trajectories", "Trajectories"], ["#compare", "Across steps"]]
+  h.append(el("nav", {}, ...[["#curves", "Curves"], ["#diversity", "Diversity"], ["#trajectories", "Trajectories"], ["#training", "Training samples"], ["#compare", "Across steps"]]
     .map(([href, text]) => el("a", { href, text }))));
   return h;
 }
@@ -515,6 +545,6 @@ function live() {
   }, DATA.live.interval * 1000);
 }
 
-document.getElementById("app").replaceChildren(header(), curvesSection(), diversitySection(), trajectoriesSection(), compareSection());
+document.getElementById("app").replaceChildren(header(), curvesSection(), diversitySection(), trajectoriesSection("val"), trajectoriesSection("train"), compareSection());
 document.body.dataset.ready = "1";
 live();
