@@ -1,5 +1,6 @@
-"""What several test modules share: the tiny run's flags, starting a command in a subprocess with
-the suite's environment, reading a run folder, and a responder that answers from a script.
+"""What several test modules share: the tiny model's and the tiny run's settings (as config
+overrides and as flags), starting a command in a subprocess with the suite's environment, reading a
+run folder, and a responder that answers from a script.
 (Fixtures live in conftest.py.) Importing it imports no jax: conftest.py sets jax's environment
 after importing it."""
 
@@ -12,11 +13,36 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A random tiny-llama over the bundled SmolLM2 tokenizer, in float32 (CPU): config overrides, as
+# ``configs.base.with_overrides`` takes them; ``config_flags`` writes them as a command's flags.
+TINY_MODEL = {
+    "model.source": "smollm2-135m-instruct",  # its tokenizer; the weights are random
+    "model.random_init_preset": "tiny-llama",
+    "model.dtype": "float32",
+}
+
+# One Bandit turn of 6 tokens for 2 groups of 2 on the tiny model, as config overrides.
+TINY_BANDIT = {
+    **TINY_MODEL,
+    "envs.train.tags": ("Bandit",), "envs.train.n_groups": (2,), "envs.train.group_size": 2,
+    "envs.val.tags": ("Bandit",), "envs.val.n_groups": (2,),
+    "rollout.max_turn": 1, "rollout.response_length": 6, "rollout.max_model_len": 320,
+    "filter.ratio": 1.0,
+    "actor.ppo_mini_batch_size": 4, "actor.micro_batch_size": 2,
+}
+
+
+def config_flags(overrides: dict) -> list[str]:
+    """``{"section.key": value}`` as command-line flags (a tuple as its Python literal)."""
+    return [f"--config.{key}={value}" for key, value in overrides.items()]
+
+
+TINY_MODEL_FLAGS = config_flags(TINY_MODEL)
+
+# The tiny run of experiments.run: three envs, two steps, validation at 0 and 2, a checkpoint each step.
 TINY = [
     "--config=configs/base.py",
-    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
-    "--config.model.random_init_preset=tiny-llama",
-    "--config.model.dtype=float32",
+    *TINY_MODEL_FLAGS,
     "--config.envs.train.tags=('SimpleSokoban','FrozenLake','Bandit')",
     "--config.envs.train.n_groups=(1,1,1)",
     "--config.envs.train.group_size=2",
@@ -34,10 +60,10 @@ TINY = [
     "--config.trainer.log_trajectories=1",
 ]
 
-def tiny_with(overrides: dict[str, str]) -> list[str]:
+def tiny_with(overrides: dict) -> list[str]:
     """``TINY`` with ``{"section.key": value}`` in place of its own values."""
     kept = [arg for arg in TINY if arg.split("=", 1)[0].removeprefix("--config.") not in overrides]
-    return kept + [f"--config.{key}={value}" for key, value in overrides.items()]
+    return kept + config_flags(overrides)
 
 
 # The caches' settings (conftest.py points them at the session's cache folder).

@@ -1,10 +1,10 @@
 """bench.format_warmup on a tiny random model: valid-answer counts before and after, consistent."""
 
 from experiments.bench import format_warmup
+from helpers import TINY_MODEL_FLAGS
 
 TINY_FROZEN_LAKE = [
-    "--config.model.source=smollm2-135m-instruct", "--config.model.random_init_preset=tiny-llama",
-    "--config.model.dtype=float32", "--config.envs.train.tags=('FrozenLake',)", "--config.envs.train.n_groups=(2,)",
+    *TINY_MODEL_FLAGS, "--config.envs.train.tags=('FrozenLake',)", "--config.envs.train.n_groups=(2,)",
     "--config.envs.train.group_size=2", "--config.rollout.max_turn=2", "--config.rollout.response_length=8",
     "--config.rollout.max_model_len=640", "--config.actor.ppo_mini_batch_size=2", "--config.actor.micro_batch_size=2",
 ]

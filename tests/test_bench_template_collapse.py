@@ -3,10 +3,10 @@
 import math
 
 from experiments.bench import template_collapse
+from helpers import TINY_MODEL_FLAGS
 
 TINY = [
-    "--config.model.source=smollm2-135m-instruct", "--config.model.random_init_preset=tiny-llama",
-    "--config.model.dtype=float32", "--config.envs.train.tags=('FrozenLake',)", "--config.envs.train.n_groups=(3,)",
+    *TINY_MODEL_FLAGS, "--config.envs.train.tags=('FrozenLake',)", "--config.envs.train.n_groups=(3,)",
     "--config.envs.train.group_size=2", "--config.rollout.max_turn=1", "--config.rollout.response_length=8",
     "--config.rollout.max_model_len=640", "--config.actor.ppo_mini_batch_size=2", "--config.actor.micro_batch_size=2",
 ]

@@ -19,7 +19,6 @@ def test_quick_benchmark_compares_full_and_lora(tmp_path):
     assert lora["state_bytes"]["frozen"] == full["state_bytes"]["frozen"]
     assert lora["state_bytes"]["trained"] < 0.05 * full["state_bytes"]["trained"]
     assert full["state_bytes"]["optimizer"] == pytest.approx(2 * full["state_bytes"]["trained"], rel=1e-6)  # Adam: 2 moments
-    assert report["lora_over_full"]["wall_s"] == pytest.approx(lora["wall_s"] / full["wall_s"])
     assert all(r["learn_bytes"]["temporaries"] > 0 and r["compile_s"] > 0 for r in (full, lora))
     # The batch's layout: the pair's first prompt once, rows cut from 320 positions to their width
     layout = report["results"]["layout"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import envs_jax
-from helpers import command_env
+from helpers import TINY_MODEL, command_env, tiny_with
 from starpo_jax.rollout import prompts as P
 from starpo_jax.runtime.contract import EnvContractError, check_env
 
@@ -157,8 +157,7 @@ def test_a_bad_piece_cut_stops_the_run_in_one_sentence(registry):
     envs_jax.register("BadCut", BadCut)
     check_env(envs_jax.make("BadCut"))  # its pieces spell its text: only the tokenizer sees the cut
     config = base.with_overrides(base.get_config(), {
-        "model.source": "smollm2-135m-instruct", "model.random_init_preset": "tiny-llama",
-        "envs.train.tags": ("BadCut",), "envs.train.n_groups": (2,), "envs.train.group_size": 2,
+        **TINY_MODEL, "envs.train.tags": ("BadCut",), "envs.train.n_groups": (2,), "envs.train.group_size": 2,
         "envs.val.tags": ("BadCut",), "envs.val.n_groups": (2,), "rollout.max_turn": 2, "filter.ratio": 1.0,
         "actor.ppo_mini_batch_size": 4, "actor.micro_batch_size": 2,
     })
@@ -185,24 +184,11 @@ def test_documented_run_trains_the_example_env_for_a_step(tmp_path):
     proc = subprocess.run(
         [
             sys.executable, "-m", "experiments.run",
-            "--config=configs/base.py",
-            "--config.model.source=smollm2-135m-instruct",
-            "--config.model.random_init_preset=tiny-llama",
-            "--config.model.dtype=float32",
-            "--config.envs.train.tags=('guess_digit:GuessDigit',)",
-            "--config.envs.train.n_groups=(2,)",
-            "--config.envs.train.group_size=2",
-            "--config.envs.val.tags=('guess_digit:GuessDigit',)",
-            "--config.envs.val.n_groups=(2,)",
-            "--config.rollout.max_turn=2",
-            "--config.rollout.response_length=6",
-            "--config.rollout.max_model_len=512",
-            "--config.actor.ppo_mini_batch_size=2",
-            "--config.actor.micro_batch_size=2",
-            "--config.filter.ratio=0.5",
-            "--config.trainer.total_steps=1",
-            "--config.trainer.test_freq=0",
-            "--config.trainer.save_freq=0",
+            *tiny_with({
+                "envs.train.tags": "('guess_digit:GuessDigit',)", "envs.train.n_groups": "(2,)",
+                "envs.val.tags": "('guess_digit:GuessDigit',)", "rollout.max_model_len": 512,
+                "trainer.total_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0,
+            }),
             f"--config.trainer.output_dir={tmp_path}",
         ],
         cwd=REPO, capture_output=True, text=True, timeout=900,

@@ -11,29 +11,14 @@ import jax
 import pytest
 
 from configs import base
+from helpers import TINY_BANDIT, command_env, config_flags
 from starpo_jax.rollout.multi_turn import longest_trajectory
 from starpo_jax.runtime import planning as planner
 from starpo_jax.runtime.experiment import build_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY = {
-    "model.source": "smollm2-135m-instruct",  # its tokenizer; the weights are random
-    "model.random_init_preset": "tiny-llama",
-    "model.dtype": "float32",
-    "envs.train.tags": ("Bandit",),
-    "envs.train.n_groups": (2,),
-    "envs.train.group_size": 2,
-    "envs.val.tags": ("Bandit",),
-    "envs.val.n_groups": (2,),
-    "rollout.enable_think": False,
-    "rollout.max_turn": 1,
-    "rollout.response_length": 6,
-    "rollout.max_model_len": 320,
-    "filter.ratio": 1.0,
-    "actor.ppo_mini_batch_size": 4,
-    "actor.micro_batch_size": 2,
-}
+TINY = {**TINY_BANDIT, "rollout.enable_think": False}
 
 
 def test_planner_figures_are_those_of_the_programs_that_run():
@@ -151,8 +136,7 @@ def test_a_config_error_is_the_only_line_on_stderr():
 
 
 # The tiny config as a run: one training step, one validation, no export.
-MEASURED_RUN = ["--config=configs/base.py"] + [
-    f"--config.{key}={value!r}" if isinstance(value, tuple) else f"--config.{key}={value}" for key, value in TINY.items()] + [
+MEASURED_RUN = ["--config=configs/base.py", *config_flags(TINY),
     "--config.trainer.total_steps=1", "--config.trainer.test_freq=1", "--config.trainer.val_before_train=False",
     "--config.trainer.export_hf=False"]
 PEAK = ("import resource, runpy, sys\n"
@@ -169,8 +153,6 @@ def test_cpu_estimate_holds_the_measured_peak(tmp_path):
     least that, and at most 1.25 x: the estimate leaves out the programs the run compiles beyond the
     plan's two, the allocator's kept pages and the export's copies, which it says in one line.
     Measured runs came to 1.20 x (docs/scaling.md); 1.25 leaves room for the allocator's variation."""
-    from helpers import command_env
-
     # A first run as users run it: the caches on (the default) but empty.
     env = command_env(STARPO_JAX_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", PEAK, *MEASURED_RUN, f"--config.trainer.output_dir={tmp_path}"],

@@ -23,31 +23,28 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_bandit_suite
+from helpers import TINY_MODEL_FLAGS, assert_bandit_suite
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
-# A random tiny-llama over the bundled SmolLM2 tokenizer, in float32 (CPU).
-TINY_MODEL = ("--config.model.source=smollm2-135m-instruct", "--config.model.random_init_preset=tiny-llama",
-              "--config.model.dtype=float32")
 # configs/sokoban.py and its presets: 2 groups x 2 Sokoban rollouts, 2 validation levels, 1 step.
-TINY_SOKOBAN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.train.group_size=2",
+TINY_SOKOBAN = (*TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.envs.train.group_size=2",
                 "--config.envs.val.n_groups=(2,)", "--config.rollout.response_length=6",
                 "--config.rollout.max_model_len=1024", "--config.actor.ppo_mini_batch_size=2",
                 "--config.actor.micro_batch_size=2", "--config.trainer.test_freq=1", "--config.trainer.save_freq=1",
                 "--config.trainer.log_trajectories=1", "--config.trainer.total_steps=1")
 # configs/quickstart.py already runs on a CPU; only the model shrinks, one step, no validation.
-TINY_QUICKSTART = (*TINY_MODEL, "--config.trainer.total_steps=1", "--config.trainer.test_freq=0")
+TINY_QUICKSTART = (*TINY_MODEL_FLAGS, "--config.trainer.total_steps=1", "--config.trainer.test_freq=0")
 QUICK_BENCH = ("--quick",)
 
 # configs/learn_bandit.py: 2 groups (one kept), 4 + 4 validation levels (its 4 chunks of one), 2 steps.
-TINY_LEARN = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(4,4)",
+TINY_LEARN = (*TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(4,4)",
               "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=2", "--config.trainer.test_freq=2")
 LEARN = ".venv/bin/python -m experiments.run --config configs/learn_bandit.py"
 CURVES = ".venv/bin/python -m experiments.curves runs/learn_bandit --out runs/learn_bandit/curves.png"
 # configs/learn_frozen_lake.py: 2 groups of 8 (one kept), 2 validation levels, 1 step.
-TINY_LEARN_FL = (*TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(2,)",
+TINY_LEARN_FL = (*TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(2,)",
                  "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1")
 
 SKIP = "skip"
@@ -65,7 +62,7 @@ COMMANDS = {
         ((*TINY_SOKOBAN[:-1], "--config.trainer.total_steps=2"), "continues the tiny configs/sokoban.py run", True),
     ".venv/bin/python -m experiments.run --config configs/presets.py:sokoban+lora": (TINY_SOKOBAN, "0.5B on a GPU", True),
     ".venv/bin/python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0":
-        ((*TINY_MODEL, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
+        ((*TINY_MODEL_FLAGS, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
     ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit":
         (("--levels", "2", "--batch", "2", "--response-length", "8"), "the tiny quick start's run folder, 2 levels", False),
     ".venv/bin/python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
@@ -77,10 +74,10 @@ COMMANDS = {
         (QUICK_BENCH, "smoke run (tests/test_bench_decode_attention.py runs it by default)", True),
     ".venv/bin/python -m experiments.bench.train": (QUICK_BENCH, "smoke run", True),
     ".venv/bin/python -m experiments.bench.template_collapse":
-        (("--repeats", "1", *TINY_MODEL, "--config.envs.train.n_groups=(2,)", "--config.actor.ppo_mini_batch_size=8"),
+        (("--repeats", "1", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.actor.ppo_mini_batch_size=8"),
          "tiny model (tests/test_bench_template_collapse.py runs a smaller one by default)", True),
     ".venv/bin/python -m experiments.bench.format_warmup --steps 20":
-        (("--steps", "2", "--lr", "1e-3", *TINY_MODEL, "--config.envs.train.n_groups=(2,)",
+        (("--steps", "2", "--lr", "1e-3", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)",
           "--config.actor.ppo_mini_batch_size=8"),
          "tiny model, 2 steps (tests/test_bench_format_warmup.py runs a smaller one by default)", True),
     ".venv/bin/python -m experiments.bench.step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),

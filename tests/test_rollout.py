@@ -466,24 +466,6 @@ def test_distinct_first_prompts_counts_the_bandits_two_arm_orders(smollm2_tokeni
 # ---- the buffers' length: what a trajectory can reach ---------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class FillerResponder:
-    """Every playing row answers with ``length`` filler tokens and no stop token: each response is
-    cut, holds no action and is closed by the next prompt's whole assistant end, so every row plays
-    every turn at full length, the longest conversation a plan allows."""
-
-    filler: int
-    length: int
-
-    def init(self, model, batch_size):
-        return jnp.zeros((), jnp.int32)
-
-    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
-        tokens = jnp.full((prompt_ids.shape[0], self.length), self.filler, jnp.int32)
-        lengths = jnp.where(active, self.length, 0)
-        return DecodeOutput(tokens=tokens, logprobs=-jnp.ones(tokens.shape), lengths=lengths, cache=cache, last_logits=None)
-
-
 def assert_same_rows(wide, narrow, logprob_atol=0.0):
     """The same trajectories in buffers of two widths: equal up to the narrow width (the sampler's
     log-probs within ``logprob_atol``), nothing past it."""
@@ -511,7 +493,12 @@ def test_buffers_fit_the_longest_trajectory_and_play_the_same_rows(smollm2_token
     tables = build_tables(tok, plan)
     plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
     longest = R_.longest_trajectory(plan, tables)
-    filler = FillerResponder(tok.encode(" go", add_special_tokens=False)[0], R)
+    # Every row answers every turn with R filler tokens and no stop token: each response is cut, holds
+    # no action and is closed by the next prompt's whole assistant end, so every row plays every turn
+    # at full length, the longest conversation a plan allows.
+    go = tok.encode(" go", add_special_tokens=False)[0]
+    rows, turns = plan.batch_size, plan.max_turn
+    filler = ScriptedResponder(np.full((rows, turns, R), go, np.int32), np.full((rows, turns), R, np.int32))
     init = initial_states_from_seeds(plan, 123)
     key = jax.random.PRNGKey(0)
 

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from configs import base
+from helpers import TINY_BANDIT
 from starpo_jax.algo import losses
 from starpo_jax.models.config import ModelConfig
 from starpo_jax.rollout.multi_turn import RolloutPlan, longest_trajectory
@@ -63,6 +64,15 @@ def test_train_settings_defaults_are_the_config_defaults():
     assert settings == TrainSettings(kept_groups=settings.kept_groups)
     assert TrainSettings().lora_alpha == 64.0 and isinstance(TrainSettings().lora_alpha, float)
     assert TrainSettings().actor_betas == (0.9, 0.999)
+
+
+def test_hyperparams_defaults_are_the_config_defaults():
+    """``Hyperparams.create()`` (what tests build their hyperparameters from) is what a run of the
+    default config trains with; a value given replaces its default only."""
+    from_config = experiment.hyperparams(base.get_config())
+    assert jax.tree.map(float, Hyperparams.create()) == jax.tree.map(float, from_config)
+    changed = Hyperparams.create(actor_lr=3e-3)
+    assert jax.tree.map(float, changed) == jax.tree.map(float, from_config.replace(actor_lr=jax.numpy.float32(3e-3)))
 
 
 @pytest.mark.parametrize("cls", [TrainSettings, RolloutPlan])
@@ -139,17 +149,7 @@ def test_a_bad_value_is_one_sentence_naming_the_key_and_what_it_may_be(key, valu
 
 def tiny_config(**changes):
     """One Bandit turn of 6 tokens for 2 groups of 2 on a tiny random model."""
-    return base.with_overrides(base.get_config(), {
-        "model.source": "smollm2-135m-instruct",  # its tokenizer; the weights are random
-        "model.random_init_preset": "tiny-llama",
-        "model.dtype": "float32",
-        "envs.train.tags": ("Bandit",), "envs.train.n_groups": (2,), "envs.train.group_size": 2,
-        "envs.val.tags": ("Bandit",), "envs.val.n_groups": (2,),
-        "rollout.max_turn": 1, "rollout.response_length": 6, "rollout.max_model_len": 320,
-        "filter.ratio": 1.0,
-        "actor.ppo_mini_batch_size": 4, "actor.micro_batch_size": 2,
-        **changes,
-    })
+    return base.with_overrides(base.get_config(), {**TINY_BANDIT, **changes})
 
 
 @pytest.fixture(scope="module")

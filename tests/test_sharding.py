@@ -55,9 +55,7 @@ model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
 # Micro-batches of 4 rows split over up to 4 row shards (data × fsdp).
 settings = TrainSettings(adv_estimator="gae", kept_groups=2, ppo_mini_batch_size=4, micro_batch_size=4,
                          logprob_chunk=32, use_kl_loss=True)
-hyper = Hyperparams.create(actor_lr=1e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                           entropy_coeff=0.001, kl_loss_coef=0.01, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0,
-                           lam=1.0, high_level_gamma=0.95)
+hyper = Hyperparams.create(actor_lr=1e-3, critic_lr=1e-3, kl_loss_coef=0.01, filter_ratio=1.0)  # the rest: defaults
 
 def one_step(mesh):
     with sharding.use_mesh(mesh):

@@ -97,11 +97,7 @@ def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smol
     # GAE with a KL loss: the old log-probs, the reference's and the critic's values all computed
     settings = TrainSettings(adv_estimator="gae", use_kl_loss=True, reward_method="mean_std", kept_groups=2,
                              ppo_mini_batch_size=8, micro_batch_size=4, logprob_chunk=16)
-    hyper = Hyperparams.create(
-        actor_lr=1e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-        entropy_coeff=0.0, kl_loss_coef=0.1, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0, lam=1.0,
-        high_level_gamma=0.95,
-    )
+    hyper = Hyperparams.create(actor_lr=1e-3, critic_lr=1e-3, entropy_coeff=0.0, kl_loss_coef=0.1, filter_ratio=1.0)
     hypers = sweep.swept_hyper(hyper, [{"actor.lr": 0.0, "filter.ratio": 0.5}, {"actor.lr": 3e-2, "filter.ratio": 1.0}])
     step = make_train_step(settings, model.graphdef, plan)
     states, axes = replicate(init_train_state(settings, model, jax.random.PRNGKey(0)), 2)

@@ -66,11 +66,7 @@ def _setup(tokenizer, settings_overrides=None):
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": 4, "ppo_mini_batch_size": 32,
         "micro_batch_size": 8, "logprob_chunk": 64, **(settings_overrides or {}),
     })
-    hyper = Hyperparams.create(
-        actor_lr=3e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-        entropy_coeff=0.0, kl_loss_coef=0.0, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0,
-        lam=1.0, high_level_gamma=0.95,
-    )
+    hyper = Hyperparams.create(actor_lr=3e-3, critic_lr=1e-3, entropy_coeff=0.0, filter_ratio=1.0)  # the rest: defaults
     return plan, tables, responder, model, settings, hyper
 
 

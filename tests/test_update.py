@@ -62,11 +62,7 @@ REWARD = np.array([
     [1.0, 0.0, 1.0, 0.6, 1.0, 1.0, 0.4, 1.0],
 ], np.float32).reshape(-1)
 PROMPT = 20  # tokens before each row's one response
-HYPER = Hyperparams.create(
-    actor_lr=1e-3, critic_lr=1e-3, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-    entropy_coeff=0.0, kl_loss_coef=0.0, kl_in_reward_coef=0.0, filter_ratio=1.0, gamma=1.0, lam=1.0,
-    high_level_gamma=0.95,
-)
+HYPER = Hyperparams.create(actor_lr=1e-3, critic_lr=1e-3, entropy_coeff=0.0, filter_ratio=1.0)  # the rest: defaults
 
 
 def rollout_batch(env_reward=REWARD, seed=0) -> Trajectories:

@@ -15,11 +15,11 @@ Each row names a config key, its default, the values it may take and where it go
 Everything else is derived from the table: the defaults of ``configs/base.py`` (all but the env
 sides, ``UNDECLARED``), the checks of a config (``check_settings``: one sentence naming the key and
 what it may be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` /
-``ModelConfig`` built from a config (``read_settings``), the defaults of ``TrainSettings`` and
-``RolloutPlan`` (``defaults_from_settings``), and the keys ``experiments.sweep`` may vary
-(``SWEEPABLE``). The allowed values come from the module that implements them. A check that
-relates several keys, or a key to the devices or the envs, is made where those are known, and the
-row's comment names it.
+``ModelConfig`` built from a config (``read_settings``), the defaults of ``TrainSettings``,
+``RolloutPlan`` and ``Hyperparams`` (``setting_defaults``: ``defaults_from_settings``,
+``Hyperparams.create``), and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The allowed
+values come from the module that implements them. A check that relates several keys, or a key to
+the devices or the envs, is made where those are known, and the row's comment names it.
 
 Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
 ``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
@@ -279,11 +279,21 @@ def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:
     return values
 
 
+def setting_defaults(owner: str) -> dict[str, Any]:
+    """``{field: config default}`` of every field of ``owner`` the table sets, each cast to the
+    field's type; a field that two rows set (actor.lr, lora.actor_lr) takes the first row's."""
+    defaults = {}
+    for s in SETTINGS:
+        if s.owner == owner:
+            defaults.setdefault(s.field, s.cast(s.default))
+    return defaults
+
+
 def defaults_from_settings(cls):
     """Give each annotated field of ``cls`` without a default its setting's config default."""
-    for s in SETTINGS:
-        if s.owner == cls.__name__ and not hasattr(cls, s.field):
-            setattr(cls, s.field, s.cast(s.default))
+    for field, value in setting_defaults(cls.__name__).items():
+        if not hasattr(cls, field):
+            setattr(cls, field, value)
     return cls
 
 
@@ -369,10 +379,7 @@ class Hyperparams:
 
     @classmethod
     def create(cls, **values: float) -> "Hyperparams":
-        """Hyperparameters from floats; a field not given takes its config default (the first row of
-        ``SETTINGS`` that sets it)."""
-        defaults = {}
-        for s in SETTINGS:
-            if s.owner == "Hyperparams":
-                defaults.setdefault(s.field, s.default)
-        return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in (defaults | values).items()})
+        """Hyperparameters from floats; a field not given takes its config default
+        (``setting_defaults``): ``Hyperparams.create()`` is RAGEN's defaults, and
+        ``Hyperparams.create(actor_lr=1e-3)`` those with one changed."""
+        return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in (setting_defaults("Hyperparams") | values).items()})

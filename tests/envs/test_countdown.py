@@ -10,7 +10,7 @@ import pytest
 
 from envs_jax.countdown import Countdown, has_solution
 from envs_jax.countdown_score import ragen_score
-from helpers import command_env
+from helpers import TINY_MODEL_FLAGS, command_env
 from starpo_jax.rollout import prompts as P
 from starpo_jax.runtime.contract import EnvContractError, check_env
 
@@ -142,9 +142,7 @@ def test_contract_accepts_language_actions_and_names_a_bad_declaration(env):
 
 TINY_RUN = [
     "--config=configs/countdown.py",
-    "--config.model.source=smollm2-135m-instruct",  # its tokenizer; the weights are random
-    "--config.model.random_init_preset=tiny-llama",
-    "--config.model.dtype=float32",
+    *TINY_MODEL_FLAGS,
     "--config.envs.train.n_groups=(2,)",
     "--config.envs.train.group_size=2",
     "--config.envs.val.n_groups=(2,)",
