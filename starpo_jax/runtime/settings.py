@@ -210,6 +210,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("trainer.resume", False, "run.resume"),  # excludes overwrite (experiments.run.check_output_dir)
     # a fresh run refuses a folder that holds an earlier run; True deletes that run's files first
     S("trainer.overwrite", False, "run.overwrite"),
+    # the first N training trajectories of every step go to train/step_N.jsonl (the run report shows
+    # them); with N > 0 each validation also prints one of its trajectories
     S("trainer.log_trajectories", 20, "run.log_trajectories"),
     # Validation runs as this many rollouts, each on 1/val_chunks of every tag's groups: the same
     # levels and metrics in a fraction of the memory (the KV cache is the largest buffer). It must
