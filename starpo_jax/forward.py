@@ -11,21 +11,30 @@ per block of rows that share it (a group's rows start from the same level).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from starpo_jax.algo import losses
+from starpo_jax.models import lora
 from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories
 from starpo_jax.runtime import distributed
 from starpo_jax.runtime.settings import TrainSettings
 from starpo_jax.runtime.sharding import scatter_rows
 
-if TYPE_CHECKING:
-    from starpo_jax.train import Critic
+
+@flax.struct.dataclass
+class Critic:
+    """The value model: a decoder (its weights, or LoRA adapters over the base) and a linear head on
+    its last hidden state."""
+
+    backbone: nnx.State | lora.Adapters  # its decoder weights, or its LoRA adapters over the base
+    head_w: jax.Array  # [D]
+    head_b: jax.Array  # []
 
 
 class Rows(NamedTuple):

@@ -70,6 +70,7 @@ from starpo_jax.algo import filtering, losses, rewards
 from starpo_jax.algo.masked import masked_mean
 from starpo_jax.diagnostics.metrics import rollout_metrics
 from starpo_jax.forward import (
+    Critic,
     Rows,
     UpdateLayout,
     first_prompt_split,
@@ -91,13 +92,6 @@ from starpo_jax.runtime.settings import (  # declared beside their config keys
 )
 
 # ---- what the iteration carries ------------------------------------------------------------------
-
-
-@flax.struct.dataclass
-class Critic:
-    backbone: nnx.State | lora.Adapters  # its decoder weights, or its LoRA adapters over the base
-    head_w: jax.Array  # [D]
-    head_b: jax.Array  # []
 
 
 @flax.struct.dataclass

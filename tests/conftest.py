@@ -68,7 +68,9 @@ def qwen_tokenizer():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    return bundled.smollm2_tokenizer()
+    from starpo_jax.models.loading import smollm2_tokenizer as bundled_smollm2
+
+    return bundled_smollm2()
 
 
 @pytest.fixture(scope="session")

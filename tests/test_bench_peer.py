@@ -111,11 +111,11 @@ def test_reward_function_reads_the_arm_order_per_row():
 
 def test_prompts_are_the_rollouts_first_turn():
     from envs_jax.bandit import BanditState
-    from starpo_jax.models import bundled
+    from starpo_jax.models.loading import smollm2_tokenizer
     from starpo_jax.rollout import prompts
 
     config = load_config(QUICKSTART, [])
-    tokenizer = bundled.smollm2_tokenizer()
+    tokenizer = smollm2_tokenizer()
     texts = bench_peer.bandit_prompts(config, tokenizer)
     _, env = _plan_and_env()
     for hi_first, text in texts.items():

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from starpo_jax.models import bundled
+from starpo_jax.models.loading import smollm2_tokenizer
 from starpo_jax.rollout import parsing
 
 SOKOBAN = ("Up", "Down", "Left", "Right")
@@ -28,7 +29,7 @@ _parse = jax.jit(parsing.parse_response_tokens, static_argnums=(3, 5))
 
 
 def _tokenizer(name):
-    return bundled.qwen_tokenizer() if name == "qwen" else bundled.smollm2_tokenizer()
+    return bundled.qwen_tokenizer() if name == "qwen" else smollm2_tokenizer()
 
 
 @functools.cache

@@ -36,7 +36,7 @@ import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import envs_jax
-from starpo_jax.models import bundled
+from starpo_jax.models.loading import smollm2_tokenizer
 from starpo_jax.runtime import sharding
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
@@ -45,7 +45,7 @@ from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_
 
 meshes = json.loads(sys.argv[1])
 assert len(jax.devices()) == max(np.prod(shape) for shape in meshes.values()), jax.devices()
-tok = bundled.smollm2_tokenizer()
+tok = smollm2_tokenizer()
 plan = RolloutPlan(tags=(TagPlan("FrozenLake", envs_jax.make("FrozenLake"), 2, 4),), group_size=2,
                    max_turn=2, max_actions_per_turn=2, response_length=6, max_len=512, enable_think=False)
 tables = build_tables(tok, plan)

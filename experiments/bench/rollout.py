@@ -113,7 +113,9 @@ def load_subject(name: str, dtype: str) -> Subject:
         decoder = Decoder(preset("qwen2.5-0.5b", **dtypes), rngs=nnx.Rngs(0))
         return Subject(name, ModelState.split(decoder), bundled.qwen_tokenizer(), "random")
     if name == "tiny-random":
-        tokenizer = bundled.smollm2_tokenizer()
+        from starpo_jax.models.loading import smollm2_tokenizer
+
+        tokenizer = smollm2_tokenizer()
         decoder = Decoder(preset("tiny-llama", vocab_size=len(tokenizer), **dtypes), rngs=nnx.Rngs(0))
         return Subject(name, ModelState.split(decoder), tokenizer, "random")
     raise ValueError(f"Unknown model {name!r} for --models; choose from: {', '.join(MODELS)}.")

@@ -61,12 +61,3 @@ def qwen_tokenizer():
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
-
-
-@functools.lru_cache(maxsize=None)
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer and chat template, read from the bundled GGUF (or from the
-    tokenizer cache, ``models.loading.gguf_tokenizer``)."""
-    from starpo_jax.models.loading import gguf_tokenizer
-
-    return gguf_tokenizer(smollm2_gguf_path())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from starpo_jax.models.loading import ModelLoadError
+from starpo_jax.models.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

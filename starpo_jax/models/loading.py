@@ -18,6 +18,7 @@ there is one weight-mapping path for all formats. Anything wrong with the input 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -29,11 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from starpo_jax.models import bundled
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint source that cannot be loaded; the message names the file and what to do."""
-
+from starpo_jax.models.errors import ModelLoadError
 
 HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                      "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -95,7 +92,7 @@ def model_config(hf_config: dict, origin: Path, **overrides):
 
 def build_decoder(config, tensors: dict[str, np.ndarray], origin: Path):
     """``decoder_from_hf_tensors``, with the checkpoint named in its errors (missing or misshapen tensors)."""
-    from starpo_jax.models.decoder import decoder_from_hf_tensors
+    from starpo_jax.models.hf_tensors import decoder_from_hf_tensors
 
     try:
         return decoder_from_hf_tensors(config, tensors)
@@ -223,6 +220,13 @@ def load_tokenizer(path: Path):
         raise ModelLoadError(f"Could not load a tokenizer from {path} ({err}).") from err
 
 
+@functools.lru_cache(maxsize=None)
+def smollm2_tokenizer():
+    """The bundled SmolLM2-135M-Instruct's tokenizer and chat template, read from its GGUF file (or
+    from the tokenizer cache, ``gguf_tokenizer``)."""
+    return gguf_tokenizer(bundled.smollm2_gguf_path())
+
+
 def gguf_tokenizer(path: Path):
     """The tokenizer (with its chat template) of the GGUF file ``path``, as transformers builds it from
     the file's metadata. Building takes seconds, so the result is saved once in the tokenizer cache
@@ -283,7 +287,7 @@ def save_model(model, tokenizer, folder: str | os.PathLike, dtype: str | None = 
     """
     from safetensors.numpy import save_file
 
-    from starpo_jax.models.decoder import decoder_to_hf_tensors
+    from starpo_jax.models.hf_tensors import decoder_to_hf_tensors
 
     with atomic_folder(folder) as staging:
         dtype = dtype or model.config.param_dtype

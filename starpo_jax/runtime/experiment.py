@@ -91,7 +91,9 @@ def load_policy(config: ConfigDict):
 def _tokenizer_only(source: str):
     """The tokenizer of a model source, without reading its weights ("qwen2.5": the bundled one)."""
     if source == bundled.SMOLLM2_NAME:
-        return bundled.smollm2_tokenizer()  # cached
+        from starpo_jax.models.loading import smollm2_tokenizer
+
+        return smollm2_tokenizer()  # cached
     if source == "qwen2.5":
         return bundled.qwen_tokenizer()
     from starpo_jax.models.loading import load_tokenizer, resolve_source

@@ -45,7 +45,7 @@ def model_config_and_tokenizer(config):
 
     from starpo_jax.models import bundled
     from starpo_jax.models.config import PRESETS, ModelConfig, preset
-    from starpo_jax.models.loading import load_tokenizer
+    from starpo_jax.models.loading import load_tokenizer, smollm2_tokenizer
     from starpo_jax.runtime.experiment import _tokenizer_only, model_compute
 
     source = str(config.model.source)
@@ -54,7 +54,7 @@ def model_config_and_tokenizer(config):
         tokenizer = _tokenizer_only(source)
         return preset(config.model.random_init_preset, vocab_size=len(tokenizer), **dtypes), tokenizer
     if source == bundled.SMOLLM2_NAME:
-        return preset("smollm2-135m-instruct", **dtypes), bundled.smollm2_tokenizer()
+        return preset("smollm2-135m-instruct", **dtypes), smollm2_tokenizer()
     folder = Path(source).expanduser()
     if (folder / "config.json").is_file():
         hf = json.loads((folder / "config.json").read_text())

@@ -14,8 +14,9 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from starpo_jax.models import bundled
 from starpo_jax.models.config import ModelConfig, preset
-from starpo_jax.models.decoder import ModelState, decoder_from_hf_tensors, decoder_to_hf_tensors
+from starpo_jax.models.decoder import ModelState
 from starpo_jax.models.gguf_reader import read_gguf
+from starpo_jax.models.hf_tensors import decoder_from_hf_tensors, decoder_to_hf_tensors
 from starpo_jax.models.loading import ModelLoadError, load_model, save_model, source_dtype
 from starpo_jax.rollout.sampling import generate
 
