@@ -444,13 +444,9 @@ def train(exp, iteration, stopping: Stopping) -> int:
     saving the step it finishes (143); each prints one line naming the last checkpoint and the
     command that resumes (``Stopping``)."""
     import jax
-    from flax import nnx
     from tqdm import tqdm
 
-    from starpo_jax.diagnostics.collapse import CollapseWatch
     from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
-    from starpo_jax.models.loading import hf_name, save_model, source_dtype
-    from starpo_jax.models.lora import save_adapter
     from starpo_jax.rollout.multi_turn import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import checkpoint, distributed, sharding
@@ -476,32 +472,13 @@ def train(exp, iteration, stopping: Stopping) -> int:
     key = jax.random.PRNGKey(cfg.trainer.seed)
     last_save = time.monotonic()  # trainer.save_every_minutes counts from here
 
-    watch, start, mgr = CollapseWatch(), 0, None
-    metrics_path = out / "metrics.jsonl"
-    if cfg.trainer.resume:  # restored before anything is written: a failed resume leaves the folder as it was
-        mgr = checkpoint.manager(out / "checkpoints")
-        try:
-            state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
-        except checkpoint.CheckpointMismatch as err:  # another model or config: name what changed
-            print(f"{distributed.tag()}error: {err}; {config_changes(out / 'config.json', cfg)}.", file=sys.stderr)
-            return 2
-        except checkpoint.CheckpointError as err:
-            print(f"{distributed.tag()}error: {err}", file=sys.stderr)
-            return 2
+    try:
+        state, watch, start, mgr = open_run(exp, state, log)
+    except checkpoint.CheckpointError as err:
+        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
+        return 2
     stopping.finished = start
-    out.mkdir(parents=True, exist_ok=True)
-    if writer:
-        (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-    if mgr is None:
-        mgr = checkpoint.manager(out / "checkpoints")
-    if cfg.trainer.resume:
-        damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
-        if damaged:
-            log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
-        watch = CollapseWatch.from_state(host.get("collapse_watch", {}))
-        if writer:
-            _truncate_log(metrics_path, start)
-        log(f"resumed from step {start} in {out}")
+    metrics_path = out / "metrics.jsonl"
     # purge_step: TensorBoard drops the events a killed run logged after its checkpoint.
     board = summary_writer(out / "tb", purge_step=start + 1 if start else None) if writer else None
     stopping.board = board
@@ -581,25 +558,73 @@ def train(exp, iteration, stopping: Stopping) -> int:
     if writer:
         board.close()
     if stop == total and cfg.trainer.export_hf:
-        weights = distributed.to_host(policy_weights(exp.settings, state))  # a collective with several processes
-        if writer:
-            policy = nnx.merge(exp.model.graphdef, weights)
-            dtype = cfg.trainer.export_dtype  # "source": model.source's; random weights: the model's own
-            if dtype == "source":
-                dtype = None if cfg.model.random_init_preset else source_dtype(cfg.model.source)
-            folder = save_model(policy, exp.tokenizer, out / "hf_policy", dtype)
-            log(f"policy saved as a Hugging Face checkpoint: {folder}")
-            if exp.settings.lora_rank:
-                base = None if cfg.model.random_init_preset else hf_name(cfg.model.source)
-                if base is None:  # GGUF, bundled or random weights: a peft client needs them as a folder
-                    base_weights = nnx.merge(exp.model.graphdef, state.base)
-                    base = str(save_model(base_weights, exp.tokenizer, out / "base_model", dtype))
-                    log(f"LoRA base saved as a Hugging Face checkpoint: {base}")
-                folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
-                                      base_model=base)
-                log(f"LoRA adapters saved for peft (base {base}): {folder}")
+        export_policy(exp, state, log)
     log(f"done: {stop} steps, outputs in {out}")
     return 0
+
+
+def open_run(exp, state, log):
+    """Where the run starts: (state, collapse watch, first step, checkpoint manager). A resume first
+    restores the newest intact checkpoint, so a failed one (``checkpoint.CheckpointError``; a
+    mismatch names the settings that changed) leaves the folder as it was; then ``config.json`` is
+    written, and a resume sets aside the damaged steps newer than the one restored and cuts the
+    metrics log back to it."""
+    from starpo_jax.diagnostics.collapse import CollapseWatch
+    from starpo_jax.runtime import checkpoint, distributed
+
+    cfg = exp.config
+    out = Path(cfg.trainer.output_dir)
+    if not cfg.trainer.resume:
+        out.mkdir(parents=True, exist_ok=True)
+        if distributed.is_writer():
+            (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+        return state, CollapseWatch(), 0, checkpoint.manager(out / "checkpoints")
+    mgr = checkpoint.manager(out / "checkpoints")
+    try:
+        state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
+    except checkpoint.CheckpointMismatch as err:  # another model or config: name what changed
+        raise checkpoint.CheckpointMismatch(f"{err}; {config_changes(out / 'config.json', cfg)}.") from None
+    if distributed.is_writer():
+        (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+        _truncate_log(out / "metrics.jsonl", start)
+    damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
+    if damaged:
+        log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
+    log(f"resumed from step {start} in {out}")
+    return state, CollapseWatch.from_state(host.get("collapse_watch", {})), start, mgr
+
+
+def export_policy(exp, state, log) -> None:
+    """The trained policy as a Hugging Face folder ``hf_policy/`` in ``trainer.export_dtype``; with
+    LoRA also its adapters for peft, with the base written as a folder where no client can name it
+    (a GGUF, the bundled model, random weights). Every process calls it (a collective); process 0
+    writes."""
+    from flax import nnx
+
+    from starpo_jax.models.loading import hf_name, save_model, source_dtype
+    from starpo_jax.models.lora import save_adapter
+    from starpo_jax.runtime import distributed
+    from starpo_jax.train import policy_weights
+
+    cfg, out = exp.config, Path(exp.config.trainer.output_dir)
+    weights = distributed.to_host(policy_weights(exp.settings, state))  # a collective with several processes
+    if not distributed.is_writer():
+        return
+    policy = nnx.merge(exp.model.graphdef, weights)
+    dtype = cfg.trainer.export_dtype  # "source": model.source's; random weights: the model's own
+    if dtype == "source":
+        dtype = None if cfg.model.random_init_preset else source_dtype(cfg.model.source)
+    folder = save_model(policy, exp.tokenizer, out / "hf_policy", dtype)
+    log(f"policy saved as a Hugging Face checkpoint: {folder}")
+    if exp.settings.lora_rank:
+        base = None if cfg.model.random_init_preset else hf_name(cfg.model.source)
+        if base is None:  # GGUF, bundled or random weights: a peft client needs them as a folder
+            base_weights = nnx.merge(exp.model.graphdef, state.base)
+            base = str(save_model(base_weights, exp.tokenizer, out / "base_model", dtype))
+            log(f"LoRA base saved as a Hugging Face checkpoint: {base}")
+        folder = save_adapter(state.actor, policy.config, exp.settings.lora_alpha, out / "lora_adapter",
+                              base_model=base)
+        log(f"LoRA adapters saved for peft (base {base}): {folder}")
 
 
 def context_cut(fraction: float, plan) -> str:
