@@ -8,7 +8,9 @@ each is declared once. Env files (``sokoban.py``, ``frozen_lake.py``, ``bandit.p
 """
 
 import copy
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ml_collections import ConfigDict
@@ -41,6 +43,17 @@ def with_overrides(config: ConfigDict, changes: Mapping[str, Any]) -> ConfigDict
             parent, node = node, node[name]
         parent[key] = value
     return config
+
+
+def saved_config(path: str | Path) -> ConfigDict:
+    """A run's ``config.json``; a setting added to the project since it was written takes its
+    default, so that an earlier run folder can still be evaluated or compared."""
+
+    def merged(default: dict, saved: dict) -> dict:
+        return {**default, **{key: merged(default[key], value) if isinstance(value, dict)
+                              and isinstance(default.get(key), dict) else value for key, value in saved.items()}}
+
+    return ConfigDict(merged(get_config().to_dict(), json.loads(Path(path).read_text())))
 
 
 def get_config() -> ConfigDict:

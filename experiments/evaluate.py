@@ -5,6 +5,7 @@
     python -m experiments.evaluate --model Qwen/Qwen2.5-0.5B-Instruct --suite sokoban
     python -m experiments.evaluate --model smollm2-135m-instruct --suite bandit --no-think
     python -m experiments.evaluate --model smollm2-135m-instruct --suite countdown --max-turn 1
+    python -m experiments.evaluate --model runs/learn_frozen_lake --suite frozen_lake --levels 64 --policy random-valid
 
 ``--model`` is anything ``load_model`` takes (the bundled name, a GGUF file, a Hugging Face folder
 or hub id) or a training run folder (its config and latest checkpoint). Prints a success table per
@@ -12,6 +13,9 @@ env, in the shape of the paper's Tables 2-4, and writes JSON: ``--out``, by defa
 ``<run folder>/evaluate_<suite>_<levels>levels.json`` beside an evaluated run, else
 ``bench_results/evaluate_<model>_<suite>_<levels>levels.json``; replacing an earlier file is
 announced once the inputs are checked. Success rates come with their 95 % Wilson intervals.
+``--policy random-valid`` plays the same levels with uniformly random valid answers instead of the
+model (``format_warmup.RandomAnswers``): what a policy blind to the board scores by chance, under
+the same rollout settings (``--model`` then supplies the config and tokenizer).
 On a CPU each level is a full multi-turn rollout: 256 levels per env (the paper's, the default)
 take minutes per env; ``--levels 16`` gives a first look.
 """
@@ -49,6 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--no-think", dest="enable_think", action="store_false", default=None,
                    help="answer with <answer> only, no <think> (rollout.enable_think=False): for a model that "
                         "cannot close <think>; default: the run's config, else thinking on")
+    p.add_argument("--policy", choices=("model", "random-valid"), default="model",
+                   help="random-valid: answer every turn with 1 to max_actions_per_turn uniformly random valid "
+                        "actions, the board unread (the chance baseline); --model then gives only the config and "
+                        "tokenizer")
     p.add_argument("--seed", type=int, default=123, help="first level seed")
     p.add_argument("--out", default=None, help="results JSON; default: <run folder>/evaluate_<suite>_<levels>levels.json "
                    "beside a run, else bench_results/evaluate_<model>_<suite>_<levels>levels.json")
@@ -59,14 +67,15 @@ def is_run_folder(source: str) -> bool:
     return (Path(source) / "config.json").is_file() and (Path(source) / "checkpoints").is_dir()
 
 
-def default_out(model: str, suite: str, levels: int) -> Path:
+def default_out(model: str, suite: str, levels: int, policy: str = "model") -> Path:
     """Where results go without ``--out``: beside an evaluated run folder, else under a name that
     holds the model's; the suite and level count in the name, so evaluating another model, suite
     or number of levels (a 16-level first look beside the 256 levels) keeps the earlier results."""
     name = lambda text: re.sub(r"[^\w.+-]+", "_", text).strip("_") or "model"  # noqa: E731
+    what = "" if policy == "model" else f"{policy}_"
     if is_run_folder(model):
-        return Path(model) / f"evaluate_{name(suite)}_{levels}levels.json"
-    return Path("bench_results") / f"evaluate_{name(model)}_{name(suite)}_{levels}levels.json"
+        return Path(model) / f"evaluate_{what}{name(suite)}_{levels}levels.json"
+    return Path("bench_results") / f"evaluate_{what}{name(model)}_{name(suite)}_{levels}levels.json"
 
 
 def out_note(out: Path) -> str:
@@ -87,12 +96,11 @@ def suite_tags(name: str) -> tuple[str, ...]:
 def evaluated_config(args):
     """The config an evaluation plays by: a run folder's own, else the base config with ``--model``
     and a dtype for this device; then the rollout flags given. A copy: the run's is not changed."""
-    from ml_collections import ConfigDict
 
     from configs import base
 
     if is_run_folder(args.model):
-        config = ConfigDict(json.loads((Path(args.model) / "config.json").read_text()))
+        config = base.saved_config(Path(args.model) / "config.json")
     else:
         dtype = args.dtype or ("bfloat16" if _on_gpu() else "float32")
         config = base.with_overrides(base.get_config(), {"model.source": args.model, "model.dtype": dtype})
@@ -124,9 +132,9 @@ def check_evaluation(config, tags, batch: int):
     return device_mesh(config, **{"--batch": batch})
 
 
-def load_evaluated_policy(config, source: str):
-    """``(model, tokenizer)``: a run folder's trained policy (its latest checkpoint), else the model
-    ``config`` names."""
+def load_evaluated_policy(config, source: str, trained: bool = True):
+    """``(model, tokenizer)``: a run folder's trained policy (its latest checkpoint; not read unless
+    ``trained``), else the model ``config`` names."""
     import jax
 
     from starpo_jax.runtime import checkpoint
@@ -134,7 +142,7 @@ def load_evaluated_policy(config, source: str):
     from starpo_jax.train import init_train_state, policy_weights
 
     model, tokenizer = load_policy(config)
-    if is_run_folder(source):
+    if trained and is_run_folder(source):
         run_dir = Path(source)
         settings = train_settings(config, rollout_plan(config, "train"))
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
@@ -155,9 +163,10 @@ def evaluate(args, checked=lambda: None) -> dict:
     the policy loaded, before the rollouts."""
     import jax
 
+    from starpo_jax.format_warmup import check_named_actions
     from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import sharding
-    from starpo_jax.runtime.experiment import ConfigError
+    from starpo_jax.runtime.experiment import ConfigError, rollout_plan
 
     tags = suite_tags(args.suite)
     batch = min(args.batch, args.levels)
@@ -165,12 +174,15 @@ def evaluate(args, checked=lambda: None) -> dict:
         raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")
     config = evaluated_config(args)
     mesh = check_evaluation(config, tags, batch)
-    model, tokenizer = load_evaluated_policy(config, args.model)
+    if args.policy == "random-valid":  # before the load: its answers need the envs' action names
+        for tag in tags:
+            check_named_actions(rollout_plan(tag_config(config, tag, batch), "val"))
+    model, tokenizer = load_evaluated_policy(config, args.model, trained=args.policy == "model")
     checked()
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
         results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
-    return {"model": args.model, "suite": args.suite, "temperature": args.temperature,
+    return {"model": args.model, "policy": args.policy, "suite": args.suite, "temperature": args.temperature,
             "enable_think": bool(config.rollout.enable_think),
             "device": jax.devices()[0].device_kind, "devices": len(mesh.devices.flat), "results": results}
 
@@ -182,6 +194,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
 
     from experiments.curves import wilson
     from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
+    from starpo_jax.format_warmup import RandomAnswers, answer_pieces
     from starpo_jax.rollout.multi_turn import initial_states_from_seeds, make_rollout
     from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
 
@@ -192,7 +205,8 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
         one_tag = tag_config(config, tag, batch)
         plan, tables = tokenized_plan(one_tag, "val", rollout_plan(one_tag, "val"), tokenizer,
                                       policy.merge().config.vocab_size)
-        rollout = make_rollout(plan)
+        rollout = make_rollout(plan, RandomAnswers(plan, answer_pieces(tokenizer, plan, tables))
+                               if args.policy == "random-valid" else None)
         sums, t0 = {}, time.perf_counter()
         for chunk in range(args.levels // batch):
             init = initial_states_from_seeds(plan, seed)
@@ -209,6 +223,7 @@ def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
             "reward": sums["val/reward/mean"],
             "num_actions": sums[f"val/{tag}/num_actions"],
             "action_is_effective": sums[f"val/{tag}/action_is_effective"],
+            "action_is_valid": sums[f"val/{tag}/action_is_valid"],
             "response_length": sums["val/response_length"],
             "levels": args.levels,
             "seconds": time.perf_counter() - t0,
@@ -229,7 +244,7 @@ def format_table(report: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out) if args.out else default_out(args.model, args.suite, args.levels)
+    out = Path(args.out) if args.out else default_out(args.model, args.suite, args.levels, args.policy)
     from starpo_jax.models.loading import ModelLoadError
     from starpo_jax.runtime.caches import setup_compilation_cache
     from starpo_jax.runtime.checkpoint import CheckpointError

@@ -25,6 +25,7 @@ policy (KL) stays the original model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -41,12 +42,12 @@ from starpo_jax.rollout.multi_turn import (
     first_prompts,
     initial_states_from_key,
 )
+from starpo_jax.rollout.sampling import DecodeOutput
 from starpo_jax.runtime.settings import ConfigError, Hyperparams, TrainSettings
 from starpo_jax.train import TrainState, accumulate_gradients, apply_update, optimizer, with_adapters
 
 
-@flax.struct.dataclass
-class AnswerPieces:
+class AnswerPieces(flax.struct.PyTreeNode):
     """One env tag's answer pieces as token ids (host-built, a jit argument)."""
 
     opening: jax.Array  # int32[O]: what follows the forced prefix before the first name
@@ -118,6 +119,38 @@ def random_answers(pieces: AnswerPieces, name_ids, max_actions: int, key, pad_id
                                 jnp.where(slot < count, length[names[:, slot]], 0))
     tokens, offset = _write(tokens, offset, *whole(pieces.closing))
     return tokens, offset
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomAnswers:
+    """A rollout responder (``multi_turn.make_rollout``) that answers every turn as the warm-up's
+    examples do: 1 to ``max_actions_per_turn`` uniformly random valid actions, the model and the
+    board unread. Its success is what a policy that does not read the board scores by chance, the
+    baseline ``experiments.evaluate --policy random-valid`` measures on the fixed levels. Action ids
+    are drawn uniformly, so an episode's order of names (``action_name_ids``) does not matter."""
+
+    plan: RolloutPlan
+    pieces: tuple[AnswerPieces, ...]  # ``answer_pieces`` of the plan's tags
+
+    def __post_init__(self):
+        widest = max(answer_width(p, self.plan.max_actions_per_turn) for p in self.pieces)
+        if widest > self.plan.response_length:
+            raise ConfigError(f"A random answer takes up to {widest} tokens; raise rollout.response_length "
+                              f"({self.plan.response_length}) to at least that.")
+
+    def init(self, model, batch_size: int):
+        return jnp.zeros((), jnp.int32)  # no cache: nothing is read
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        plan = self.plan
+        answers = []
+        for t, (tag, pieces) in enumerate(zip(plan.tags, self.pieces)):
+            rows, names = tag.n_groups * plan.group_size, len(tag.env.action_names)
+            ids = jnp.broadcast_to(jnp.arange(names, dtype=jnp.int32), (rows, names))
+            answers.append(random_answers(pieces, ids, plan.max_actions_per_turn, jax.random.fold_in(key, t), plan.pad_id))
+        tokens, lengths = concat_ids(answers, plan.pad_id)
+        return DecodeOutput(tokens=tokens, logprobs=jnp.zeros(tokens.shape, jnp.float32),
+                            lengths=jnp.where(active, lengths, 0), cache=cache, last_logits=None)
 
 
 class AnswerBatch(NamedTuple):

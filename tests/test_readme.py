@@ -65,6 +65,8 @@ COMMANDS = {
         ((*TINY_MODEL_FLAGS, "--config.trainer.total_steps=1"), "tiny model, 1 step", False),
     ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit":
         (("--levels", "2", "--batch", "2", "--response-length", "8"), "the tiny quick start's run folder, 2 levels", False),
+    ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit --policy random-valid":
+        (("--levels", "2", "--batch", "2"), "the tiny quick start's run folder, 2 levels", False),
     ".venv/bin/python -m experiments.evaluate --model smollm2-135m-instruct --suite sokoban_generalisation --levels 256":
         (("--levels", "1", "--batch", "1", "--max-turn", "1", "--response-length", "8"), "1 level per env", True),
     "JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.bench.envs": (QUICK_BENCH, "smoke run", True),
@@ -114,7 +116,7 @@ def test_every_readme_command_is_listed():
     # The default-run commands each have a test of their own below (the slow ones run shrunk by
     # test_readme_command_slow); a new one needs its test.
     default = {c for c, (how, _, slow) in COMMANDS.items() if how is not SKIP and not slow}
-    assert default == {QUICKSTART, EVAL_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES, SWEEP}
+    assert default == {QUICKSTART, EVAL_QUICKSTART, RANDOM_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES, SWEEP}
 
 
 def test_readme_commands_run_as_written_after_setup():
@@ -158,6 +160,7 @@ def short(command: str) -> str:
 
 QUICKSTART = ".venv/bin/python -m experiments.run --config configs/quickstart.py"
 EVAL_QUICKSTART = ".venv/bin/python -m experiments.evaluate --model runs/quickstart --suite bandit"
+RANDOM_QUICKSTART = f"{EVAL_QUICKSTART} --policy random-valid"
 REPORT_QUICKSTART = ".venv/bin/python -m experiments.report runs/quickstart"
 RESUME = ".venv/bin/python -m experiments.run --config configs/sokoban.py --config.trainer.resume=True"
 SWEEP = ".venv/bin/python -m experiments.sweep --config configs/quickstart.py --sweep actor.lr=1e-6,3e-6 --sweep filter.ratio=0.5,1.0"
@@ -175,6 +178,10 @@ def test_quickstart_and_evaluating_its_run_folder(quickstart_run, tmp_path):
     run_command(EVAL_QUICKSTART, tmp_path, shrunk(EVAL_QUICKSTART), replace={"runs/quickstart": str(quickstart_run)})
     results = json.loads((tmp_path / "out.json").read_text())["results"]
     assert_bandit_suite(results, levels=2)
+    run_command(RANDOM_QUICKSTART, tmp_path, shrunk(RANDOM_QUICKSTART), replace={"runs/quickstart": str(quickstart_run)})
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert_bandit_suite(results, levels=2)
+    assert all(r["action_is_valid"] == 1.0 for r in results.values())  # every random answer names an arm
     run_command(REPORT_QUICKSTART, tmp_path, replace={"runs/quickstart": str(quickstart_run)})
     assert "train/Bandit/success" in (quickstart_run / "report.html").read_text()  # the run's curves embedded
 

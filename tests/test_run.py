@@ -214,6 +214,25 @@ def test_evaluate_a_run_folder(full_run, tmp_path):
     assert bad.returncode == 2 and "results go to" not in bad.stdout
 
 
+def test_random_valid_baseline_plays_the_runs_levels_without_its_weights(full_run, tmp_path):
+    """--policy random-valid: the run's config and tokenizer, every answer valid and random, no
+    checkpoint read (here the folder has none), results named apart from the policy's. A config.json
+    written before a setting existed still reads (the setting takes its default)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    saved = json.loads((full_run / "config.json").read_text())
+    del saved["trainer"]["export_dtype"]
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    proc = evaluate("--model", str(run_dir), "--suite", "frozen_lake", "--levels", "4", "--batch", "4",
+                    "--response-length", "48", "--policy", "random-valid")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "evaluate_random-valid_frozen_lake_4levels.json").read_text())
+    result = report["results"]["FrozenLake"]
+    assert report["policy"] == "random-valid" and result["action_is_valid"] == 1.0 and result["num_actions"] >= 1
+    short = evaluate("--model", str(run_dir), "--suite", "frozen_lake", "--levels", "4", "--policy", "random-valid")
+    assert short.returncode == 2 and "raise rollout.response_length" in short.stderr  # the run's 6 tokens
+
+
 @pytest.mark.slow  # the real 135M model, ~35 s; tests/test_readme.py checks the Bandit suite's results on the quick start's folder, tests/envs/test_countdown.py evaluates the bundled model
 def test_evaluate_the_bundled_model_on_bandit(tmp_path):
     out = tmp_path / "eval.json"

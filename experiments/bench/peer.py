@@ -313,14 +313,14 @@ def per_step_means(values: list, batch: int) -> list[float]:
 def export_starpo_checkpoints(run_dir: Path) -> dict[int, Path]:
     """{step: HF folder} for every checkpoint run.py kept (the final one is its ``hf_policy/``)."""
     import jax
-    from ml_collections import ConfigDict
 
+    from configs import base
     from starpo_jax.models.loading import save_model
     from starpo_jax.runtime import checkpoint
     from starpo_jax.runtime.experiment import load_policy, rollout_plan, train_settings
     from starpo_jax.train import init_train_state, policy_weights
 
-    config = ConfigDict(json.loads((run_dir / "config.json").read_text()))
+    config = base.saved_config(run_dir / "config.json")
     steps = checkpoint.saved_steps(run_dir / "checkpoints")
     folders = {}
     model = tokenizer = None
