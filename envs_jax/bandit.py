@@ -54,8 +54,7 @@ INIT_PROMPT = (
 )
 
 
-@struct.dataclass
-class BanditState:
+class BanditState(struct.PyTreeNode):
     hi_first: jnp.ndarray  # bool[]: the risky (high) arm is named first in the prompt
     key: jnp.ndarray  # PRNG key for payouts (``draw_bits``)
 

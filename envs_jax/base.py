@@ -44,7 +44,8 @@ def make_timestep(
     """A jittable TimeStep from explicit flags (jumanji's helpers pick the step type in Python)."""
     last = jnp.logical_or(terminated, truncated)
     return TimeStep(
-        step_type=jnp.where(last, StepType.LAST, StepType.MID).astype(jnp.int8),
+        # jumanji annotates step_type as a StepType; a jitted TimeStep holds it as an int8 array
+        step_type=jnp.where(last, StepType.LAST, StepType.MID).astype(jnp.int8),  # type: ignore[arg-type]
         reward=jnp.asarray(reward, jnp.float32),
         discount=jnp.where(terminated, 0.0, 1.0).astype(jnp.float32),
         observation=observation,
@@ -55,7 +56,7 @@ def make_timestep(
 def first_timestep(observation: Any) -> TimeStep:
     """The TimeStep returned by ``reset``."""
     return TimeStep(
-        step_type=jnp.asarray(StepType.FIRST, jnp.int8),
+        step_type=jnp.asarray(StepType.FIRST, jnp.int8),  # type: ignore[arg-type]  # an int8 array, as above
         reward=jnp.zeros((), jnp.float32),
         discount=jnp.ones((), jnp.float32),
         observation=observation,

@@ -49,8 +49,7 @@ STEP_REWARDS = (0, FORMAT_SCORE, SCORE)  # RAGEN pays an int 0 for wrong numbers
 HUB_PREFIX = "hub:"
 
 
-@struct.dataclass
-class CountdownState:
+class CountdownState(struct.PyTreeNode):
     nums: jnp.ndarray  # int32[4], padded with 0
     num_count: jnp.ndarray  # int32[]: 3 or 4
     target: jnp.ndarray  # int32[]
@@ -108,16 +107,17 @@ def task_table(rows: list[dict], max_instances: int, source: str = "tasks"):
     kept = []
     for i, row in enumerate(rows[:max_instances]):
         try:
-            nums, target = [int(n) for n in row["nums"]], int(row["target"])
+            row_nums, target = [int(n) for n in row["nums"]], int(row["target"])
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"Countdown {source} row {i} needs integer 'target' and a 'nums' list, got {row!r}.") from err
-        if not 1 <= len(nums) <= MAX_NUMS or not all(0 <= v < VALUE_LIMIT for v in nums + [target]):
+        if not 1 <= len(row_nums) <= MAX_NUMS or not all(0 <= v < VALUE_LIMIT for v in row_nums + [target]):
             raise ValueError(
-                f"Countdown {source} row {i}: {row!r} has {len(nums)} numbers or a value outside 0..{VALUE_LIMIT - 1}; "
+                f"Countdown {source} row {i}: {row!r} has {len(row_nums)} numbers "
+                f"or a value outside 0..{VALUE_LIMIT - 1}; "
                 f"this env takes up to {MAX_NUMS} numbers below {VALUE_LIMIT}."
             )
-        if has_solution(nums, target):
-            kept.append((nums, target))
+        if has_solution(row_nums, target):
+            kept.append((row_nums, target))
     if not kept:
         raise ValueError(f"Countdown {source}: none of the first {max_instances} rows is solvable with + and -.")
     nums = np.array([n + [0] * (MAX_NUMS - len(n)) for n, _ in kept], np.int32)

@@ -65,8 +65,7 @@ SYMBOL_MEANINGS = ("player", "empty", "hole", "goal", "player in hole", "player 
 DIRECTION_DELTAS = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]], np.int32)
 
 
-@struct.dataclass
-class FrozenLakeState:
+class FrozenLakeState(struct.PyTreeNode):
     """A FrozenLake state: holes and goals as bitboards (``envs_jax.base``), cells as row-major
     indices, so a step reads a couple of bits. ``board`` and ``pos`` give the grid view."""
 

@@ -118,8 +118,7 @@ CANDIDATES_PER_ROUND = 2
 DIFFICULTY_BAND = (3.3, 4.9)
 
 
-@struct.dataclass
-class SokobanState:
+class SokobanState(struct.PyTreeNode):
     """A Sokoban state as bitboards: bit ``i % 32`` of word ``i // 32`` stands for cell ``i`` of the
     row-major grid. The step reads and writes a few bits instead of a grid of cells (see
     ``push_or_move``); ``room_fixed``, ``room_state`` and ``player`` give the grid view."""
@@ -189,10 +188,10 @@ class Sokoban(GridEnv):
         max_steps: int = 100,
         grid_symbols: tuple[str, ...] = DEFAULT_GRID_SYMBOLS,
     ):
-        dim_room = tuple(int(d) for d in dim_room)
-        if len(dim_room) != 2 or min(dim_room) < 3:
+        room = tuple(int(d) for d in dim_room)
+        if len(room) != 2 or min(room) < 3:
             raise ValueError(
-                f"Sokoban dim_room must be (rows, cols), each at least 3, got {dim_room}."
+                f"Sokoban dim_room must be (rows, cols), each at least 3, got {room}."
             )
         if num_boxes < 1:
             raise ValueError(f"Sokoban num_boxes must be at least 1, got {num_boxes}.")
@@ -205,7 +204,7 @@ class Sokoban(GridEnv):
                 "Sokoban grid_symbols must be 7 distinct glyphs (wall, empty, target, box on target, "
                 f"box, player, player on target), got {grid_symbols!r}."
             )
-        self.dim_room = dim_room
+        self.dim_room = (room[0], room[1])
         self.num_boxes = int(num_boxes)
         self.search_depth = int(search_depth)
         self.max_steps = int(max_steps)

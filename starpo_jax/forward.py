@@ -27,8 +27,7 @@ from starpo_jax.runtime.settings import TrainSettings
 from starpo_jax.runtime.sharding import scatter_rows
 
 
-@flax.struct.dataclass
-class Critic:
+class Critic(flax.struct.PyTreeNode):
     """The value model: a decoder (its weights, or LoRA adapters over the base) and a linear head on
     its last hidden state."""
 

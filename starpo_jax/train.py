@@ -94,8 +94,7 @@ from starpo_jax.runtime.settings import (  # declared beside their config keys
 # ---- what the iteration carries ------------------------------------------------------------------
 
 
-@flax.struct.dataclass
-class TrainState:
+class TrainState(flax.struct.PyTreeNode):
     step: jax.Array
     actor: nnx.State | lora.Adapters  # what the actor trains: its weights, or its LoRA adapters
     actor_opt: Any
@@ -114,6 +113,8 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
     base and gives the actor and the critic fresh adapters (the merged model starts as the base)."""
     config = model.merge().config
     head_key, actor_key, critic_key = jax.random.split(key, 3)
+    actor: nnx.State | lora.Adapters
+    critic_backbone: nnx.State | lora.Adapters | None
     if settings.lora_rank:
         base, ref = model.params, None
         actor = lora.init_adapters(config, settings.lora_rank, actor_key)
@@ -125,6 +126,7 @@ def init_train_state(settings: TrainSettings, model: ModelState, key) -> TrainSt
     actor_tx = optimizer(settings, "actor")
     critic = critic_opt = None
     if settings.uses_critic:
+        assert critic_backbone is not None  # made above whenever the settings use a critic
         critic = Critic(
             backbone=critic_backbone,
             head_w=0.02 * jax.random.normal(head_key, (config.hidden_size,), jnp.float32),
@@ -313,6 +315,7 @@ def old_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: Upd
     """3c. V_old [M, L] on the policy tokens (0 elsewhere); zeros when the estimator has no critic."""
     if not settings.uses_critic:
         return jnp.zeros(kept.tokens.shape, jnp.float32)
+    assert state.critic is not None  # init_state makes one whenever the settings use a critic
     critic = critic_weights(settings, state.critic, state.base)
     values = _map_micro(functools.partial(_row_values, settings, graphdef, plan, layout, critic),
                         _rows(kept, mask), settings.micro_batch_size)
@@ -468,7 +471,10 @@ def policy_weights(settings: TrainSettings, state: TrainState) -> nnx.State:
 
 def reference_weights(state: TrainState) -> nnx.State:
     """The frozen reference policy: the initial weights (with LoRA, the base with adapters off)."""
-    return state.base if state.base is not None else state.ref
+    if state.base is not None:
+        return state.base
+    assert state.ref is not None  # init_state keeps a reference whenever the settings read one (uses_ref)
+    return state.ref
 
 
 def critic_weights(settings: TrainSettings, critic: Critic, base) -> Critic:
@@ -505,8 +511,7 @@ def apply_update(tx, params, opt_state, grads, lr, live=True):
 # ---- helpers: the update batch -------------------------------------------------------------------
 
 
-@flax.struct.dataclass
-class UpdateBatch:
+class UpdateBatch(flax.struct.PyTreeNode):
     tokens: jax.Array
     length: jax.Array
     split: jax.Array  # int32 [M]: ``first_prompt_split``

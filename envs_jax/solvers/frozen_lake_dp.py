@@ -71,4 +71,5 @@ def _board_and_start(level: Level) -> tuple[np.ndarray, tuple[int, int]]:
     starts = np.argwhere(board == START)
     if len(starts) != 1:
         raise ValueError(f"FrozenLake map must have exactly one start 'S', found {len(starts)}.")
-    return board, tuple(int(i) for i in starts[0])
+    row, col = starts[0]
+    return board, (int(row), int(col))

@@ -138,7 +138,8 @@ def collapse_metrics(policy: ModelState, traj: Trajectories, plan: RolloutPlan, 
     per env tag with two prompts or more: the first answers of the tag's first ``max_prompts``
     groups scored by ``policy`` (the weights that sampled them, at their sampling ``temperature``)
     after each of those groups' first prompts."""
-    width, out = prompt_width(traj), {}
+    width = prompt_width(traj)
+    out: dict[str, float] = {}
     for name, groups in sampled_groups(plan, max_prompts):
         if len(groups) < 2:
             continue  # one prompt: nothing to tell apart

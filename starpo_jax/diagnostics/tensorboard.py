@@ -13,7 +13,9 @@ def _tensorboardx():
         import tensorboardX
 
         return tensorboardX
-    sys.modules["torch"] = None  # ``import torch`` raises ImportError while tensorboardX loads
+    # ``import torch`` raises ImportError while tensorboardX loads (None in sys.modules blocks an import;
+    # typeshed types the values as modules only)
+    sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         import tensorboardX
     finally:

@@ -48,7 +48,7 @@ window of the cache (``KVCache.head``) just large enough for the live rows.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Literal, Mapping, NamedTuple, Sequence, cast
 
 import jax
 import jax.numpy as jnp
@@ -131,8 +131,7 @@ def _new_param(w: _Weight, key: Array, dtype, num_layers: int | None = None) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-@struct.dataclass
-class KVCache:
+class KVCache(struct.PyTreeNode):
     """Keys and values of every layer for a batch of ragged rows; slot s of a row holds position s."""
 
     k: Array  # [layers, batch, kv_heads, max_len, head_dim]
@@ -176,8 +175,7 @@ class KVCache:
         return LayerCache(k=tuple(self.k), v=tuple(self.v), lengths=self.lengths)
 
 
-@struct.dataclass
-class LayerCache:
+class LayerCache(struct.PyTreeNode):
     """A ``KVCache`` as one buffer per layer, the layout the decode loop carries: each block reads
     and writes its own buffer in place, where slicing one layer out of the stacked ``[layers, ...]``
     cache made XLA copy that layer's whole cache at every token."""
@@ -274,7 +272,7 @@ def _joint_attention(block_scores: list[Array], block_values: list[Array]) -> Ar
     total = sum(jnp.sum(u, axis=-1, keepdims=True) for u in unnormalised)
     out = sum(jnp.einsum("bkqs,bksd->bkqd", u.astype(v.dtype), v, preferred_element_type=jnp.float32)
               for u, v in zip(unnormalised, block_values))
-    return out / total
+    return cast(Array, out / total)  # sum's start 0 is int to a type checker; here the blocks are never empty
 
 
 #: Up to this many queries per (row, kv head), a CPU computes the scores keys-first (below).
@@ -337,7 +335,7 @@ def self_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
     return attend(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)])
 
 
-def fused_attention(q: Array, k: Array, v: Array, allowed: Array, implementation: str) -> Array:
+def fused_attention(q: Array, k: Array, v: Array, allowed: Array, implementation: Literal["xla", "cudnn"]) -> Array:
     """``jax.nn.dot_product_attention`` with our mask; "cudnn" is flash attention on NVIDIA GPUs.
 
     cuDNN's masked backward pass takes only even lengths (jax raises "Unsupported sequence length"
@@ -453,6 +451,12 @@ class Decoder(nnx.Module):
     """Decoder-only LM. ``__call__`` / ``hidden_states`` for training; ``extend`` (prefill) and
     ``extend_layers`` (the decode step) for the KV-cached sampler."""
 
+    # The weights outside the blocks, set in __init__ from ``_top_weights`` (lm_head only without
+    # tied embeddings); declared here for the type checker.
+    embed: nnx.Param
+    final_norm: nnx.Param
+    lm_head: nnx.Param
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         dtype = jnp.dtype(config.param_dtype)
@@ -526,7 +530,7 @@ class Decoder(nnx.Module):
                   remat: str) -> tuple[Array, tuple[Array, Array]]:
         """Tokens [B, T] at ``positions`` after a prefix of keys/values [layers, B, kv_heads, S, d]
         whose slots are ``visible`` [B, 1, S]; causal among themselves. Returns (x, each layer's k, v)."""
-        def attention(q, k, v, layer_prefix):
+        def attention(q, k, v, layer_prefix: tuple[Array, Array]):
             return _attend_after(q, k, v, *layer_prefix, visible)
 
         return self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v), remat=remat)
@@ -574,8 +578,7 @@ class Decoder(nnx.Module):
         return x, LayerCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
 
 
-@struct.dataclass
-class ModelState:
+class ModelState(struct.PyTreeNode):
     """A Decoder split by ``nnx.split`` into its static graph and its weights.
 
     Jitted functions take this pytree: the weights are traced leaves and the graph is static

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jumanji.types import StepType
 
 
-@flax.struct.dataclass
-class TurnResult:
+class TurnResult(flax.struct.PyTreeNode):
     reward: jnp.ndarray  # float32: sum of the executed actions' env rewards
     reward_index: jnp.ndarray  # int32: which sequence of step rewards the turn paid (mixed radix, see below)
     num_executed: jnp.ndarray  # int32

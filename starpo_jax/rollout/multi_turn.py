@@ -47,7 +47,7 @@ from starpo_jax.rollout import parsing, prompts
 from starpo_jax.rollout.env_turn import execute_turn
 from starpo_jax.rollout.sampling import append, decode, init_cache
 from starpo_jax.runtime import sharding
-from starpo_jax.runtime.settings import defaults_from_settings
+from starpo_jax.runtime.settings import setting_default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,20 +61,21 @@ class TagPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-@defaults_from_settings  # a field without a default takes its config default from settings.SETTINGS
 class RolloutPlan:
-    """Everything static about a rollout: shapes, budgets, sampling switches."""
+    """Everything static about a rollout: shapes, budgets, sampling switches. A field with a
+    config key takes its config default from settings.SETTINGS (``setting_default``)."""
 
     tags: tuple[TagPlan, ...]
     group_size: int
-    max_turn: int
-    max_actions_per_turn: int
-    response_length: int  # max new tokens per turn
-    max_len: int  # tokens per trajectory, all turns (rollout.max_model_len; ``fit_to_tables`` lowers it to what can be reached)
-    enable_think: bool
-    format_penalty: float
-    top_k: int  # <= 0: no top-k filter
-    top_p: float
+    max_turn: int = setting_default("RolloutPlan", "max_turn")
+    max_actions_per_turn: int = setting_default("RolloutPlan", "max_actions_per_turn")
+    response_length: int = setting_default("RolloutPlan", "response_length")  # max new tokens per turn
+    # tokens per trajectory, all turns (rollout.max_model_len; ``fit_to_tables`` lowers it to what can be reached)
+    max_len: int = setting_default("RolloutPlan", "max_len")
+    enable_think: bool = setting_default("RolloutPlan", "enable_think")
+    format_penalty: float = setting_default("RolloutPlan", "format_penalty")
+    top_k: int = setting_default("RolloutPlan", "top_k")  # <= 0: no top-k filter
+    top_p: float = setting_default("RolloutPlan", "top_p")
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
 
@@ -101,14 +102,12 @@ class RolloutPlan:
         return out
 
 
-@flax.struct.dataclass
-class TagTables:
+class TagTables(flax.struct.PyTreeNode):
     prompts: prompts.PromptTables
     names: parsing.ActionNames  # [N + 1, L]: the env's action names, then an empty name (padding)
 
 
-@flax.struct.dataclass
-class RolloutTables:
+class RolloutTables(flax.struct.PyTreeNode):
     """Host-built lookup tables (prompt pieces, token bytes, action names); a jit argument."""
 
     tags: tuple[TagTables, ...]
@@ -116,8 +115,7 @@ class RolloutTables:
     token_lengths: jax.Array
 
 
-@flax.struct.dataclass
-class Trajectories:
+class Trajectories(flax.struct.PyTreeNode):
     """One rollout batch: token sequences and what happened in each episode."""
 
     tokens: jax.Array  # int32[B, L] the whole conversation, padded with pad_id
@@ -283,32 +281,31 @@ def _write(buffer, offsets, values, count):
     return sharding.scatter_rows(buffer, cols, values)
 
 
-def _starts_at_zero(dtype, per_position: bool = False):
-    """A carry field that starts as zeros of ``dtype``, one per row (``[B]``) or per row and
-    position (``[B, max_len]``); ``initial_carry`` makes them all."""
-    return flax.struct.field(metadata={"zeros": (dtype, per_position)})
+def _starts_at_zero(dtype, per_position: bool = False) -> dict:
+    """The metadata of a carry field that starts as zeros of ``dtype``, one per row (``[B]``) or per
+    row and position (``[B, max_len]``); ``initial_carry`` makes them all."""
+    return {"zeros": (dtype, per_position)}
 
 
-@flax.struct.dataclass
-class _Carry:
+class _Carry(flax.struct.PyTreeNode):
     """What a turn passes to the next. A field named as one of ``Trajectories`` becomes that field
     when the rollout ends (``pack_trajectories``)."""
 
     tokens: jax.Array  # pad_id until written
-    loss_mask: jax.Array = _starts_at_zero(bool, per_position=True)
-    sampler_logprobs: jax.Array = _starts_at_zero(jnp.float32, per_position=True)
-    length: jax.Array = _starts_at_zero(jnp.int32)
+    loss_mask: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool, per_position=True))
+    sampler_logprobs: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.float32, per_position=True))
+    length: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
     cache: object
     env_states: tuple
-    done: jax.Array = _starts_at_zero(bool)
-    success: jax.Array = _starts_at_zero(bool)
-    num_actions: jax.Array = _starts_at_zero(jnp.int32)
-    num_turns: jax.Array = _starts_at_zero(jnp.int32)
-    effective_sum: jax.Array = _starts_at_zero(jnp.int32)
-    valid_sum: jax.Array = _starts_at_zero(jnp.int32)
-    response_tokens: jax.Array = _starts_at_zero(jnp.int32)
-    think_tokens: jax.Array = _starts_at_zero(jnp.int32)
-    context_exhausted: jax.Array = _starts_at_zero(bool)
+    done: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
+    success: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
+    num_actions: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    num_turns: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    effective_sum: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    valid_sum: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    response_tokens: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    think_tokens: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    context_exhausted: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
     prompt_ids: jax.Array  # the next turn's prompt
     prompt_len: jax.Array
 
@@ -460,6 +457,7 @@ def step_envs(plan: RolloutPlan, tables: RolloutTables, env_states, parsed, acti
     new_states, results = [], []
     for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
         width = tag.env.answer_width
+        actions: jax.Array | tuple[jax.Array, jax.Array]  # answer bytes and lengths, or action ids
         if width:
             actions = (parsed.answers.bytes[sl, :, :width], jnp.minimum(parsed.answers.lengths[sl], width))
             n_actions = parsed.n_kept[sl]

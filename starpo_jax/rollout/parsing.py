@@ -140,7 +140,7 @@ def parse_response_text(
     Countdown) takes every kept string as is; the turn's format error is then "no string at all".
     """
     language = action_names is None
-    lookup = {} if language else {name: i for i, name in enumerate(_check_action_names(action_names))}
+    lookup = {} if action_names is None else {name: i for i, name in enumerate(_check_action_names(action_names))}
     response = ("<think>" if enable_think else "<answer>") + text
     match = (THINK_PATTERN if enable_think else ANSWER_PATTERN).search(response)
     if match is None:
@@ -207,8 +207,7 @@ def build_token_bytes_table(tokenizer, vocab_size: int | None = None) -> tuple[n
     return table, lengths
 
 
-@struct.dataclass
-class ActionNames:
+class ActionNames(struct.PyTreeNode):
     """Lower-cased ASCII action names as bytes: ``bytes int32[..., A, L]``, ``lengths int32[..., A]``.
 
     Leading dims are per-row names (Bandit arms): ``jax.tree.map(lambda a: a[idx], bank)`` picks
@@ -244,8 +243,7 @@ def encode_action_names(action_names, max_name_bytes: int | None = None) -> Acti
     return ActionNames(jnp.asarray(table), jnp.asarray(lengths))
 
 
-@struct.dataclass
-class ParserTables:
+class ParserTables(struct.PyTreeNode):
     token_bytes: jax.Array  # uint8[V, max_bytes]
     token_lengths: jax.Array  # int32[V]
     names: ActionNames  # [A, L] shared, or [B, A, L] per row
@@ -345,8 +343,8 @@ def _machine_tables() -> dict[str, np.ndarray]:
     before_gt = nfa.literal(0, b"</think")
     loop = nfa.state()
     nfa.edges[before_gt].append((ord(">"), loop))
-    for byte in ascii_ws:
-        nfa.edges[loop].append((byte, loop))
+    for ws in ascii_ws:
+        nfa.edges[loop].append((ws, loop))
     for seq in multibyte_ws:
         nfa.literal(loop, seq, dst=loop)
     accept = nfa.literal(loop, b"<answer>")
@@ -360,13 +358,13 @@ def _machine_tables() -> dict[str, np.ndarray]:
     tag_mask = np.zeros(len(tag_stage), np.int32)  # bit s-1: the node is a prefix of stage s's tag
     for s, tag in enumerate(TAGS, start=1):
         node = 0
-        for byte in tag.encode():
-            node = tag_next[node, byte]
+        for tag_byte in tag.encode():
+            node = tag_next[node, tag_byte]
             tag_mask[node] |= 1 << (s - 1)
 
     ws_next, ws_done = _trie(multibyte_ws)
     ws_bytes, ws_length = _trie_prefixes(ws_next)
-    byte = np.arange(256)
+    byte = np.arange(256)  # every byte value
     return dict(
         think_next=think_next,
         think_accept=think_accept,
@@ -398,8 +396,7 @@ STACK = 6  # open tag candidates; a 7th could never complete (one removal stage 
 _LT, _BAR = ord("<"), ord("|")
 
 
-@struct.dataclass
-class PieceText:
+class PieceText(struct.PyTreeNode):
     """The piece's text, kept for envs that take the answer itself (language actions)."""
 
     bytes: jax.Array  # int32[W]: the piece's bytes from its first non-space character, tags removed
@@ -407,16 +404,14 @@ class PieceText:
     end: jax.Array  # size after the last non-space character: what ``strip`` keeps
 
 
-@struct.dataclass
-class AnswerText:
+class AnswerText(struct.PyTreeNode):
     """The kept answer pieces as text: what a language-action env receives (RAGEN's action strings)."""
 
     bytes: jax.Array  # uint8[B, K, W] each kept piece's bytes, zero-padded, cut at W bytes
     lengths: jax.Array  # int32[B, K] bytes of each kept piece (at most W; 0: no piece)
 
 
-@struct.dataclass
-class Piece:
+class Piece(struct.PyTreeNode):
     """The answer piece being read (between separators), as int32 scalars per row."""
 
     pipe: jax.Array  # 1: a single '|' is pending (a second one makes the separator)
@@ -428,8 +423,7 @@ class Piece:
     text: PieceText | None = None  # only when the parser keeps answer text (``answer_width`` > 0)
 
 
-@struct.dataclass
-class ParserState:
+class ParserState(struct.PyTreeNode):
     """Per-row parser state; every field has the batch as its leading dim."""
 
     phase: jax.Array  # SEARCH, ANSWER or DONE
@@ -451,8 +445,7 @@ class ParserState:
     answers: AnswerText | None = None  # int32 bytes [B, K, W] of the kept pieces (``answer_width`` > 0)
 
 
-@struct.dataclass
-class ParseResult:
+class ParseResult(struct.PyTreeNode):
     action_ids: jax.Array  # int32[B, K]: id per kept action string, -1 where unknown or absent
     valid_action_ids: jax.Array  # int32[B, K]: the ids the env executes, in order, -1 padded
     n_kept: jax.Array  # int32[B]: kept action strings
@@ -595,6 +588,7 @@ def _record(st: ParserState, ended, piece: Piece) -> ParserState:
     keep = ended & (piece.started == 1) & (st.n_pieces < k)
     valid = keep & (piece.match >= 0)
     if st.answers is not None:
+        assert piece.text is not None  # both are kept exactly when answer_width > 0
         width = piece.text.bytes.shape[-1]
         length = jnp.minimum(piece.text.end, width)
         text = jnp.where(jnp.arange(width) < length, piece.text.bytes, 0)

@@ -104,9 +104,9 @@ def turn_user_text(turn: int, state_text: str, actions_left: int, max_tokens: in
     )
 
 
-def accumulated_reward(step_rewards: Sequence[float]):
+def accumulated_reward(step_rewards: Sequence[float]) -> float:
     """RAGEN's ``acc_reward``: int 0 plus each executed action's reward, in order."""
-    acc = 0
+    acc: float = 0  # int 0 when no action ran, as RAGEN prints it
     for r in step_rewards:
         acc += r
     return acc
@@ -249,8 +249,7 @@ def chat_glue(tokenizer, system_prompt: str = SYSTEM_PROMPT, chat_template: str 
 # ---- token tables (host build, jittable assembly) ----------------------------------------------
 
 
-@struct.dataclass
-class TokenRuns:
+class TokenRuns(struct.PyTreeNode):
     """Token runs keyed by an integer: run ``k`` is ``ids[k, :lengths[k]]``."""
 
     ids: jnp.ndarray  # int32[n, width]
@@ -291,8 +290,7 @@ def reward_sequence_of_index(index: int, values: Sequence[float], num_slots: int
     return [values[d - 1] for d in digits if d > 0]
 
 
-@struct.dataclass
-class PromptTables:
+class PromptTables(struct.PyTreeNode):
     """Token tables of one env tag's prompts; pass as a jit argument (the 8x8 row table is 4 MB).
 
     ``pieces`` in the functions below is the env's ``observation_pieces(state)``.

@@ -60,13 +60,14 @@ __all__ = [
 ]
 
 
-@struct.dataclass
-class DecodeOutput:
+class DecodeOutput(struct.PyTreeNode):
     tokens: Array  # [B, max_new] int32; slots at and past a row's length hold pad_id
     logprobs: Array  # [B, max_new] float32 (see the module docstring); 0 past a row's length
     lengths: Array  # [B] int32: tokens generated, the stop token included
     cache: KVCache  # with every generated token written
-    last_logits: Array  # [B, V] logits after each row's last token (decode can go on from here)
+    # [B, V] logits after each row's last token (decode can go on from here); None from a responder
+    # that runs no model (format_warmup.RandomAnswers, the tests' scripted ones)
+    last_logits: Array | None
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
@@ -152,7 +153,8 @@ def _threefry_bits_unrolled(key_data: Array, bit_width: int, shape: tuple[int, .
     counters at each (a fifth of a decode step's bytes at Qwen2.5's vocabulary); unrolled, it is
     one fused pass. Other widths, huge shapes and the non-partitionable stream are left to jax."""
     size = math.prod(shape)
-    if bit_width != 32 or size >= 2**32 or not jax.config.jax_threefry_partitionable:
+    # jax.config's options are attributes it adds at runtime, unknown to a type checker
+    if bit_width != 32 or size >= 2**32 or not jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]
         return _THREEFRY.random_bits(key_data, bit_width, shape)
     # Counters 0, 1, ... (their high words are 0), flat: an iota of ``shape`` is a multiply-add of
     # two iotas, which XLA hoists out of the decode loop and then reads back at every token.
@@ -173,7 +175,7 @@ def _unrolled(key: Array) -> Array:
         if str(jax.random.key_impl(key)) != "threefry2x32":
             return key
         key = jax.random.key_data(key)
-    elif jax.config.jax_default_prng_impl != "threefry2x32":
+    elif jax.config.jax_default_prng_impl != "threefry2x32":  # type: ignore[attr-defined]  # a runtime option, as above
         return key
     return jax.random.wrap_key_data(key, impl=_THREEFRY_UNROLLED)
 
@@ -251,8 +253,7 @@ def in_smallest_window(run, cache: KVCache, needed: Array, windowed: bool = True
     return jax.lax.switch(branch, [in_window(size) for size in windows], cache)
 
 
-@struct.dataclass
-class DecodeState:
+class DecodeState(struct.PyTreeNode):
     """What the decode loop carries from one step to the next.
 
     The step samples its next token at its end, from the logits it has just computed, and carries

@@ -73,8 +73,7 @@ def pack_runs(runs, out_len: int):
     return out, jnp.sum(lengths)
 
 
-@struct.dataclass
-class PieceTable:
+class PieceTable(struct.PyTreeNode):
     """Token ids of every observation piece of an env: piece ``k`` is ``ids[k, :lengths[k]]``."""
 
     ids: jnp.ndarray  # int32[num_pieces, max_piece_tokens]

@@ -24,6 +24,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -87,7 +88,7 @@ def checksums(state) -> dict[str, str]:
         if not getattr(leaf, "is_fully_addressable", True):
             continue
         data = np.ascontiguousarray(jax.device_get(leaf)).reshape(-1).view(np.uint8)
-        sums[jax.tree_util.keystr(path)] = f"{zlib.crc32(data):08x}"
+        sums[jax.tree_util.keystr(path)] = f"{zlib.crc32(data.data):08x}"
     return sums
 
 
@@ -203,8 +204,8 @@ def _difference(stored: dict[str, tuple] | None, built: dict[str, tuple]) -> str
 
 def _root_cause(err: BaseException) -> str:
     """The innermost error's first line (TensorStore's own words, without the spec dump)."""
-    while err.__cause__ is not None or err.__context__ is not None:
-        err = err.__cause__ or err.__context__
+    while (inner := err.__cause__ or err.__context__) is not None:
+        err = inner
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return text if len(text) <= 240 else text[:240] + "..."
 
@@ -218,17 +219,22 @@ class _quiet_storage_errors:
     NAMES = ("absl", "orbax", "asyncio", "tensorstore", "jax")
 
     def __enter__(self):
+        global _hook_before_ours
         self.levels = {name: logging.getLogger(name).level for name in self.NAMES}
         for name in self.NAMES:
             logging.getLogger(name).setLevel(logging.CRITICAL + 1)
         if sys.unraisablehook is not _drop_abandoned_reads:
-            _drop_abandoned_reads.default = sys.unraisablehook
+            _hook_before_ours = sys.unraisablehook
             sys.unraisablehook = _drop_abandoned_reads
 
     def __exit__(self, *exc):
         gc.collect()  # finalise the abandoned reads now, while the loggers are muted
         for name, level in self.levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+# the hook _drop_abandoned_reads passes the other errors on to: the one it replaced
+_hook_before_ours: Callable[[Any], object] = sys.unraisablehook
 
 
 def _drop_abandoned_reads(unraisable) -> None:
@@ -239,7 +245,7 @@ def _drop_abandoned_reads(unraisable) -> None:
     orbax_coroutine = code is not None and "orbax" in code.co_filename
     closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
     if not (orbax_coroutine or closed_loop):
-        _drop_abandoned_reads.default(unraisable)
+        _hook_before_ours(unraisable)
 
 
 def set_aside(mgr: ocp.CheckpointManager, steps: list[int]) -> Path:

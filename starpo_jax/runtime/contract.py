@@ -52,7 +52,7 @@ def check_env(env, tag: str = "") -> None:
     if clashes:
         fail(f"action names clash (the parser ignores case): {', '.join(clashes)}.")
     rewards = tuple(env.step_reward_values)
-    if not rewards or len(set(np.float32(rewards).tolist())) != len(rewards):
+    if not rewards or len(set(np.asarray(rewards, np.float32).tolist())) != len(rewards):
         fail(f"step_reward_values must list each reward a step can pay once, got {rewards!r}.")
     texts = env.piece_texts
     if not texts or any(not isinstance(t, str) for t in texts):
@@ -69,7 +69,7 @@ def check_env(env, tag: str = "") -> None:
     if key_shape.shape != () or key_shape.dtype != np.uint32:
         fail(f"state_key(state) must be a uint32 scalar, got {key_shape.dtype}{list(key_shape.shape)}.")
     observation_pieces, step, state_key = jax.jit(env.observation_pieces), jax.jit(env.step), jax.jit(env.state_key)
-    keys = {}  # state key -> (the observation pieces of a state with it, which state)
+    keys: dict[int, tuple[list, str]] = {}  # state key -> (the observation pieces of a state with it, which state)
     # The first level and one step of each action from it (a few states, seen as the rollout sees
     # them); a language-action env steps once, with an empty answer.
     actions = [(np.zeros(env.answer_width, np.uint8), np.int32(0))] if language else range(min(env.num_actions, 8))

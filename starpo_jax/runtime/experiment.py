@@ -66,7 +66,7 @@ def device_mesh(config: ConfigDict, **batch_sizes: int):
     return mesh
 
 
-def model_compute(config: ConfigDict) -> dict[str, str]:
+def model_compute(config: ConfigDict) -> dict[str, Any]:
     """The ``ModelConfig`` fields a config sets on top of the checkpoint's: compute dtype, float32
     master weights, rematerialisation (``model.remat``)."""
     return {**read_settings(config, "ModelConfig"), "param_dtype": "float32"}

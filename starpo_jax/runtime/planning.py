@@ -283,14 +283,16 @@ def device_budget(devices) -> int | None:
     """The memory one accelerator may use (the smallest over ``devices``); None for CPU devices,
     whose memory is the host's RAM, shared and not fixed."""
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-    return None if any(limit is None for limit in limits) else min(limits)
+    known = [limit for limit in limits if limit is not None]
+    return None if len(known) < len(limits) else min(known)
 
 
 def device_peak(devices) -> int | None:
     """The most memory any of ``devices`` has held at once so far (the allocator's
     ``peak_bytes_in_use``); None for CPU devices, which do not count it."""
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
-    return None if any(peak is None for peak in peaks) else max(peaks)
+    known = [peak for peak in peaks if peak is not None]
+    return None if len(known) < len(peaks) else max(known)
 
 
 # ---- the host: on CPU a run's memory is its process's --------------------------------------------
@@ -378,6 +380,7 @@ def check_fits(config, available: int | None = None) -> Fit | None:
         available = None  # an accelerator's memory is its own, not the host's
     else:  # CPU: the devices share the host's memory, and this process already holds its runtime.
         available = available_bytes() if available is None else available
+        assert available is not None  # checked above: this host has /proc/meminfo
         budget = available // len(devices)
         if plan.peak > budget:
             _, knob = plan.largest_part()

@@ -16,13 +16,15 @@ Everything else is derived from the table: the defaults of ``configs/base.py`` (
 sides, ``UNDECLARED``), the checks of a config (``check_settings``: one sentence naming the key and
 what it may be), the fields of ``TrainSettings`` / ``Hyperparams`` / ``RolloutPlan`` /
 ``ModelConfig`` built from a config (``read_settings``), the defaults of ``TrainSettings``,
-``RolloutPlan`` and ``Hyperparams`` (``setting_defaults``: ``defaults_from_settings``,
-``Hyperparams.create``), and the keys ``experiments.sweep`` may vary (``SWEEPABLE``). The allowed
-values come from the module that implements them. A check that relates several keys, or a key to
-the devices or the envs, is made where those are known, and the row's comment names it.
+``RolloutPlan`` and ``Hyperparams`` (``setting_defaults``: ``setting_default`` in the fields'
+declarations, ``Hyperparams.create``), and the keys ``experiments.sweep`` may vary
+(``SWEEPABLE``). The allowed values come from the module that implements them. A check that
+relates several keys, or a key to the devices or the envs, is made where those are known, and the
+row's comment names it.
 
 Adding a setting: one row here, one field in the class it goes to (``TrainSettings``,
-``Hyperparams`` below, or ``RolloutPlan``), and the code that uses the field.
+``Hyperparams`` below, or ``RolloutPlan``; in the first and the last its default is
+``setting_default(<class>, <field>)``), and the code that uses the field.
 """
 
 from __future__ import annotations
@@ -284,56 +286,59 @@ def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:
 def setting_defaults(owner: str) -> dict[str, Any]:
     """``{field: config default}`` of every field of ``owner`` the table sets, each cast to the
     field's type; a field that two rows set (actor.lr, lora.actor_lr) takes the first row's."""
-    defaults = {}
+    defaults: dict[str, Any] = {}
     for s in SETTINGS:
         if s.owner == owner:
             defaults.setdefault(s.field, s.cast(s.default))
     return defaults
 
 
-def defaults_from_settings(cls):
-    """Give each annotated field of ``cls`` without a default its setting's config default."""
-    for field, value in setting_defaults(cls.__name__).items():
-        if not hasattr(cls, field):
-            setattr(cls, field, value)
-    return cls
+def setting_default(owner: str, field: str) -> Any:
+    """The config default of the field ``owner.field`` (``setting_defaults``), for the field's
+    declaration in its class, e.g. in ``RolloutPlan``: ``max_turn: int = setting_default("RolloutPlan",
+    "max_turn")``. The default is written as the field's own, so a type checker reads the class as it
+    runs, and the value still comes from the table only."""
+    defaults = setting_defaults(owner)
+    if field not in defaults:
+        raise KeyError(f"No row of SETTINGS targets {owner}.{field}.")
+    return defaults[field]
 
 
 @dataclasses.dataclass(frozen=True)
-@defaults_from_settings  # a field without a default takes its config default from SETTINGS
 class TrainSettings:
-    """Static switches and sizes of the update (a sweep does not vary these)."""
+    """Static switches and sizes of the update (a sweep does not vary these). A field with a config
+    key takes its config default from SETTINGS (``setting_default``)."""
 
-    adv_estimator: str
-    grpo_norm_by_std: bool
-    gigpo_mode: str
-    reward_grouping: str
-    reward_method: str
-    use_turn_scores: bool
-    filter_type: str
-    filter_rank_by: str
+    adv_estimator: str = setting_default("TrainSettings", "adv_estimator")
+    grpo_norm_by_std: bool = setting_default("TrainSettings", "grpo_norm_by_std")
+    gigpo_mode: str = setting_default("TrainSettings", "gigpo_mode")
+    reward_grouping: str = setting_default("TrainSettings", "reward_grouping")
+    reward_method: str = setting_default("TrainSettings", "reward_method")
+    use_turn_scores: bool = setting_default("TrainSettings", "use_turn_scores")
+    filter_type: str = setting_default("TrainSettings", "filter_type")
+    filter_rank_by: str = setting_default("TrainSettings", "filter_rank_by")
     kept_groups: int = 2  # static upper bound of kept groups (int(ratio * env_groups) for top-k)
-    loss_agg_mode: str
-    ppo_mini_batch_size: int
-    micro_batch_size: int
-    ppo_epochs: int
-    use_kl_loss: bool
-    kl_loss_type: str
-    kl_in_reward: bool
-    kl_penalty: str
-    rollout_temperature: float
-    use_sampler_logprobs: bool
-    critic_warmup: int
-    actor_betas: tuple[float, float]
-    critic_betas: tuple[float, float]
-    actor_weight_decay: float
-    critic_weight_decay: float
-    actor_grad_clip: float
-    critic_grad_clip: float
-    cliprange_value: float
+    loss_agg_mode: str = setting_default("TrainSettings", "loss_agg_mode")
+    ppo_mini_batch_size: int = setting_default("TrainSettings", "ppo_mini_batch_size")
+    micro_batch_size: int = setting_default("TrainSettings", "micro_batch_size")
+    ppo_epochs: int = setting_default("TrainSettings", "ppo_epochs")
+    use_kl_loss: bool = setting_default("TrainSettings", "use_kl_loss")
+    kl_loss_type: str = setting_default("TrainSettings", "kl_loss_type")
+    kl_in_reward: bool = setting_default("TrainSettings", "kl_in_reward")
+    kl_penalty: str = setting_default("TrainSettings", "kl_penalty")
+    rollout_temperature: float = setting_default("TrainSettings", "rollout_temperature")
+    use_sampler_logprobs: bool = setting_default("TrainSettings", "use_sampler_logprobs")
+    critic_warmup: int = setting_default("TrainSettings", "critic_warmup")
+    actor_betas: tuple[float, float] = setting_default("TrainSettings", "actor_betas")
+    critic_betas: tuple[float, float] = setting_default("TrainSettings", "critic_betas")
+    actor_weight_decay: float = setting_default("TrainSettings", "actor_weight_decay")
+    critic_weight_decay: float = setting_default("TrainSettings", "critic_weight_decay")
+    actor_grad_clip: float = setting_default("TrainSettings", "actor_grad_clip")
+    critic_grad_clip: float = setting_default("TrainSettings", "critic_grad_clip")
+    cliprange_value: float = setting_default("TrainSettings", "cliprange_value")
     logprob_chunk: int = 512  # positions per chunk when computing log-probs from hidden states
-    lora_rank: int  # 0: full fine-tuning
-    lora_alpha: float
+    lora_rank: int = setting_default("TrainSettings", "lora_rank")  # 0: full fine-tuning
+    lora_alpha: float = setting_default("TrainSettings", "lora_alpha")
 
     @property
     def uses_critic(self) -> bool:
@@ -361,8 +366,7 @@ def check_batch_split(settings: TrainSettings, group_size: int) -> None:
         )
 
 
-@flax.struct.dataclass
-class Hyperparams:
+class Hyperparams(flax.struct.PyTreeNode):
     """The values a sweep varies, as float32 arrays (scalars, or [S] under ``vmap``)."""
 
     actor_lr: jax.Array

@@ -99,6 +99,7 @@ def _spec(names, shape, mesh, where: str, rules=RULES) -> PartitionSpec:
     be the same layout spelled two ways, and every program that reads both (the validation
     rollout at step 0 and after a resume) would be compiled and cached twice."""
     spec = nn.logical_to_mesh_axes(names, rules)
+    assert spec is not None  # None only for names=None
     for size, axis, name in zip(shape, spec, names):
         if axis is not None and size % _axis_size(mesh, axis):
             raise ValueError(
