@@ -31,26 +31,33 @@ def wait_until(proc, ready, late: str, seconds: float, stderr_path, poll: float 
         time.sleep(poll)
 
 
-def stopped(tmp_path, sig, overrides: dict, until_saved: bool) -> tuple[int, str]:
-    """Start a long tiny run into ``tmp_path / "run"``, send ``sig`` once it has logged a training
-    step (and, ``until_saved``, written a checkpoint); its exit status and stderr."""
-    out = tmp_path / "run"
-    args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | overrides), f"--config.trainer.output_dir={out}"]
-    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, env=command_env())
+def signalled(tmp_path, args: list[str], sig, waits, poll: float = 0.2, **popen) -> tuple[int, str]:
+    """Start ``args`` (stderr to ``tmp_path / "stderr"``), wait for each ``(ready, late, seconds)`` of
+    ``waits`` in turn (``wait_until``), send ``sig``; the process's exit status and stderr."""
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env(), **popen)
         try:
-            metrics = out / "metrics.jsonl"
-            wait_until(proc, lambda: metrics.exists() and "train/reward/mean" in metrics.read_text(),
-                       "no training step logged in 10 minutes", 600, tmp_path / "stderr")
-            if until_saved:  # steps take seconds
-                wait_until(proc, lambda: saved(out), "no checkpoint a minute after the first step", 60,
-                           tmp_path / "stderr")
+            for ready, late, seconds in waits:
+                wait_until(proc, ready, late, seconds, tmp_path / "stderr", poll)
             proc.send_signal(sig)
             status = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
     return status, (tmp_path / "stderr").read_text()
+
+
+def stopped(tmp_path, sig, overrides: dict, until_saved: bool) -> tuple[int, str]:
+    """Start a long tiny run into ``tmp_path / "run"``, send ``sig`` once it has logged a training
+    step (and, ``until_saved``, written a checkpoint); its exit status and stderr."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | overrides), f"--config.trainer.output_dir={out}"]
+    metrics = out / "metrics.jsonl"
+    waits = [(lambda: metrics.exists() and "train/reward/mean" in metrics.read_text(),
+              "no training step logged in 10 minutes", 600)]
+    if until_saved:  # steps take seconds
+        waits.append((lambda: saved(out), "no checkpoint a minute after the first step", 60))
+    return signalled(tmp_path, args, sig, waits)
 
 
 def the_line(stderr: str, marker: str) -> str:
@@ -104,17 +111,8 @@ def test_sigterm_during_the_format_warm_up_ends_it_between_steps(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | {"actor.format_warmup_steps": "100000"}),
             f"--config.trainer.output_dir={out}"]
-    with open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env())
-        try:
-            wait_until(proc, lambda: "nll=" in (tmp_path / "stderr").read_text(), "no warm-up step in 10 minutes", 600,
-                       tmp_path / "stderr")
-            proc.send_signal(signal.SIGTERM)
-            status = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    stderr = (tmp_path / "stderr").read_text()
+    status, stderr = signalled(tmp_path, args, signal.SIGTERM, [
+        (lambda: "nll=" in (tmp_path / "stderr").read_text(), "no warm-up step in 10 minutes", 600)])
     assert status == 143 and "Traceback" not in stderr, stderr[-3000:]
     line = the_line(stderr, "terminated (SIGTERM)")
     assert line.startswith("terminated (SIGTERM) before training started: no checkpoint was saved"), line
@@ -129,20 +127,11 @@ def test_ctrl_c_while_the_model_loads_is_one_line(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "experiments.run", "--config", "configs/quickstart.py", "--config.lora.rank=2",
             f"--config.trainer.output_dir={out}"]
-    with open(tmp_path / "stderr", "w") as stderr:
-        # Ctrl-C as a terminal delivers it: a test runner started in the background (CI) passes SIGINT
-        # on ignored, and Python keeps an ignored SIGINT ignored until the run sets its own handler.
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, env=command_env(),
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
-            wait_until(proc, lambda: "host memory:" in (tmp_path / "stderr").read_text(), "no plan in 10 minutes", 600,
-                       tmp_path / "stderr", poll=0.05)
-            proc.send_signal(signal.SIGINT)
-            status = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    stderr = (tmp_path / "stderr").read_text()
+    # Ctrl-C as a terminal delivers it: a test runner started in the background (CI) passes SIGINT on
+    # ignored, and Python keeps an ignored SIGINT ignored until the run sets its own handler.
+    status, stderr = signalled(tmp_path, args, signal.SIGINT, [
+        (lambda: "host memory:" in (tmp_path / "stderr").read_text(), "no plan in 10 minutes", 600)], poll=0.05,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert status == 130 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     line = the_line(stderr, "interrupted (SIGINT)")
     assert line.startswith("interrupted (SIGINT) before training started: no checkpoint was saved"), line
