@@ -89,14 +89,13 @@ def dump_training(exp, traj, step: int, out: Path) -> None:
     """The first ``trainer.log_trajectories`` trajectories of training step ``step``'s batch as
     ``train/step_<step>.jsonl`` (the records of ``val/``), for the run report."""
     import jax
-    import numpy as np
 
     from starpo_jax.diagnostics import dumps
     from starpo_jax.runtime import distributed
 
-    traj = distributed.to_host(traj)  # a collective with several processes
+    first = jax.tree.map(lambda rows: rows[: exp.config.trainer.log_trajectories], traj)  # sliced on the devices
+    first = distributed.to_host(first)  # a collective with several processes
     if distributed.is_writer():
-        first = jax.tree.map(lambda rows: np.asarray(rows)[: exp.config.trainer.log_trajectories], traj)
         dumps.write_jsonl(dumps.trajectory_records(first, exp.train_plan, exp.tokenizer),
                           out / "train" / f"step_{step}.jsonl")
 
@@ -256,15 +255,10 @@ def clear_run(out: Path) -> list[str]:
     return gone
 
 
-def _ctrl_c_dropped(hook):
-    """``hook`` for the exceptions Python has to drop, except a Ctrl-C raised inside a garbage-
-    collector callback: ``Stopping.check`` says that one later, instead of a traceback now."""
-
-    def report(unraisable) -> None:
-        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
-            hook(unraisable)
-
-    return report
+def _ctrl_c_dropped(error) -> bool:
+    """A Ctrl-C that Python dropped because it came inside a garbage-collector callback:
+    ``Stopping.check`` raises it again where the run can stop, instead of a traceback now."""
+    return isinstance(error.exc_value, KeyboardInterrupt)
 
 
 class TerminatedBeforeTraining(Exception):
@@ -295,15 +289,15 @@ class Stopping:
         if threading.current_thread() is threading.main_thread():  # handlers can be set nowhere else
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
-        sys.unraisablehook = _ctrl_c_dropped(sys.unraisablehook)
+        from starpo_jax.runtime import unraisable
+
+        unraisable.ignore(_ctrl_c_dropped)  # for the life of the process (the module says why)
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             if not (sig == signal.SIGINT and self.interrupted):  # after a Ctrl-C the next one aborts
                 signal.signal(sig, handler)
-        # The hook stays (the process ends here): a failed restore inside this block chains its own
-        # filter onto it (checkpoint._drop_abandoned_reads), which must outlive the block.
 
     def _handle(self, signum, frame):
         if signum == signal.SIGTERM:
@@ -567,8 +561,8 @@ def open_run(exp, state, log):
     """Where the run starts: (state, collapse watch, first step, checkpoint manager). A resume first
     restores the newest intact checkpoint, so a failed one (``checkpoint.CheckpointError``; a
     mismatch names the settings that changed) leaves the folder as it was; then ``config.json`` is
-    written, and a resume sets aside the damaged steps newer than the one restored and cuts the
-    metrics log back to it."""
+    written, and a resume cuts the metrics log back to the step restored and sets aside the damaged
+    steps newer than it."""
     from starpo_jax.diagnostics.collapse import CollapseWatch
     from starpo_jax.runtime import checkpoint, distributed
 
@@ -576,21 +570,22 @@ def open_run(exp, state, log):
     out = Path(cfg.trainer.output_dir)
     if not cfg.trainer.resume:
         out.mkdir(parents=True, exist_ok=True)
-        if distributed.is_writer():
-            (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-        return state, CollapseWatch(), 0, checkpoint.manager(out / "checkpoints")
     mgr = checkpoint.manager(out / "checkpoints")
-    try:
-        state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
-    except checkpoint.CheckpointMismatch as err:  # another model or config: name what changed
-        raise checkpoint.CheckpointMismatch(f"{err}; {config_changes(out / 'config.json', cfg)}.") from None
+    host, start = {}, 0
+    if cfg.trainer.resume:
+        try:
+            state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
+        except checkpoint.CheckpointMismatch as err:  # another model or config: name what changed
+            raise checkpoint.CheckpointMismatch(f"{err}; {config_changes(out / 'config.json', cfg)}.") from None
     if distributed.is_writer():
         (out / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-        _truncate_log(out / "metrics.jsonl", start)
-    damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
-    if damaged:
-        log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
-    log(f"resumed from step {start} in {out}")
+        if cfg.trainer.resume:
+            _truncate_log(out / "metrics.jsonl", start)
+    if cfg.trainer.resume:
+        damaged = [s for s in mgr.all_steps() if s > start]  # newer steps restore skipped
+        if damaged:
+            log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
+        log(f"resumed from step {start} in {out}")
     return state, CollapseWatch.from_state(host.get("collapse_watch", {})), start, mgr
 
 

@@ -100,6 +100,7 @@ def test_two_processes_train_validate_checkpoint_and_export(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 1]  # validation, step 1, validation: once each
     assert "[process 1/2] train" in logs[1] and "validation @" not in logs[1]
     assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "hf_policy" / "model.safetensors").exists()
+    assert len((tmp_path / "train" / "step_1.jsonl").read_text().splitlines()) == 1  # log_trajectories=1
 
 
 @pytest.fixture(scope="module")

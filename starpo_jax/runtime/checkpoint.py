@@ -24,12 +24,13 @@ import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from starpo_jax.runtime import unraisable
 
 
 class CheckpointError(ValueError):
@@ -219,13 +220,10 @@ class _quiet_storage_errors:
     NAMES = ("absl", "orbax", "asyncio", "tensorstore", "jax")
 
     def __enter__(self):
-        global _hook_before_ours
         self.levels = {name: logging.getLogger(name).level for name in self.NAMES}
         for name in self.NAMES:
             logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-        if sys.unraisablehook is not _drop_abandoned_reads:
-            _hook_before_ours = sys.unraisablehook
-            sys.unraisablehook = _drop_abandoned_reads
+        unraisable.ignore(_abandoned_read)
 
     def __exit__(self, *exc):
         gc.collect()  # finalise the abandoned reads now, while the loggers are muted
@@ -233,19 +231,13 @@ class _quiet_storage_errors:
             logging.getLogger(name).setLevel(level)
 
 
-# the hook _drop_abandoned_reads passes the other errors on to: the one it replaced
-_hook_before_ours: Callable[[Any], object] = sys.unraisablehook
-
-
-def _drop_abandoned_reads(unraisable) -> None:
-    """``sys.unraisablehook`` that drops the errors of reads abandoned by a failed orbax restore:
-    its coroutines being closed, and TensorStore's threads finishing reads for the event loop the
-    restore already closed (``Event loop is closed``); everything else is passed on."""
-    code = getattr(unraisable.object, "cr_code", None)
+def _abandoned_read(error) -> bool:
+    """An error of a read abandoned by a failed orbax restore: its coroutine being closed, or
+    TensorStore's thread finishing a read for the event loop the restore already closed."""
+    code = getattr(error.object, "cr_code", None)
     orbax_coroutine = code is not None and "orbax" in code.co_filename
-    closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-    if not (orbax_coroutine or closed_loop):
-        _hook_before_ours(unraisable)
+    closed_loop = isinstance(error.exc_value, RuntimeError) and str(error.exc_value) == "Event loop is closed"
+    return orbax_coroutine or closed_loop
 
 
 def set_aside(mgr: ocp.CheckpointManager, steps: list[int]) -> Path:
