@@ -78,6 +78,20 @@ def start_distributed(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def runtime_agrees(config) -> bool:
+    """Whether ``config``'s ``distributed`` section is what ``start_distributed`` started from the
+    command line (a config file cannot set it: it loads after the start); if not, one line on
+    stderr, and the command exits with status 2."""
+    from starpo_jax.runtime import distributed
+
+    try:
+        distributed.check_started(config.distributed, distributed.from_argv(sys.argv))
+    except distributed.DistributedError as err:
+        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
+        return False
+    return True
+
+
 def run(main) -> None:
     """``app.run(main)`` with the parser above, the processes of a multi-host run joined first;
     ``main`` returns the exit status."""

@@ -146,15 +146,11 @@ def main(argv) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax.runtime import distributed
     from starpo_jax.runtime.caches import setup_compilation_cache
 
     setup_compilation_cache()  # before the first compile
 
-    try:  # the runtime started from the command line (cli.run): the config must agree
-        distributed.check_started(_CONFIG.value.distributed, distributed.from_argv(sys.argv))
-    except distributed.DistributedError as err:
-        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
+    if not cli.runtime_agrees(_CONFIG.value):  # the runtime started from the command line (cli.run)
         return 2
     cfg = _CONFIG.value
     stopping = Stopping(cfg)  # from here on, while checking, planning and loading too

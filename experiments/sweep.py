@@ -14,7 +14,9 @@ fit in the free memory (a fifth kept spare), else as many as fit, group after gr
 results, in more time); if one setting does not fit, the sweep stops with one sentence naming
 what to reduce. Sweepable keys are those that enter the compiled step as arrays (``SWEEPABLE``:
 the ``Hyperparams`` rows of ``starpo_jax/runtime/settings.py``); anything else changes the program and
-needs separate runs. Metrics go to ``<output_dir>/sweep.jsonl``, one line per setting and step,
+needs separate runs. Before the model loads, the sweep checks what ``experiments.run`` checks: the
+config, the ``distributed`` settings against the runtime started, and that one setting fits
+(``planning.check_fits``). Metrics go to ``<output_dir>/sweep.jsonl``, one line per setting and step,
 and a summary table is printed at the end; an earlier sweep's log in that folder is kept (the
 sweep refuses to start) unless ``--config.trainer.overwrite=True``. Sweeps keep no checkpoints.
 """
@@ -90,19 +92,25 @@ def main(argv) -> int:
 
     setup_compilation_cache()  # before the first compile
     from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment
+    from starpo_jax.runtime import distributed
+    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
+    from starpo_jax.runtime.planning import PlanError, check_fits
 
     cfg = _CONFIG.value
-    try:
+    if not cli.runtime_agrees(cfg):
+        return 2
+    try:  # the run's checks before loading (experiments.run): a mistake costs a second, not a model load
         sweeps = parse_sweeps(FLAGS.sweep)
         check_lora_keys(sweeps, cfg.lora.rank)
         settings_grid = grid(sweeps)
         if "filter.ratio" in settings_grid[0]:  # room for the largest kept batch
             cfg.filter.ratio = max(s["filter.ratio"] for s in settings_grid)
+        checked = check_config(cfg)
         check_sweep_log(Path(cfg.trainer.output_dir), cfg.trainer.overwrite)
-        exp = build_experiment(cfg)
-    except (ValueError, ConfigError, ModelLoadError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        check_fits(checked)  # one setting must fit; how many train at once is decided once loaded
+        exp = build_experiment(checked)
+    except (ValueError, ConfigError, ModelLoadError, FileNotFoundError, PlanError) as err:
+        print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
     with sharding.use_mesh(exp.mesh):
         return sweep(exp, settings_grid)
@@ -115,6 +123,7 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     from tqdm import tqdm
 
     from starpo_jax.runtime import sharding
+    from starpo_jax.runtime.planning import PlanError, free_bytes_per_device
     from starpo_jax.train import init_train_state
 
     cfg = exp.config
@@ -123,8 +132,8 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     key = jax.random.PRNGKey(cfg.trainer.seed)
     compile_for = lambda size: compile_sweep(exp, state, size)  # noqa: E731
     try:
-        size, programs = fit_in_memory(compile_for, n, free_memory_bytes(exp.mesh))
-    except MemoryError as err:
+        size, programs = fit_in_memory(compile_for, n, free_bytes_per_device(exp.mesh.local_devices))
+    except (MemoryError, PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -167,7 +176,7 @@ def swept_hyper(hyper, settings: list[dict[str, float]]):
 class SweepPrograms(NamedTuple):
     iteration: Any  # train.JittedIteration vmapped over the settings, its rollout already compiled
     make_states: Callable  # jitted: the state -> its copies, one per setting
-    need: int  # peak bytes per device while a step runs, by XLA's estimate (``program_bytes``)
+    need: int  # peak bytes per device while a step runs, by XLA's estimate (``planning.program_peak_bytes``)
 
 
 def compile_sweep(exp, state, size: int) -> SweepPrograms:
@@ -180,6 +189,7 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     import jax
 
     from starpo_jax.forward import full_layout
+    from starpo_jax.runtime.planning import program_peak_bytes
     from starpo_jax.train import jit_iteration, make_train_step, replicate
 
     traced_axes = []
@@ -198,26 +208,8 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     hyper = jax.eval_shape(lambda h: swept_hyper(h, [{}] * size), exp.hyper)
     learn = iteration.learn.lower(abstract_states, traj, hyper, full_layout(exp.train_plan.max_len)).compile()
     tables = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(exp.train_tables))
-    need = max(program_bytes(collect), program_bytes(learn) + tables)
+    need = max(program_peak_bytes(collect), program_peak_bytes(learn) + tables)
     return SweepPrograms(iteration._replace(collect=collect), jax.jit(copies), need)
-
-
-def program_bytes(compiled) -> int:
-    """Peak bytes one device holds while a compiled program runs, by XLA's own accounting: its
-    inputs, the outputs that do not reuse a donated input, and its scratch space."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
-def free_memory_bytes(mesh) -> int:
-    """Free memory per device: the accelerator's, or on CPU the host's available memory shared by
-    the mesh's (virtual) devices."""
-    device = mesh.devices.flat[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(meminfo["MemAvailable"].split()[0]) * 1024 // mesh.devices.size
 
 
 # XLA's buffer accounting does not see the runtime, allocator fragmentation or host copies: the
@@ -225,10 +217,13 @@ def free_memory_bytes(mesh) -> int:
 HEADROOM = 0.8
 
 
-def fit_in_memory(compile_for, n: int, free: int):
+def fit_in_memory(compile_for, n: int, free: int | None):
     """(chunk size, compile_for(chunk size)) for the most settings at a time, up to ``n``, whose
     compiled programs' estimate (``.need`` bytes) fits in ``HEADROOM`` of ``free`` bytes per
-    device; MemoryError naming what to reduce if one setting does not."""
+    device; MemoryError naming what to reduce if one setting does not. ``free`` None (a CPU host
+    without /proc): nothing to check against, every setting at once."""
+    if free is None:
+        return n, compile_for(n)
     size, budget = n, int(HEADROOM * free)
     while True:
         programs = compile_for(size)

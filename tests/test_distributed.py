@@ -75,12 +75,14 @@ def test_distributed_value_of_the_wrong_type_is_one_line(tmp_path):
     assert proc.stderr.strip() == "error: --config.distributed.num_processes must be a whole number, not 'two'."
 
 
-def test_a_config_file_cannot_set_distributed(tmp_path):
+@pytest.mark.parametrize("module, args", [("experiments.run", []), ("experiments.sweep", ["--sweep", "actor.lr=0,1"])])
+def test_a_config_file_cannot_set_distributed(tmp_path, module, args):
     """Read after the runtime started, a config file's ``distributed`` would be ignored: refused."""
     config = tmp_path / "cluster.py"
     config.write_text("from configs import base\n\n\ndef get_config():\n    c = base.get_config()\n"
                       "    c.distributed.num_processes = 4\n    return c\n")
-    proc = run(f"--config={config}", f"--config.trainer.output_dir={tmp_path / 'out'}", tiny=False, check=False)
+    proc = run(f"--config={config}", f"--config.trainer.output_dir={tmp_path / 'out'}", *args, module=module,
+               tiny=False, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: the config file sets distributed.num_processes, which is read before any config file: "

@@ -47,7 +47,7 @@ def test_planner_figures_are_those_of_the_programs_that_run():
     assert plan.train_state == state_bytes
     assert plan.rollout_temp == rollout.temp_size_in_bytes
     assert plan.update_temp == update.temp_size_in_bytes
-    assert plan.update_peak == planner._peak(update)
+    assert plan.update_peak == planner.program_peak_bytes(learn_c)
     # The rollout's working memory holds its KV cache (2 · layers · rows · kv heads · length · head dim · 4 B),
     # its length the longest trajectory the prompts allow (one Bandit turn: ~210 tokens), not max_model_len.
     c, length = exp.model.merge().config, longest_trajectory(exp.train_plan, exp.train_tables)
@@ -228,6 +228,39 @@ class _Device:
 
     def memory_stats(self):
         return self.stats
+
+
+def test_free_bytes_per_device_is_the_least_any_device_can_still_allocate(monkeypatch):
+    """An accelerator has its limit less what it holds; CPU devices split the host's available
+    memory between them, and without /proc there is nothing to split."""
+    gpus = [_Device({"bytes_limit": 20, "bytes_in_use": 5}), _Device({"bytes_limit": 16, "bytes_in_use": 4})]
+    assert planner.free_bytes_per_device(gpus) == 12
+    cpus = jax.devices("cpu")[:1] * 4
+    monkeypatch.setattr(planner, "available_bytes", lambda: 10 * 2**30)
+    assert planner.free_bytes_per_device(cpus) == 10 * 2**30 // 4
+    monkeypatch.setattr(planner, "available_bytes", lambda: None)
+    assert planner.free_bytes_per_device(cpus) is None
+
+
+def test_kv_cache_bytes_are_those_of_the_cache_the_sampler_allocates():
+    from starpo_jax.models import KVCache, preset
+
+    for name, dtype in (("tiny-llama", "float32"), ("tiny-qwen2", "bfloat16")):
+        config = preset(name, dtype=dtype)
+        cache = jax.eval_shape(lambda: KVCache.init(config, 3, 40))
+        allocated = sum(x.size * x.dtype.itemsize for x in (cache.k, cache.v))
+        assert planner.kv_cache_bytes(config, rows=3, length=40) == allocated, name
+        assert planner.kv_bytes_per_token(config) * 3 * 40 == allocated, name
+
+
+def test_a_programs_peak_counts_a_donated_buffer_once():
+    """Its input and output: 2 MiB kept apart, 1 MiB when the output is written into the donated input."""
+    x = jax.ShapeDtypeStruct((1024, 256), jax.numpy.float32)  # 1 MiB
+    donated = jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile()
+    kept = jax.jit(lambda a: a * 2).lower(x).compile()
+    assert planner.program_peak_bytes(kept) >= 2 * 2**20
+    assert 2**20 <= planner.program_peak_bytes(donated) < planner.program_peak_bytes(kept)
+    assert planner.program_memory(donated).aliased == 2**20
 
 
 def test_device_peak_and_budget_read_the_allocator():

@@ -1,9 +1,9 @@
 """How many sweep settings train at a time: XLA's memory estimate of the compiled step decides."""
 
+import sys
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,12 +43,10 @@ def test_refuses_in_one_sentence_when_one_setting_does_not_fit():
         sweep.fit_in_memory(compile_for, 2, free=12 * GIB)
 
 
-def test_program_bytes_counts_donated_outputs_once():
-    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)  # 1 MiB
-    donated = jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile()
-    kept = jax.jit(lambda a: a * 2).lower(x).compile()
-    assert sweep.program_bytes(kept) >= 2 * 2**20
-    assert 2**20 <= sweep.program_bytes(donated) < sweep.program_bytes(kept)
+def test_every_setting_at_once_where_free_memory_is_unknown():
+    compile_for, sizes = fake_compile(per_setting=2.0)
+    size, _ = sweep.fit_in_memory(compile_for, 4, free=None)  # a CPU host without /proc
+    assert size == 4 and sizes == [4]
 
 
 def test_an_earlier_sweep_log_is_kept_unless_overwrite(tmp_path):
@@ -60,6 +58,32 @@ def test_an_earlier_sweep_log_is_kept_unless_overwrite(tmp_path):
         sweep.check_sweep_log(tmp_path, overwrite=False)
     sweep.check_sweep_log(tmp_path, overwrite=True)
     assert (tmp_path / "sweep.jsonl").read_text() == '{"step": 1}\n'  # the check itself deletes nothing
+
+
+def test_a_setting_that_cannot_fit_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """The sweep checks its config and plans one setting as ``experiments.run`` does
+    (``planning.check_fits``) before it loads anything."""
+    from helpers import TINY
+    from starpo_jax.runtime import experiment, planning
+
+    planned = []
+
+    def does_not_fit(checked):
+        planned.append(checked)
+        raise planning.PlanError("the run does not fit in device memory.")
+
+    monkeypatch.setattr(planning, "check_fits", does_not_fit)
+    monkeypatch.setattr(experiment, "build_experiment", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    argv = ["sweep", *TINY, f"--config.trainer.output_dir={tmp_path}", "--sweep", "filter.ratio=0.25,1.0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    sweep.FLAGS(argv)
+    try:
+        assert sweep.main([]) == 2
+    finally:
+        sweep.FLAGS.unparse_flags()
+    assert capsys.readouterr().err.strip() == "error: the run does not fit in device memory."
+    (checked,) = planned
+    assert isinstance(checked, experiment.CheckedConfig) and checked.config.filter.ratio == 1.0  # the largest batch
 
 
 def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smollm2_tokenizer):

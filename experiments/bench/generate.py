@@ -35,13 +35,13 @@ from flax import nnx
 from experiments.bench.common import hbm_bandwidth, machine, write_report
 from experiments.bench.generation_timing import bench_jax, bench_transformers, hf_model, transformers_device
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
+from starpo_jax.runtime.planning import kv_bytes_per_token
 
 
 def roofline(config: ModelConfig, num_params: int, batch: int, prompt_len: int, new_tokens: int, bandwidth: float):
     param_bytes = num_params * jnp.dtype(config.param_dtype).itemsize
-    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
     avg_context = prompt_len + (new_tokens - 1) / 2
-    bytes_per_step = param_bytes + batch * avg_context * kv_bytes_per_token
+    bytes_per_step = param_bytes + batch * avg_context * kv_bytes_per_token(config)
     return {
         "hbm_bytes_per_s": bandwidth,
         "bytes_per_step": bytes_per_step,

@@ -23,6 +23,7 @@ from starpo_jax.models import ModelState
 from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout.multi_turn import RolloutPlan
 from starpo_jax.rollout.parsing import decode_response, parse_response_text
+from starpo_jax.runtime.planning import kv_bytes_per_token, kv_cache_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,18 +235,17 @@ def decode_roofline(traj, subject: Subject, plan: RolloutPlan, wall_s: float, ba
     """HBM-bound time of the compiled rollout's decode (see ``experiments/bench/rollout.py``'s docstring)."""
     config = subject.model.merge().config
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(subject.model.params))
-    kv_itemsize = jnp.dtype(config.dtype).itemsize
-    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_itemsize
+    kv_per_token = kv_bytes_per_token(config)
     played = np.asarray(traj.turn_played)
     response_len = np.where(played, np.asarray(traj.turn_end) - np.asarray(traj.turn_start), 0)
     decode_steps = int(response_len.max(axis=0).sum())
     kv_token_reads = int(np.nonzero(np.asarray(traj.loss_mask))[1].sum())
-    ideal_s = (decode_steps * weight_bytes + kv_token_reads * kv_bytes_per_token) / bandwidth
-    full_cache_s = decode_steps * (weight_bytes + plan.batch_size * plan.max_len * kv_bytes_per_token) / bandwidth
+    ideal_s = (decode_steps * weight_bytes + kv_token_reads * kv_per_token) / bandwidth
+    full_cache_s = decode_steps * (weight_bytes + kv_cache_bytes(config, plan.batch_size, plan.max_len)) / bandwidth
     return {
         "hbm_bytes_per_s": bandwidth,
         "weight_bytes": weight_bytes,
-        "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_bytes_per_token": kv_per_token,
         "decode_steps": decode_steps,
         "kv_token_reads": kv_token_reads,
         "ideal_s": ideal_s,

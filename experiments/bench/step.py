@@ -76,7 +76,7 @@ from tqdm import tqdm
 from experiments.bench import generation_timing, rollout_timing
 from experiments.bench.common import hbm_bandwidth, machine, markdown_table, timed, write_markdown, write_report
 from experiments.bench.hlo_bytes import hlo_bytes
-from starpo_jax.runtime.planning import device_peak
+from starpo_jax.runtime.planning import device_peak, kv_bytes_per_token, program_memory
 
 # ---- the workload ------------------------------------------------------------------------------
 
@@ -131,13 +131,11 @@ class Programs:
     memory: dict
 
 
-def memory_analysis(compiled_fn) -> dict:
-    m = compiled_fn.memory_analysis()
-    if m is None:
-        return {}
-    return {
-        "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-    }  # fmt: skip
+def memory_sizes(compiled_fn) -> dict:
+    """XLA's arguments, outputs and temporaries of a compiled program (``planning.program_memory``);
+    none where the backend reports none."""
+    memory = program_memory(compiled_fn)
+    return {} if memory is None else memory.sizes()
 
 
 def compile_learn(exp, state, traj) -> Programs:
@@ -156,7 +154,7 @@ def compile_learn(exp, state, traj) -> Programs:
         jitted = jax.jit(learn, donate_argnums=0) if donate else jax.jit(learn)
         programs[name], compile_s[name] = compiled(jitted, state, traj, exp.hyper)
     learn = programs.pop("learn")
-    return Programs(learn, programs, compile_s, memory_analysis(learn))
+    return Programs(learn, programs, compile_s, memory_sizes(learn))
 
 
 def run_steps(exp, state, collect, learn, steps: int, bar):
@@ -264,7 +262,7 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     hlo = jax.jit(step, donate_argnums=2).lower(model, weights, state, key).compile().as_text()
     total, biggest = hlo_bytes(hlo)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    kv_per_token = kv_bytes_per_token(config)
     ideal = weight_bytes / batch + window * kv_per_token
     out = {
         "batch": batch, "window": window, "bytes_per_token": total / batch, "ideal_bytes_per_token": ideal,
@@ -344,7 +342,7 @@ def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, d
         "train_metrics": {
             k: float(metrics[k]) for k in ("train/generated_tokens", "actor/grad_norm", "critic/grad_norm")
         },
-        "memory": {"collect": memory_analysis(collect), "learn": programs.memory},
+        "memory": {"collect": memory_sizes(collect), "learn": programs.memory},
     }  # fmt: skip
     policy = sampling_policy(exp.model.graphdef, policy_weights(exp.settings, state))
     if bandwidth:

@@ -67,6 +67,7 @@ def experiment_config(args):
 
 def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
     """``layout``: the update's ``UpdateLayout`` (None: every position of every row)."""
+    from starpo_jax.runtime.planning import program_memory
     from starpo_jax.train import init_train_state, make_train_step
 
     settings = dataclasses.replace(exp.settings, lora_rank=lora_rank)
@@ -75,7 +76,7 @@ def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
     start = time.perf_counter()
     compiled = learn.lower(state, traj, exp.hyper, layout).compile()
     compile_s = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    memory = program_memory(compiled)
     times = []
     for _ in tqdm(range(repeats), desc=f"learn lora_rank={lora_rank} layout={tuple(layout or ())}", unit="run", leave=False):
         start = time.perf_counter()
@@ -85,11 +86,7 @@ def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
         "lora_rank": lora_rank,
         "layout": None if layout is None else layout._asdict(),
         "state_bytes": state_bytes(state),
-        "learn_bytes": {
-            "arguments": memory.argument_size_in_bytes,
-            "outputs": memory.output_size_in_bytes,
-            "temporaries": memory.temp_size_in_bytes,
-        },
+        "learn_bytes": memory.sizes(),
         "compile_s": compile_s,
         "run_s": times,
         "wall_s": statistics.median(times),

@@ -7,13 +7,18 @@ is ``experiments.run``'s refusal of a config that cannot fit its accelerators, o
 available memory. The programs it compiles are the run's own (``train.jit_iteration``'s), and it
 hands them to the run (``Fit.iteration_for``), which so compiles its rollout once. The command line
 is ``python -m experiments.plan`` (docs/scaling.md).
+
+The one account of memory, which ``experiments.sweep`` and the benchmarks use too: a compiled
+program's buffers and peak (``program_memory``, ``program_peak_bytes``), the KV cache of a shape
+(``kv_bytes_per_token``, ``kv_cache_bytes``), and what devices can still allocate
+(``free_bytes_per_device``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -196,9 +201,45 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _peak(stats) -> int:
-    """Inputs + outputs + working memory of a program; a donated input's buffer is reused (alias)."""
-    return stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+class ProgramMemory(NamedTuple):
+    """XLA's accounting of one compiled program's buffers, in bytes per device."""
+
+    arguments: int
+    outputs: int
+    temporaries: int  # the program's working memory
+    aliased: int  # outputs written into a donated argument's buffer, so already among the arguments
+
+    @property
+    def peak(self) -> int:
+        """What a device holds while the program runs: inputs, outputs and working memory, a
+        donated input's buffer counted once."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    def sizes(self) -> dict[str, int]:
+        """Arguments, outputs and temporaries by name, as the benchmarks record them."""
+        return {"arguments": self.arguments, "outputs": self.outputs, "temporaries": self.temporaries}
+
+
+def program_memory(compiled) -> ProgramMemory | None:
+    """``compiled.memory_analysis()`` of a jitted function's compiled program; None where the
+    backend reports none."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return ProgramMemory(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                         temporaries=stats.temp_size_in_bytes, aliased=stats.alias_size_in_bytes)
+
+
+def _reported_memory(compiled) -> ProgramMemory:
+    memory = program_memory(compiled)
+    if memory is None:
+        raise PlanError("this backend reports no memory analysis of a compiled program, so its memory cannot be planned.")
+    return memory
+
+
+def program_peak_bytes(compiled) -> int:
+    """Peak bytes one device holds while a compiled program runs (``ProgramMemory.peak``)."""
+    return _reported_memory(compiled).peak
 
 
 def compile_programs(exp, iteration):
@@ -222,15 +263,26 @@ def compile_programs(exp, iteration):
     return collect_c, learn_c, state
 
 
-def kv_cache_bytes(exp) -> int:
-    """Keys and values of the rollout per device: rows split over data × fsdp, kv heads whole."""
+def kv_bytes_per_token(model_config) -> int:
+    """Bytes one token takes in the KV cache (``KVCache``): a key and a value per layer and kv
+    head, in the compute dtype."""
     import jax.numpy as jnp
 
+    c = model_config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+
+def kv_cache_bytes(model_config, rows: int, length: int) -> int:
+    """Bytes of a KV cache of ``rows`` rows of ``length`` slots (``KVCache.init``)."""
+    return rows * length * kv_bytes_per_token(model_config)
+
+
+def rollout_kv_cache_bytes(exp) -> int:
+    """Keys and values of the rollout per device: rows split over data × fsdp, kv heads whole."""
     from starpo_jax.runtime import sharding
 
-    c, plan = exp.model.merge().config, exp.train_plan
-    rows = plan.batch_size // sharding.rows_per_mesh(exp.mesh)
-    return 2 * c.num_layers * rows * c.num_kv_heads * plan.max_len * c.head_dim * jnp.dtype(c.dtype).itemsize
+    plan = exp.train_plan
+    return kv_cache_bytes(exp.model.merge().config, plan.batch_size // sharding.rows_per_mesh(exp.mesh), plan.max_len)
 
 
 def iteration_program(exp) -> tuple:
@@ -259,19 +311,18 @@ def _memory_plan(exp, collect_c, learn_c, state) -> MemoryPlan:
     from starpo_jax.runtime import sharding
 
     runtime = resident_bytes()
-    rollout, update = collect_c.memory_analysis(), learn_c.memory_analysis()
+    rollout, update = _reported_memory(collect_c), _reported_memory(learn_c)
     train_state = _bytes_per_device(state)
     return MemoryPlan(
         mesh=dict(exp.mesh.shape),
         train_state=train_state,
-        kv_cache=kv_cache_bytes(exp),
-        rollout_temp=rollout.temp_size_in_bytes,
+        kv_cache=rollout_kv_cache_bytes(exp),
+        rollout_temp=rollout.temporaries,
         # jit drops the inputs a program does not read (the rollout reads the policy only), but the
         # whole train state stays resident while it runs.
-        rollout_peak=train_state + _bytes_per_device(exp.train_tables) + rollout.output_size_in_bytes
-        + rollout.temp_size_in_bytes,
-        update_temp=update.temp_size_in_bytes,
-        update_peak=_peak(update),
+        rollout_peak=train_state + _bytes_per_device(exp.train_tables) + rollout.outputs + rollout.temporaries,
+        update_temp=update.temporaries,
+        update_peak=update.peak,
         micro_rows=exp.settings.micro_batch_size // sharding.rows_per_mesh(exp.mesh),
         remat=exp.model.merge().config.remat,
         # CPU: the host's memory is the devices'; measured after compiling, as the run holds its programs.
@@ -285,6 +336,17 @@ def device_budget(devices) -> int | None:
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
     known = [limit for limit in limits if limit is not None]
     return None if len(known) < len(limits) else min(known)
+
+
+def free_bytes_per_device(devices) -> int | None:
+    """The memory each of ``devices`` can still allocate, the least over them: an accelerator's
+    limit less what it holds now; CPU devices share the host's available memory (MemAvailable) in
+    equal parts. None on a CPU host without /proc."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if all("bytes_limit" in s for s in stats):
+        return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    available = available_bytes()
+    return None if available is None else available // len(devices)
 
 
 def device_peak(devices) -> int | None:
