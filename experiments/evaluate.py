@@ -1,4 +1,4 @@
-"""Evaluate a policy on a validation suite: RAGEN's fixed levels (seeds 123 upward), temperature 0.5.
+"""Evaluate a policy on a validation suite: the config's fixed levels and temperature (RAGEN's seeds 123 upward, 0.5).
 
     python -m experiments.evaluate --model smollm2-135m-instruct --suite bandit
     python -m experiments.evaluate --model runs/sokoban --suite sokoban_generalisation --levels 256
@@ -16,6 +16,9 @@ announced once the inputs are checked. Success rates come with their 95 % Wilson
 ``--policy random-valid`` plays the same levels with uniformly random valid answers instead of the
 model (``format_warmup.RandomAnswers``): what a policy blind to the board scores by chance, under
 the same rollout settings (``--model`` then supplies the config and tokenizer).
+The levels are played as the run's validation plays them (``diagnostics.fixed_levels``): from
+``envs.val.seed`` on, continuing across the suite's envs, at ``rollout.val_temperature`` (the run
+folder's, else the defaults; ``--seed`` and ``--temperature`` set them), ``--batch`` levels a call.
 On a CPU each level is a full multi-turn rollout: 256 levels per env (the paper's, the default)
 take minutes per env; ``--levels 16`` gives a first look.
 """
@@ -27,7 +30,6 @@ import dataclasses
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 SUITES = {
@@ -46,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--levels", type=int, default=256,
                    help="levels per env (RAGEN's seeds 123..; the paper used 256; on a CPU try 16 first)")
     p.add_argument("--batch", type=int, default=64, help="levels per compiled rollout call")
-    p.add_argument("--temperature", type=float, default=0.5)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (rollout.val_temperature); default: the run's config, else 0.5")
     p.add_argument("--max-turn", type=int, default=None, help="default: the run's config, else 5")
     p.add_argument("--response-length", type=int, default=None, help="default: the run's config, else 400")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
@@ -57,7 +60,8 @@ def parse_args(argv=None):
                    help="random-valid: answer every turn with 1 to max_actions_per_turn uniformly random valid "
                         "actions, the board unread (the chance baseline); --model then gives only the config and "
                         "tokenizer")
-    p.add_argument("--seed", type=int, default=123, help="first level seed")
+    p.add_argument("--seed", type=int, default=None,
+                   help="first level seed (envs.val.seed); default: the run's config, else 123 (RAGEN's)")
     p.add_argument("--out", default=None, help="results JSON; default: <run folder>/evaluate_<suite>_<levels>levels.json "
                    "beside a run, else bench_results/evaluate_<model>_<suite>_<levels>levels.json")
     return p.parse_args(argv)
@@ -105,7 +109,8 @@ def evaluated_config(args):
         dtype = args.dtype or ("bfloat16" if _on_gpu() else "float32")
         config = base.with_overrides(base.get_config(), {"model.source": args.model, "model.dtype": dtype})
     flags = {"rollout.max_turn": args.max_turn or None, "rollout.response_length": args.response_length or None,
-             "rollout.enable_think": args.enable_think}
+             "rollout.enable_think": args.enable_think, "rollout.val_temperature": args.temperature,
+             "envs.val.seed": args.seed}
     return base.with_overrides(config, {key: value for key, value in flags.items() if value is not None})
 
 
@@ -181,55 +186,66 @@ def evaluate(args, checked=lambda: None) -> dict:
     checked()
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
-        results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
-    return {"model": args.model, "policy": args.policy, "suite": args.suite, "temperature": args.temperature,
+        results = evaluate_tags(config, tags, policy, tokenizer, args.levels, batch, args.policy == "random-valid")
+    return {"model": args.model, "policy": args.policy, "suite": args.suite,
+            "temperature": float(config.rollout.val_temperature), "first_seed": int(config.envs.val.seed),
             "enable_think": bool(config.rollout.enable_think),
             "device": jax.devices()[0].device_kind, "devices": len(mesh.devices.flat), "results": results}
 
 
-def evaluate_tags(args, tags, config, policy, tokenizer, batch: int) -> dict:
-    """Success and friends per env tag, over ``args.levels`` fixed levels each, ``batch`` at a time."""
+def evaluate_tags(config, tags, policy, tokenizer, levels: int, batch: int, random_valid: bool = False) -> dict:
+    """Success and friends per env tag, over ``levels`` fixed levels each, ``batch`` a call: the
+    levels of seeds ``envs.val.seed`` on, continuing from tag to tag, at ``rollout.val_temperature``.
+    ``random_valid``: uniformly random valid answers (``RandomAnswers``) instead of the policy's."""
     import jax
     from tqdm import tqdm
 
-    from experiments.curves import wilson
-    from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
-    from starpo_jax.format_warmup import RandomAnswers, answer_pieces
-    from starpo_jax.rollout.multi_turn import initial_states_from_seeds, make_rollout
-    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
+    from starpo_jax.diagnostics.fixed_levels import evaluate_levels
 
-    results, seed = {}, args.seed
-    bar = tqdm(total=args.levels * len(tags), desc="evaluate", unit="level")
+    results, seed = {}, int(config.envs.val.seed)
+    bar = tqdm(total=levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:
         bar.set_postfix(env=tag)
-        one_tag = tag_config(config, tag, batch)
-        plan, tables = tokenized_plan(one_tag, "val", rollout_plan(one_tag, "val"), tokenizer,
-                                      policy.merge().config.vocab_size)
-        rollout = make_rollout(plan, RandomAnswers(plan, answer_pieces(tokenizer, plan, tables))
-                               if args.policy == "random-valid" else None)
-        sums, t0 = {}, time.perf_counter()
-        for chunk in range(args.levels // batch):
-            init = initial_states_from_seeds(plan, seed)
-            seed += batch
-            traj = rollout(policy, tables, init, jax.random.PRNGKey(chunk), args.temperature)
-            m = jitted_rollout_metrics(traj, plan, "val")
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * batch / args.levels
-            bar.update(batch)
-        success = sums[f"val/{tag}/success"]
-        results[tag] = {
-            "success": success,
-            "success_interval": wilson(round(success * args.levels), args.levels),
-            "reward": sums["val/reward/mean"],
-            "num_actions": sums[f"val/{tag}/num_actions"],
-            "action_is_effective": sums[f"val/{tag}/action_is_effective"],
-            "action_is_valid": sums[f"val/{tag}/action_is_valid"],
-            "response_length": sums["val/response_length"],
-            "levels": args.levels,
-            "seconds": time.perf_counter() - t0,
-        }
+        played = tag_levels(config, tag, levels, batch, tokenizer, policy.merge().config.vocab_size, seed, random_valid)
+        seed += levels
+        # Every tag from key 0: each plays its levels apart from the others'.
+        result = evaluate_levels(played, policy, jax.random.PRNGKey(0), float(config.rollout.val_temperature), "val",
+                                 progress=lambda chunks: bar.update(chunks * batch))
+        results[tag] = tag_results(result.metrics, tag, levels) | {"seconds": result.seconds}
     bar.close()
     return results
+
+
+def tag_levels(config, tag: str, levels: int, batch: int, tokenizer, vocab_size: int, first_seed: int,
+               random_valid: bool):
+    """``levels`` levels of ``tag`` from seed ``first_seed`` on, one row each, ``batch`` a call
+    (``diagnostics.fixed_levels``); answered by ``RandomAnswers`` when ``random_valid``."""
+    from starpo_jax.diagnostics.fixed_levels import chunk_plan, fixed_levels
+    from starpo_jax.format_warmup import RandomAnswers, answer_pieces
+    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
+
+    one_tag = tag_config(config, tag, levels)
+    plan, tables = tokenized_plan(one_tag, "val", rollout_plan(one_tag, "val"), tokenizer, vocab_size)
+    chunks = levels // batch
+    responder = RandomAnswers(chunk_plan(plan, chunks), answer_pieces(tokenizer, plan, tables)) if random_valid else None
+    return fixed_levels(plan, tables, first_seed, chunks, responder)
+
+
+def tag_results(metrics: dict, tag: str, levels: int) -> dict:
+    """One tag's row of the report, from its ``val/`` metrics over ``levels`` levels."""
+    from experiments.curves import wilson
+
+    success = metrics[f"val/{tag}/success"]
+    return {
+        "success": success,
+        "success_interval": wilson(round(success * levels), levels),
+        "reward": metrics["val/reward/mean"],
+        "num_actions": metrics[f"val/{tag}/num_actions"],
+        "action_is_effective": metrics[f"val/{tag}/action_is_effective"],
+        "action_is_valid": metrics[f"val/{tag}/action_is_valid"],
+        "response_length": metrics["val/response_length"],
+        "levels": levels,
+    }
 
 
 def format_table(report: dict) -> str:

@@ -46,28 +46,25 @@ def inner_bar_position() -> int | None:
     return None if sys.stderr.isatty() else 0
 
 
-def validation(exp, policy_of, val_rollout, val_init, state, step, out: Path, log) -> dict:
-    """One validation rollout on the fixed levels (a bar per ``trainer.val_chunks`` chunk): metrics,
-    JSONL dump and a printed sample."""
+def validation(exp, policy_of, val_levels, state, step, out: Path, log) -> dict:
+    """One validation on the fixed levels ``val_levels`` (``diagnostics.fixed_levels``, as
+    ``experiments.evaluate`` plays them; a bar per ``trainer.val_chunks`` chunk): metrics, JSONL
+    dump and a printed sample."""
     import jax
     from tqdm import tqdm
 
     from starpo_jax.diagnostics import dumps
     from starpo_jax.diagnostics.diversity import think_diversity_metrics
-    from starpo_jax.diagnostics.metrics import jitted_rollout_metrics
+    from starpo_jax.diagnostics.fixed_levels import evaluate_levels
     from starpo_jax.runtime import distributed
 
     cfg = exp.config
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)
-    t0 = time.perf_counter()
-    chunks = cfg.trainer.val_chunks
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)  # other samples at every validation
     policy = policy_of(state)
-    with tqdm(total=chunks, desc=f"{distributed.tag()}validation @ step {step}", unit="chunk", leave=False,
-              disable=not distributed.is_writer(), position=inner_bar_position()) as bar:
-        traj = jax.block_until_ready(
-            val_rollout(policy, exp.val_tables, val_init, key, cfg.rollout.val_temperature, bar.update))
-    seconds = time.perf_counter() - t0
-    metrics = {k: float(v) for k, v in jitted_rollout_metrics(traj, exp.val_plan, "val-env").items()}
+    with tqdm(total=cfg.trainer.val_chunks, desc=f"{distributed.tag()}validation @ step {step}", unit="chunk",
+              leave=False, disable=not distributed.is_writer(), position=inner_bar_position()) as bar:
+        traj, metrics, seconds = evaluate_levels(val_levels, policy, key, cfg.rollout.val_temperature, "val-env",
+                                                 bar.update)
     metrics["timing_s/testing"] = seconds
     metrics |= template_collapse(exp, policy, traj, exp.val_plan, "val-env")
     traj = distributed.to_host(traj)  # with several processes, every row on every process
@@ -436,8 +433,8 @@ def train(exp, iteration, stopping: Stopping) -> int:
     import jax
     from tqdm import tqdm
 
+    from starpo_jax.diagnostics.fixed_levels import fixed_levels
     from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
-    from starpo_jax.rollout.multi_turn import chunked_rollout, distinct_first_prompts, initial_states_from_seeds
     from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import checkpoint, distributed, sharding
     from starpo_jax.runtime.planning import device_peak
@@ -454,9 +451,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
     if iteration is None:
         iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
                                   exp.train_plan)
-    val_init = initial_states_from_seeds(exp.val_plan, cfg.envs.val.seed)
-    val_rollout = chunked_rollout(exp.val_plan, cfg.trainer.val_chunks,
-                                  first_prompts=distinct_first_prompts(exp.val_plan, exp.val_tables, val_init))
+    val_levels = fixed_levels(exp.val_plan, exp.val_tables, cfg.envs.val.seed, cfg.trainer.val_chunks)
     state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
@@ -486,7 +481,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
     total = cfg.trainer.total_steps
     stop = total if FLAGS.max_steps is None else min(total, start + FLAGS.max_steps)
     if cfg.trainer.val_before_train and start == 0 and cfg.trainer.test_freq > 0:
-        record(0, validation(exp, policy_of, val_rollout, val_init, state, 0, out, log))
+        record(0, validation(exp, policy_of, val_levels, state, 0, out, log))
         stopping.check_before_training()
 
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
@@ -531,7 +526,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
             s_step=f"{metrics['timing_s/step']:.1f}",
         )
         if cfg.trainer.test_freq > 0 and (done % cfg.trainer.test_freq == 0 or done == total):
-            record(done, validation(exp, policy_of, val_rollout, val_init, state, done, out, log))
+            record(done, validation(exp, policy_of, val_levels, state, done, out, log))
         stopping.finished = done
         # A save is due every trainer.save_freq steps, trainer.save_every_minutes after the last one,
         # at the end, and when SIGTERM came (the processes of a multi-host run agree on both).

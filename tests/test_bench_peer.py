@@ -143,6 +143,16 @@ def test_help_and_missing_trl(capsys, monkeypatch):
     assert "pip install -e '.[peer]'" in capsys.readouterr().err
 
 
+def test_a_folder_is_scored_on_the_configs_validation_levels(full_run):
+    """``evaluate_folder``: the evaluate command's scorer (``evaluate_tags``) with the config's
+    validation tags, levels and temperature, on an exported Hugging Face folder (the tiny run's)."""
+    from configs import base
+
+    config = base.saved_config(full_run / "config.json")
+    success = bench_peer.evaluate_folder(config, full_run / "hf_policy", levels=2)
+    assert set(success) == {"FrozenLake"} and success["FrozenLake"] in (0, 0.5, 1)  # a share of 2 levels
+
+
 @pytest.mark.slow
 def test_two_steps_of_both_sides(tmp_path):
     pytest.importorskip("trl")

@@ -233,6 +233,46 @@ def test_random_valid_baseline_plays_the_runs_levels_without_its_weights(full_ru
     assert short.returncode == 2 and "raise rollout.response_length" in short.stderr  # the run's 6 tokens
 
 
+def test_validation_and_evaluate_play_the_fixed_levels_alike(tmp_path, monkeypatch):
+    """One evaluation on fixed levels (``diagnostics.fixed_levels``) for the run and the evaluate
+    command: greedy, where the sampling keys do not matter, evaluating a run folder plays its last
+    validation again, level by level, on the config's levels (from ``envs.val.seed``) and at its
+    temperature, both in two calls."""
+    from experiments import evaluate as evaluate_command
+    from starpo_jax.diagnostics import dumps, fixed_levels
+
+    out = tmp_path / "run"
+    run(f"--config.trainer.output_dir={out}", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1",
+        "--config.trainer.val_before_train=False", "--config.envs.val.n_groups=(4,)", "--config.trainer.val_chunks=2",
+        "--config.envs.val.seed=200", "--config.rollout.val_temperature=0.0", "--config.rollout.response_length=24",
+        "--config.trainer.export_hf=False", "--config.trainer.log_trajectories=0")
+    played, tokenizers = [], []
+    tag_levels, evaluate_levels = evaluate_command.tag_levels, fixed_levels.evaluate_levels
+
+    def recorded_levels(config, tag, levels, batch, tokenizer, *args):
+        tokenizers.append(tokenizer)
+        return tag_levels(config, tag, levels, batch, tokenizer, *args)
+
+    def recorded_results(levels, *args, **kwargs):
+        played.append((levels.plan, evaluate_levels(levels, *args, **kwargs)))
+        return played[-1][1]
+
+    monkeypatch.setattr(evaluate_command, "tag_levels", recorded_levels)
+    monkeypatch.setattr(fixed_levels, "evaluate_levels", recorded_results)
+    assert evaluate_command.main(["--model", str(out), "--suite", "frozen_lake", "--levels", "4", "--batch", "2"]) == 0
+    report = json.loads((out / "evaluate_frozen_lake_4levels.json").read_text())
+    assert report["temperature"] == 0 and report["first_seed"] == 200
+    # The same trajectories as the validation's dump: the levels' boards, the answers, the outcomes.
+    [(plan, result)], [tokenizer] = played, tokenizers
+    records = json.loads(json.dumps(dumps.trajectory_records(result.traj, plan, tokenizer, 200)))
+    assert records == [json.loads(line) for line in (out / "val" / "step_1.jsonl").read_text().splitlines()]
+    [val] = [r for r in read_metrics(out) if "val-env/FrozenLake/success" in r]
+    scored = report["results"]["FrozenLake"]
+    for field in ("success", "num_actions", "action_is_effective", "action_is_valid"):
+        assert scored[field] == val[f"val-env/FrozenLake/{field}"], field
+    assert scored["reward"] == val["val-env/reward/mean"] and scored["response_length"] == val["val-env/response_length"]
+
+
 @pytest.mark.slow  # the real 135M model, ~35 s; tests/test_readme.py checks the Bandit suite's results on the quick start's folder, tests/envs/test_countdown.py evaluates the bundled model
 def test_evaluate_the_bundled_model_on_bandit(tmp_path):
     out = tmp_path / "eval.json"

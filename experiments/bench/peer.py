@@ -14,8 +14,9 @@ one place (``trl_settings``), where each mapping and each difference left is wri
 
 starpo-jax runs first, through ``python -m experiments.run`` (the normal entry point), then TRL in
 this process. Both save checkpoints at the same steps; each is exported to (or saved as) a Hugging
-Face folder and scored by the same evaluator (``experiments.evaluate.evaluate_tags``) on the same
-validation levels (``envs.val.tags``, ``--val-levels`` each, RAGEN's seeds, ``val_temperature``).
+Face folder and scored by the same evaluator (``experiments.evaluate.evaluate_tags``, on
+``diagnostics.fixed_levels`` as a run's validation) on the same validation levels (``envs.val.tags``,
+``--val-levels`` each, from ``envs.val.seed``, at ``rollout.val_temperature``).
 Writes ``<out>/bench_peer.json`` (every number) and ``<out>/bench_peer.png`` (success against
 training seconds).
 """
@@ -418,7 +419,8 @@ def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path,
 
 def evaluate_folder(config, folder: Path, levels: int) -> dict:
     """``experiments.evaluate``'s evaluator on one HF folder, with the config's validation tags,
-    prompt and sampling settings (the same for every policy scored)."""
+    levels (``envs.val.seed``), prompt and sampling settings (``rollout.val_temperature``): the
+    same for every policy scored."""
     from experiments.evaluate import evaluate_tags
     from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.runtime import sharding
@@ -427,14 +429,11 @@ def evaluate_folder(config, folder: Path, levels: int) -> dict:
     config = copy.deepcopy(config)
     config.model.source, config.model.random_init_preset = str(folder), ""
     model, tokenizer = load_policy(config)
-    tags = tuple(config.envs.val.tags)
-    args = argparse.Namespace(levels=levels, seed=int(config.envs.val.seed),
-                              temperature=float(config.rollout.val_temperature))
     batch = min(levels, EVAL_BATCH)
     mesh = device_mesh(config, **{"--val-levels": batch})
     with sharding.use_mesh(mesh):
         policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
-        results = evaluate_tags(args, tags, config, policy, tokenizer, batch)
+        results = evaluate_tags(config, tuple(config.envs.val.tags), policy, tokenizer, levels, batch)
     return {tag: r["success"] for tag, r in results.items()}
 
 
