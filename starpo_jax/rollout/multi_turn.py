@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import flax.struct
 import jax
@@ -45,7 +45,7 @@ from envs_jax.base import TextEnv
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import parsing, prompts
 from starpo_jax.rollout.env_turn import execute_turn
-from starpo_jax.rollout.sampling import append, decode, init_cache
+from starpo_jax.rollout.sampling import DecodeOutput, append, decode, init_cache
 from starpo_jax.runtime import sharding
 from starpo_jax.runtime.settings import setting_default
 
@@ -102,19 +102,6 @@ class RolloutPlan:
         return out
 
 
-class TagTables(flax.struct.PyTreeNode):
-    prompts: prompts.PromptTables
-    names: parsing.ActionNames  # [N + 1, L]: the env's action names, then an empty name (padding)
-
-
-class RolloutTables(flax.struct.PyTreeNode):
-    """Host-built lookup tables (prompt pieces, token bytes, action names); a jit argument."""
-
-    tags: tuple[TagTables, ...]
-    token_bytes: jax.Array
-    token_lengths: jax.Array
-
-
 class Trajectories(flax.struct.PyTreeNode):
     """One rollout batch: token sequences and what happened in each episode."""
 
@@ -143,6 +130,443 @@ class Trajectories(flax.struct.PyTreeNode):
     # uint32[B, T] the env's state_key of the state each turn starts from (0: not played); GiGPO's
     # step groups. Last, with a default, so that a batch made by hand without it stays valid.
     turn_state_key: jax.Array | None = None
+
+
+class Responder(Protocol):
+    """Who answers each turn: the policy sampling from its KV cache (``LLMResponder``), or a scripted
+    answerer (``format_warmup.RandomAnswers``, tests). The rollout only calls these two."""
+
+    def init(self, model: ModelState, batch_size: int):
+        """The per-row state carried across turns (a KV cache, or anything the responder needs)."""
+
+    def respond(self, model: ModelState, cache, prompt_ids, num_new, key, temperature, active, turn) -> DecodeOutput:
+        """This turn's responses after reading ``num_new[b]`` new prompt tokens of ``prompt_ids[b]``;
+        rows not ``active`` answer nothing. ``turn`` is 0-based (a Python int on the first turn)."""
+        ...
+
+
+# ---- the rollout ---------------------------------------------------------------------------------
+#
+# ``rollout`` plays turn 1, scans the others and packs the ``Trajectories``. One turn is
+# ``play_turn``: ``turn_rows`` (who plays) → ``sample_turn`` (the responder answers) → ``write_turn``
+# (prompt and response into the token buffers) → ``parse_turn`` (the answers, on token ids) →
+# ``step_envs`` (the actions, in the envs) → ``next_prompts`` (reward message and next observation as
+# tokens) → a new ``_Carry`` and the turn's record. Each is a pure function of the frozen
+# ``RolloutPlan`` and arrays.
+
+
+def make_rollout(plan: RolloutPlan, responder: Responder | None = None):
+    """Returns ``rollout(model, tables, init_states, key, temperature) -> Trajectories`` (jitted).
+
+    ``responder`` produces each turn's responses (default: ``LLMResponder``, the model sampling
+    from its KV cache); tests pass a scripted one.
+    """
+    return jax.jit(functools.partial(rollout, plan, responder or LLMResponder(plan)))
+
+
+def chunked_rollout(
+    plan: RolloutPlan, chunks: int, responder: Responder | None = None, first_prompts: int | None = None
+):
+    """``make_rollout(plan)``'s function, run as ``chunks`` calls of one compiled program, each on
+    1/chunks of every tag's groups (validation on many levels in a fraction of the memory: the KV
+    cache is the rollout's largest buffer). Returns the same batch, rows in the plan's order; chunk
+    ``i`` samples with ``fold_in(key, i)`` (one chunk: ``key`` itself). ``first_prompts``: distinct
+    first prompts in the whole batch, at most (``distinct_first_prompts``; default one per group).
+    The returned function's ``progress``, if given, is called as each chunk finishes (a progress
+    bar's ``update``): it waits for each chunk, which the chunks' one device does anyway."""
+    if any(t.n_groups % chunks for t in plan.tags):
+        raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
+    part = dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
+    run_part = make_rollout(part, responder or LLMResponder(part, first_prompts=first_prompts))
+    rows = [sl.stop - sl.start for sl in part.row_slices()]
+
+    def chunk_states(init_states, i):
+        return tuple(jax.tree.map(lambda x, n=n: x[i * n:(i + 1) * n], s) for s, n in zip(init_states, rows))
+
+    def one_chunk(model, tables, init_states, key, temperature, i, progress):
+        traj = run_part(model, tables, chunk_states(init_states, i), key if chunks == 1 else jax.random.fold_in(key, i),
+                        temperature)
+        if progress is not None:
+            jax.block_until_ready(traj)
+            progress(1)
+        return traj
+
+    def run(model, tables, init_states, key, temperature, progress=None) -> Trajectories:
+        parts = [one_chunk(model, tables, init_states, key, temperature, i, progress) for i in range(chunks)]
+        if chunks == 1:
+            return parts[0]
+        # tag by tag, each tag's rows from every chunk in order: the plan's row order
+        pieces = [jax.tree.map(lambda x, sl=sl: x[sl], p) for sl in part.row_slices() for p in parts]
+        merged = jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)
+        return merged.replace(group_id=jnp.arange(plan.batch_size, dtype=jnp.int32) // plan.group_size)
+
+    return run
+
+
+def rollout(plan: RolloutPlan, responder: Responder, model: ModelState, tables: RolloutTables, init_states: tuple, key,
+            temperature) -> Trajectories:
+    """Every episode of the batch, ``plan.max_turn`` turns at most (traced as one program)."""
+    carry = initial_carry(plan, responder, model, tables, init_states)
+    # Turn 1 has its own (long) prompt width; later turns share one, so they run in a scan.
+    carry, first = play_turn(plan, responder, model, tables, key, temperature, 0, carry)
+    if plan.max_turn > 1:
+        def body(c, turn):
+            return play_turn(plan, responder, model, tables, key, temperature, turn, c)
+
+        carry, rest = jax.lax.scan(body, carry, jnp.arange(1, plan.max_turn))
+        records = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+    else:
+        records = jax.tree.map(lambda a: a[None], first)
+    return pack_trajectories(plan, init_states, carry, records)
+
+
+def _starts_at_zero(dtype, per_position: bool = False) -> dict:
+    """The metadata of a carry field that starts as zeros of ``dtype``, one per row (``[B]``) or per
+    row and position (``[B, max_len]``); ``initial_carry`` makes them all."""
+    return {"zeros": (dtype, per_position)}
+
+
+class _Carry(flax.struct.PyTreeNode):
+    """What a turn passes to the next. A field named as one of ``Trajectories`` becomes that field
+    when the rollout ends (``pack_trajectories``)."""
+
+    tokens: jax.Array  # pad_id until written
+    loss_mask: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool, per_position=True))
+    sampler_logprobs: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.float32, per_position=True))
+    length: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    cache: object
+    env_states: tuple
+    done: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
+    success: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
+    num_actions: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    num_turns: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    effective_sum: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    valid_sum: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    response_tokens: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    think_tokens: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
+    context_exhausted: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
+    prompt_ids: jax.Array  # the next turn's prompt
+    prompt_len: jax.Array
+
+
+def initial_carry(plan: RolloutPlan, responder: Responder, model, tables: RolloutTables, init_states) -> _Carry:
+    """Empty buffers, a fresh cache, the initial env states and the first prompts."""
+    B = plan.batch_size
+    first_ids, first_len = first_prompts(plan, tables, init_states)
+    zeros = {}
+    for field in dataclasses.fields(_Carry):
+        if "zeros" in field.metadata:
+            dtype, per_position = field.metadata["zeros"]
+            zeros[field.name] = jnp.zeros((B, plan.max_len) if per_position else (B,), dtype)
+    return _Carry(
+        tokens=jnp.full((B, plan.max_len), plan.pad_id, jnp.int32),
+        cache=responder.init(model, B),
+        env_states=tuple(init_states),
+        prompt_ids=first_ids,
+        prompt_len=first_len,
+        **zeros,
+    )
+
+
+def play_turn(plan: RolloutPlan, responder: Responder, model, tables: RolloutTables, key, temperature, turn, c: _Carry):
+    """One turn for every row still playing: ``(carry, record)``; ``turn`` is 0-based."""
+    active, exhausted = turn_rows(plan, c)
+    out, n_new, n_out = sample_turn(responder, model, c, active, key, temperature, turn)
+    tokens, loss_mask, logprobs, start, end = write_turn(c, out, n_new, n_out)
+    parsed, ended_with_stop = parse_turn(plan, tables, c.env_states, out.tokens, n_out)
+
+    budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
+    actions_left = budget - c.num_actions
+    env_states, res = step_envs(plan, tables, c.env_states, parsed, actions_left, active)
+    prompt_ids, prompt_len = next_prompts(
+        plan, tables, env_states, res, actions_left - res.num_executed, ended_with_stop, turn
+    )
+
+    num_actions = c.num_actions + res.num_executed
+    finished = active & (res.env_done | (num_actions >= budget))
+    record = dict(  # the Trajectories' per-turn fields, one turn of each
+        turn_start=jnp.where(active, start, 0),
+        turn_end=jnp.where(active, end, 0),
+        turn_played=active,
+        turn_reward=jnp.where(active, res.reward, 0.0),
+        turn_penalised=active & parsed.format_error,
+        turn_state_key=jnp.where(active, state_keys(plan, c.env_states), jnp.uint32(0)),
+    )
+    carry = _Carry(
+        tokens=tokens,
+        loss_mask=loss_mask,
+        sampler_logprobs=logprobs,
+        length=end,
+        cache=out.cache,
+        env_states=env_states,
+        done=c.done | finished | exhausted,
+        success=c.success | (finished & res.env_done & res.success),
+        num_actions=num_actions,
+        num_turns=c.num_turns + active,
+        effective_sum=c.effective_sum + (active & res.effective),
+        valid_sum=c.valid_sum + (active & res.valid),
+        response_tokens=c.response_tokens + n_out,
+        think_tokens=c.think_tokens + jnp.where(active, jnp.maximum(parsed.think_tokens, 0), 0),
+        context_exhausted=c.context_exhausted | exhausted,
+        prompt_ids=prompt_ids,
+        prompt_len=prompt_len,
+    )
+    return carry, record
+
+
+def turn_rows(plan: RolloutPlan, c: _Carry):
+    """``(active, exhausted)`` bool[B]: rows that play this turn, and rows that end now because the
+    prompt plus a full response would not fit in ``max_len``."""
+    fits = c.length + c.prompt_len + plan.response_length <= plan.max_len
+    return ~c.done & fits, ~c.done & ~fits
+
+
+def sample_turn(responder: Responder, model, c: _Carry, active, key, temperature, turn):
+    """``(out, n_new, n_out)``: the responder's ``DecodeOutput`` after reading this turn's prompt,
+    the prompt tokens appended and the response tokens kept per row (0 for inactive rows)."""
+    n_new = jnp.where(active, c.prompt_len, 0)
+    out = responder.respond(model, c.cache, c.prompt_ids, n_new, jax.random.fold_in(key, turn), temperature, active, turn)
+    return out, n_new, jnp.where(active, out.lengths, 0)
+
+
+def write_turn(c: _Carry, out, n_new, n_out):
+    """The prompt then the response appended to each row's buffers: ``(tokens, loss_mask,
+    logprobs, start, end)``, ``[start, end)`` being the response's positions."""
+    tokens = _write(c.tokens, c.length, c.prompt_ids, n_new)
+    start = c.length + n_new
+    tokens = _write(tokens, start, out.tokens, n_out)
+    loss_mask = _write(c.loss_mask, start, jnp.ones_like(out.tokens, bool), n_out)
+    logprobs = _write(c.sampler_logprobs, start, out.logprobs, n_out)
+    return tokens, loss_mask, logprobs, start, start + n_out
+
+
+def parse_turn(plan: RolloutPlan, tables: RolloutTables, env_states, response_ids, n_out):
+    """``(ParseResult, ended_with_stop bool[B])``: each row's answer parsed on token ids against
+    its own action names (and its pieces' text if a tag takes language actions), and whether the
+    response ended with the end-of-turn token (a cut one did not; its prompt closes it)."""
+    parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, row_action_names(plan, tables, env_states))
+    in_response = jnp.arange(response_ids.shape[1])[None] < n_out[:, None]
+    parsed = parsing.parse_response_tokens(
+        parser_tables, response_ids, in_response, plan.max_actions_per_turn, plan.enable_think, plan.answer_width
+    )
+    if plan.answer_width:  # a language-action row's pieces are all its actions: an error is having none
+        language = _per_row(plan, [t.env.answer_width > 0 for t in plan.tags]).astype(bool)
+        parsed = parsed.replace(format_error=jnp.where(language, parsed.n_kept == 0, parsed.format_error))
+    last_token = jnp.take_along_axis(response_ids, jnp.maximum(n_out - 1, 0)[:, None], axis=1)[:, 0]
+    ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
+    return parsed, ended_with_stop
+
+
+def step_envs(plan: RolloutPlan, tables: RolloutTables, env_states, parsed, actions_left, active):
+    """``(new_states, TurnResult[B])``: every active row's env stepped through its valid actions,
+    within ``actions_left`` (``starpo_jax.rollout.env_turn.execute_turn``), tag by tag. Named actions are
+    action ids; a language-action env gets each answer piece's bytes ``(uint8[W], length)``."""
+    new_states, results = [], []
+    for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
+        width = tag.env.answer_width
+        actions: jax.Array | tuple[jax.Array, jax.Array]  # answer bytes and lengths, or action ids
+        if width:
+            actions = (parsed.answers.bytes[sl, :, :width], jnp.minimum(parsed.answers.lengths[sl], width))
+            n_actions = parsed.n_kept[sl]
+        else:
+            actions, n_actions = jnp.maximum(parsed.valid_action_ids[sl], 0), parsed.n_valid[sl]
+        step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
+        state, res = step(
+            tag.env, states, actions, n_actions, actions_left[sl], active[sl], tag_tables.prompts.reward_values,
+        )
+        new_states.append(state)
+        results.append(res)
+    return tuple(new_states), _concat_rows(results)
+
+
+def next_prompts(plan: RolloutPlan, tables: RolloutTables, env_states, res, actions_left, ended_with_stop, turn):
+    """``(ids int32[B, P], lengths int32[B])``: the next user turn of every row (the reward message
+    of turn ``turn``, 0-based, then the observation and the actions left after it)."""
+    outs = []
+    for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
+        obs = jax.vmap(tag.env.observation_pieces)(states)
+        outs.append(jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
+            tag_tables.prompts, res.reward_index[sl], turn + 2, obs, actions_left[sl], ended_with_stop[sl]
+        ))
+    return concat_ids(outs, plan.pad_id)
+
+
+# The carry's fields that the trajectories keep as they are, under the same names.
+_KEPT_FROM_CARRY = tuple(
+    f.name for f in dataclasses.fields(_Carry) if f.name in {t.name for t in dataclasses.fields(Trajectories)}
+)
+
+
+def pack_trajectories(plan: RolloutPlan, init_states, carry: _Carry, records) -> Trajectories:
+    """The finished episodes: the last carry, and the turns' records stacked as ``[T, B]`` (each
+    ``play_turn`` record is named as the ``Trajectories`` field it fills)."""
+    B = plan.batch_size
+    rec = jax.tree.map(lambda x: x.T, records)  # [B, T]
+    turns = jnp.maximum(carry.num_turns, 1)
+    return Trajectories(
+        **{name: getattr(carry, name) for name in _KEPT_FROM_CARRY},
+        **rec,
+        env_reward=jnp.sum(rec["turn_reward"], axis=1),
+        format_penalty_sum=plan.format_penalty * jnp.sum(rec["turn_penalised"], axis=1).astype(jnp.float32),
+        action_is_effective=carry.effective_sum / turns,
+        action_is_valid=carry.valid_sum / turns,
+        group_id=jnp.arange(B, dtype=jnp.int32) // plan.group_size,
+        tag_id=_per_row(plan, range(len(plan.tags))),
+        action_name_ids=jnp.concatenate(
+            [action_name_ids(plan, t, s, pad=-1) for t, s in zip(plan.tags, init_states)]
+        ),
+    )
+
+
+def first_prompts(plan: RolloutPlan, tables: RolloutTables, env_states):
+    """``(ids int32[B, P], lengths int32[B])``: the first user turn of every row (system prompt,
+    instruction, first observation, generation prompt)."""
+    outs = []
+    for tag, tag_tables, states in zip(plan.tags, tables.tags, env_states):
+        obs = jax.vmap(tag.env.observation_pieces)(states)
+        left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
+        outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tag_tables.prompts, obs, left))
+    return concat_ids(outs, plan.pad_id)
+
+
+def state_keys(plan: RolloutPlan, env_states) -> jax.Array:
+    """uint32[B]: each row's ``TextEnv.state_key`` of its env state, tag by tag."""
+    return jnp.concatenate(
+        [jax.vmap(tag.env.state_key)(states).astype(jnp.uint32) for tag, states in zip(plan.tags, env_states)]
+    )
+
+
+def row_action_names(plan: RolloutPlan, tables: RolloutTables, env_states) -> parsing.ActionNames:
+    """Each row's action names in action-id order, [B, A, L] (padded with the empty name)."""
+    outs = []
+    for tag, tag_tables, states in zip(plan.tags, tables.tags, env_states):
+        ids = action_name_ids(plan, tag, states, pad=len(tag.env.action_names))
+        outs.append(jax.tree.map(lambda x: x[ids], tag_tables.names))
+    return _concat_rows(outs)
+
+
+def action_name_ids(plan: RolloutPlan, tag: TagPlan, states, pad: int) -> jax.Array:
+    """int32[rows, A]: the tag's action-name index of each action id, ``pad`` past the tag's own
+    actions (``A``: the action ids of the plan's widest tag)."""
+    num_actions = max(max(t.env.num_actions for t in plan.tags), 1)  # >= 1: the parser needs a name
+    ids = jax.vmap(tag.env.action_name_ids)(states).astype(jnp.int32)
+    return jnp.pad(ids, ((0, 0), (0, num_actions - ids.shape[1])), constant_values=pad)
+
+
+# ---- row helpers ---------------------------------------------------------------------------------
+
+
+def _pad_to(ids, width: int, pad_id: int):
+    return jnp.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad_id)
+
+
+def _per_row(plan: RolloutPlan, per_tag_values) -> jax.Array:
+    """int32[B]: each tag's value repeated over that tag's rows."""
+    return jnp.concatenate(
+        [jnp.full((sl.stop - sl.start,), v, jnp.int32) for v, sl in zip(per_tag_values, plan.row_slices())]
+    )
+
+
+def concat_ids(outs, pad_id):
+    """``(ids, lengths)`` of several tags' rows, one after the other: ``outs`` a list of ``(ids
+    int32[n, W_t], lengths int32[n])``, the ids padded with ``pad_id`` to the widest."""
+    width = max(ids.shape[1] for ids, _ in outs)
+    ids = jnp.concatenate([_pad_to(ids, width, pad_id) for ids, _ in outs])
+    return ids, jnp.concatenate([n for _, n in outs])
+
+
+def _concat_rows(trees):
+    """The per-tag pytrees of a turn joined along the batch (tags own consecutive rows)."""
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
+
+
+def _write(buffer, offsets, values, count):
+    """buffer[b, offsets[b] + j] = values[b, j] for j < count[b]; other writes are dropped."""
+    W = values.shape[1]
+    cols = offsets[:, None] + jnp.arange(W)[None]
+    cols = jnp.where(jnp.arange(W)[None] < count[:, None], cols, buffer.shape[1])  # out of range
+    return sharding.scatter_rows(buffer, cols, values)
+
+
+# ---- the policy as responder ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMResponder:
+    """The policy's side of a turn: append the prompt to the KV cache, then sample a response.
+
+    ``fixed_length`` (benchmarks): every response is exactly that many sampled tokens, stop tokens
+    ignored, as if each turn ended there; the plan's ``response_length`` still sizes the context
+    budget and the update. A fixed workload for random weights, which never stop on their own.
+
+    ``first_prompts``: at most this many distinct first prompts in a batch (default: one per group,
+    since a group's rows start from the same level); the first turn prefills each once.
+    """
+
+    plan: RolloutPlan
+    fixed_length: int | None = None
+    first_prompts: int | None = None
+
+    def init(self, model: ModelState, batch_size: int):
+        return init_cache(model.merge().config, batch_size, self.plan.max_len)
+
+    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
+        """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
+        plan = self.plan
+        stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
+        if isinstance(turn, int) and turn == 0:
+            cache, logits = self.prefill_first_prompts(model, prompt_ids, num_new, cache)
+        else:
+            cache, logits = append(model, cache, prompt_ids, num_new)
+        return decode(
+            model, cache, logits, key,
+            max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
+            top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
+        )
+
+
+    def prefill_first_prompts(self, model, prompt_ids, num_new, cache):
+        """The first turn's prefill, once per distinct first prompt: each is computed for one of its
+        rows and its keys, values and logits gathered to every row that reads it. A group's rows read
+        the same prompt (the same level), and fixed validation levels often repeat one (the
+        Bandit's levels show two), so this is most of the first turn's compute saved."""
+        count = self.first_prompts or self.plan.num_groups
+        if count >= prompt_ids.shape[0]:
+            return append(model, cache, prompt_ids, num_new)
+        real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
+        _, leaders, inverse = jnp.unique(
+            sharding.replicated(jnp.where(real, prompt_ids, -1)),
+            axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1,
+        )
+        inverse = inverse.reshape(-1)
+        distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
+                                  prompt_ids[leaders], num_new[leaders])
+        cache = distinct.replace(k=distinct.k[:, inverse], v=distinct.v[:, inverse], lengths=distinct.lengths[inverse])
+        return cache, logits[inverse]
+
+
+def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:
+    """How many distinct first prompts a batch of fixed levels shows (host; validation): the
+    ``first_prompts`` of an ``LLMResponder`` that plays them."""
+    ids, lengths = jax.device_get(jax.jit(functools.partial(first_prompts, plan))(tables, init_states))
+    rows = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
+    return len(np.unique(rows, axis=0))
+
+
+# ---- tables: built once on the host, read by every turn --------------------------------------------
+
+
+class TagTables(flax.struct.PyTreeNode):
+    prompts: prompts.PromptTables
+    names: parsing.ActionNames  # [N + 1, L]: the env's action names, then an empty name (padding)
+
+
+class RolloutTables(flax.struct.PyTreeNode):
+    """Host-built lookup tables (prompt pieces, token bytes, action names); a jit argument."""
+
+    tags: tuple[TagTables, ...]
+    token_bytes: jax.Array
+    token_lengths: jax.Array
 
 
 def build_tables(
@@ -237,404 +661,3 @@ def initial_states_from_seeds(plan: RolloutPlan, first_seed: int) -> tuple:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *group_states)
         states.append(repeat_groups(stacked, plan.group_size))
     return tuple(states)
-
-
-# ---- the rollout ---------------------------------------------------------------------------------
-#
-# One turn is ``play_turn``: ``turn_rows`` (who plays) → ``sample_turn`` (the responder answers) →
-# ``write_turn`` (prompt and response into the token buffers) → ``parse_turn`` (the answers, on
-# token ids) → ``step_envs`` (the actions, in the envs) → ``next_prompts`` (reward message and next
-# observation as tokens) → a new ``_Carry`` and the turn's record. Each is a pure function of the
-# frozen ``RolloutPlan`` and arrays; ``rollout`` runs turn 1, scans the others and packs the
-# ``Trajectories``.
-
-
-def _pad_to(ids, width: int, pad_id: int):
-    return jnp.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad_id)
-
-
-def _per_row(plan: RolloutPlan, per_tag_values) -> jax.Array:
-    """int32[B]: each tag's value repeated over that tag's rows."""
-    return jnp.concatenate(
-        [jnp.full((sl.stop - sl.start,), v, jnp.int32) for v, sl in zip(per_tag_values, plan.row_slices())]
-    )
-
-
-def concat_ids(outs, pad_id):
-    """``(ids, lengths)`` of several tags' rows, one after the other: ``outs`` a list of ``(ids
-    int32[n, W_t], lengths int32[n])``, the ids padded with ``pad_id`` to the widest."""
-    width = max(ids.shape[1] for ids, _ in outs)
-    ids = jnp.concatenate([_pad_to(ids, width, pad_id) for ids, _ in outs])
-    return ids, jnp.concatenate([n for _, n in outs])
-
-
-def _concat_rows(trees):
-    """The per-tag pytrees of a turn joined along the batch (tags own consecutive rows)."""
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
-
-
-def _write(buffer, offsets, values, count):
-    """buffer[b, offsets[b] + j] = values[b, j] for j < count[b]; other writes are dropped."""
-    W = values.shape[1]
-    cols = offsets[:, None] + jnp.arange(W)[None]
-    cols = jnp.where(jnp.arange(W)[None] < count[:, None], cols, buffer.shape[1])  # out of range
-    return sharding.scatter_rows(buffer, cols, values)
-
-
-def _starts_at_zero(dtype, per_position: bool = False) -> dict:
-    """The metadata of a carry field that starts as zeros of ``dtype``, one per row (``[B]``) or per
-    row and position (``[B, max_len]``); ``initial_carry`` makes them all."""
-    return {"zeros": (dtype, per_position)}
-
-
-class _Carry(flax.struct.PyTreeNode):
-    """What a turn passes to the next. A field named as one of ``Trajectories`` becomes that field
-    when the rollout ends (``pack_trajectories``)."""
-
-    tokens: jax.Array  # pad_id until written
-    loss_mask: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool, per_position=True))
-    sampler_logprobs: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.float32, per_position=True))
-    length: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    cache: object
-    env_states: tuple
-    done: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
-    success: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
-    num_actions: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    num_turns: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    effective_sum: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    valid_sum: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    response_tokens: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    think_tokens: jax.Array = flax.struct.field(metadata=_starts_at_zero(jnp.int32))
-    context_exhausted: jax.Array = flax.struct.field(metadata=_starts_at_zero(bool))
-    prompt_ids: jax.Array  # the next turn's prompt
-    prompt_len: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class LLMResponder:
-    """The policy's side of a turn: append the prompt to the KV cache, then sample a response.
-
-    ``fixed_length`` (benchmarks): every response is exactly that many sampled tokens, stop tokens
-    ignored, as if each turn ended there; the plan's ``response_length`` still sizes the context
-    budget and the update. A fixed workload for random weights, which never stop on their own.
-
-    ``first_prompts``: at most this many distinct first prompts in a batch (default: one per group,
-    since a group's rows start from the same level); the first turn prefills each once.
-    """
-
-    plan: RolloutPlan
-    fixed_length: int | None = None
-    first_prompts: int | None = None
-
-    def init(self, model: ModelState, batch_size: int):
-        return init_cache(model.merge().config, batch_size, self.plan.max_len)
-
-    def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
-        """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
-        plan = self.plan
-        stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
-        if isinstance(turn, int) and turn == 0:
-            cache, logits = self.prefill_first_prompts(model, prompt_ids, num_new, cache)
-        else:
-            cache, logits = append(model, cache, prompt_ids, num_new)
-        return decode(
-            model, cache, logits, key,
-            max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
-            top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
-        )
-
-
-    def prefill_first_prompts(self, model, prompt_ids, num_new, cache):
-        """The first turn's prefill, once per distinct first prompt: each is computed for one of its
-        rows and its keys, values and logits gathered to every row that reads it. A group's rows read
-        the same prompt (the same level), and fixed validation levels often repeat one (the
-        Bandit's levels show two), so this is most of the first turn's compute saved."""
-        count = self.first_prompts or self.plan.num_groups
-        if count >= prompt_ids.shape[0]:
-            return append(model, cache, prompt_ids, num_new)
-        real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
-        _, leaders, inverse = jnp.unique(
-            sharding.replicated(jnp.where(real, prompt_ids, -1)),
-            axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1,
-        )
-        inverse = inverse.reshape(-1)
-        distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
-                                  prompt_ids[leaders], num_new[leaders])
-        cache = distinct.replace(k=distinct.k[:, inverse], v=distinct.v[:, inverse], lengths=distinct.lengths[inverse])
-        return cache, logits[inverse]
-
-
-def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:
-    """How many distinct first prompts a batch of fixed levels shows (host; validation): the
-    ``first_prompts`` of an ``LLMResponder`` that plays them."""
-    ids, lengths = jax.device_get(jax.jit(functools.partial(first_prompts, plan))(tables, init_states))
-    rows = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
-    return len(np.unique(rows, axis=0))
-
-
-def action_name_ids(plan: RolloutPlan, tag: TagPlan, states, pad: int) -> jax.Array:
-    """int32[rows, A]: the tag's action-name index of each action id, ``pad`` past the tag's own
-    actions (``A``: the action ids of the plan's widest tag)."""
-    num_actions = max(max(t.env.num_actions for t in plan.tags), 1)  # >= 1: the parser needs a name
-    ids = jax.vmap(tag.env.action_name_ids)(states).astype(jnp.int32)
-    return jnp.pad(ids, ((0, 0), (0, num_actions - ids.shape[1])), constant_values=pad)
-
-
-def row_action_names(plan: RolloutPlan, tables: RolloutTables, env_states) -> parsing.ActionNames:
-    """Each row's action names in action-id order, [B, A, L] (padded with the empty name)."""
-    outs = []
-    for tag, tag_tables, states in zip(plan.tags, tables.tags, env_states):
-        ids = action_name_ids(plan, tag, states, pad=len(tag.env.action_names))
-        outs.append(jax.tree.map(lambda x: x[ids], tag_tables.names))
-    return _concat_rows(outs)
-
-
-def first_prompts(plan: RolloutPlan, tables: RolloutTables, env_states):
-    """``(ids int32[B, P], lengths int32[B])``: the first user turn of every row (system prompt,
-    instruction, first observation, generation prompt)."""
-    outs = []
-    for tag, tag_tables, states in zip(plan.tags, tables.tags, env_states):
-        obs = jax.vmap(tag.env.observation_pieces)(states)
-        left = jnp.full(obs.shape[:1], tag.max_actions_per_traj, jnp.int32)
-        outs.append(jax.vmap(prompts.first_prompt_tokens, in_axes=(None, 0, 0))(tag_tables.prompts, obs, left))
-    return concat_ids(outs, plan.pad_id)
-
-
-def state_keys(plan: RolloutPlan, env_states) -> jax.Array:
-    """uint32[B]: each row's ``TextEnv.state_key`` of its env state, tag by tag."""
-    return jnp.concatenate(
-        [jax.vmap(tag.env.state_key)(states).astype(jnp.uint32) for tag, states in zip(plan.tags, env_states)]
-    )
-
-
-def turn_rows(plan: RolloutPlan, c: _Carry):
-    """``(active, exhausted)`` bool[B]: rows that play this turn, and rows that end now because the
-    prompt plus a full response would not fit in ``max_len``."""
-    fits = c.length + c.prompt_len + plan.response_length <= plan.max_len
-    return ~c.done & fits, ~c.done & ~fits
-
-
-def sample_turn(responder, model, c: _Carry, active, key, temperature, turn):
-    """``(out, n_new, n_out)``: the responder's ``DecodeOutput`` after reading this turn's prompt,
-    the prompt tokens appended and the response tokens kept per row (0 for inactive rows)."""
-    n_new = jnp.where(active, c.prompt_len, 0)
-    out = responder.respond(model, c.cache, c.prompt_ids, n_new, jax.random.fold_in(key, turn), temperature, active, turn)
-    return out, n_new, jnp.where(active, out.lengths, 0)
-
-
-def write_turn(c: _Carry, out, n_new, n_out):
-    """The prompt then the response appended to each row's buffers: ``(tokens, loss_mask,
-    logprobs, start, end)``, ``[start, end)`` being the response's positions."""
-    tokens = _write(c.tokens, c.length, c.prompt_ids, n_new)
-    start = c.length + n_new
-    tokens = _write(tokens, start, out.tokens, n_out)
-    loss_mask = _write(c.loss_mask, start, jnp.ones_like(out.tokens, bool), n_out)
-    logprobs = _write(c.sampler_logprobs, start, out.logprobs, n_out)
-    return tokens, loss_mask, logprobs, start, start + n_out
-
-
-def parse_turn(plan: RolloutPlan, tables: RolloutTables, env_states, response_ids, n_out):
-    """``(ParseResult, ended_with_stop bool[B])``: each row's answer parsed on token ids against
-    its own action names (and its pieces' text if a tag takes language actions), and whether the
-    response ended with the end-of-turn token (a cut one did not; its prompt closes it)."""
-    parser_tables = parsing.ParserTables(tables.token_bytes, tables.token_lengths, row_action_names(plan, tables, env_states))
-    in_response = jnp.arange(response_ids.shape[1])[None] < n_out[:, None]
-    parsed = parsing.parse_response_tokens(
-        parser_tables, response_ids, in_response, plan.max_actions_per_turn, plan.enable_think, plan.answer_width
-    )
-    if plan.answer_width:  # a language-action row's pieces are all its actions: an error is having none
-        language = _per_row(plan, [t.env.answer_width > 0 for t in plan.tags]).astype(bool)
-        parsed = parsed.replace(format_error=jnp.where(language, parsed.n_kept == 0, parsed.format_error))
-    last_token = jnp.take_along_axis(response_ids, jnp.maximum(n_out - 1, 0)[:, None], axis=1)[:, 0]
-    ended_with_stop = (n_out > 0) & (last_token == tables.tags[0].prompts.stop_token_id)
-    return parsed, ended_with_stop
-
-
-def step_envs(plan: RolloutPlan, tables: RolloutTables, env_states, parsed, actions_left, active):
-    """``(new_states, TurnResult[B])``: every active row's env stepped through its valid actions,
-    within ``actions_left`` (``starpo_jax.rollout.env_turn.execute_turn``), tag by tag. Named actions are
-    action ids; a language-action env gets each answer piece's bytes ``(uint8[W], length)``."""
-    new_states, results = [], []
-    for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
-        width = tag.env.answer_width
-        actions: jax.Array | tuple[jax.Array, jax.Array]  # answer bytes and lengths, or action ids
-        if width:
-            actions = (parsed.answers.bytes[sl, :, :width], jnp.minimum(parsed.answers.lengths[sl], width))
-            n_actions = parsed.n_kept[sl]
-        else:
-            actions, n_actions = jnp.maximum(parsed.valid_action_ids[sl], 0), parsed.n_valid[sl]
-        step = jax.vmap(execute_turn, in_axes=(None, 0, 0, 0, 0, 0, None))
-        state, res = step(
-            tag.env, states, actions, n_actions, actions_left[sl], active[sl], tag_tables.prompts.reward_values,
-        )
-        new_states.append(state)
-        results.append(res)
-    return tuple(new_states), _concat_rows(results)
-
-
-def next_prompts(plan: RolloutPlan, tables: RolloutTables, env_states, res, actions_left, ended_with_stop, turn):
-    """``(ids int32[B, P], lengths int32[B])``: the next user turn of every row (the reward message
-    of turn ``turn``, 0-based, then the observation and the actions left after it)."""
-    outs = []
-    for tag, tag_tables, states, sl in zip(plan.tags, tables.tags, env_states, plan.row_slices()):
-        obs = jax.vmap(tag.env.observation_pieces)(states)
-        outs.append(jax.vmap(prompts.next_turn_tokens, in_axes=(None, 0, None, 0, 0, 0))(
-            tag_tables.prompts, res.reward_index[sl], turn + 2, obs, actions_left[sl], ended_with_stop[sl]
-        ))
-    return concat_ids(outs, plan.pad_id)
-
-
-def play_turn(plan: RolloutPlan, responder, model, tables: RolloutTables, key, temperature, turn, c: _Carry):
-    """One turn for every row still playing: ``(carry, record)``; ``turn`` is 0-based."""
-    active, exhausted = turn_rows(plan, c)
-    out, n_new, n_out = sample_turn(responder, model, c, active, key, temperature, turn)
-    tokens, loss_mask, logprobs, start, end = write_turn(c, out, n_new, n_out)
-    parsed, ended_with_stop = parse_turn(plan, tables, c.env_states, out.tokens, n_out)
-
-    budget = _per_row(plan, [t.max_actions_per_traj for t in plan.tags])  # actions per trajectory
-    actions_left = budget - c.num_actions
-    env_states, res = step_envs(plan, tables, c.env_states, parsed, actions_left, active)
-    prompt_ids, prompt_len = next_prompts(
-        plan, tables, env_states, res, actions_left - res.num_executed, ended_with_stop, turn
-    )
-
-    num_actions = c.num_actions + res.num_executed
-    finished = active & (res.env_done | (num_actions >= budget))
-    record = dict(  # the Trajectories' per-turn fields, one turn of each
-        turn_start=jnp.where(active, start, 0),
-        turn_end=jnp.where(active, end, 0),
-        turn_played=active,
-        turn_reward=jnp.where(active, res.reward, 0.0),
-        turn_penalised=active & parsed.format_error,
-        turn_state_key=jnp.where(active, state_keys(plan, c.env_states), jnp.uint32(0)),
-    )
-    carry = _Carry(
-        tokens=tokens,
-        loss_mask=loss_mask,
-        sampler_logprobs=logprobs,
-        length=end,
-        cache=out.cache,
-        env_states=env_states,
-        done=c.done | finished | exhausted,
-        success=c.success | (finished & res.env_done & res.success),
-        num_actions=num_actions,
-        num_turns=c.num_turns + active,
-        effective_sum=c.effective_sum + (active & res.effective),
-        valid_sum=c.valid_sum + (active & res.valid),
-        response_tokens=c.response_tokens + n_out,
-        think_tokens=c.think_tokens + jnp.where(active, jnp.maximum(parsed.think_tokens, 0), 0),
-        context_exhausted=c.context_exhausted | exhausted,
-        prompt_ids=prompt_ids,
-        prompt_len=prompt_len,
-    )
-    return carry, record
-
-
-def initial_carry(plan: RolloutPlan, responder, model, tables: RolloutTables, init_states) -> _Carry:
-    """Empty buffers, a fresh cache, the initial env states and the first prompts."""
-    B = plan.batch_size
-    first_ids, first_len = first_prompts(plan, tables, init_states)
-    zeros = {}
-    for field in dataclasses.fields(_Carry):
-        if "zeros" in field.metadata:
-            dtype, per_position = field.metadata["zeros"]
-            zeros[field.name] = jnp.zeros((B, plan.max_len) if per_position else (B,), dtype)
-    return _Carry(
-        tokens=jnp.full((B, plan.max_len), plan.pad_id, jnp.int32),
-        cache=responder.init(model, B),
-        env_states=tuple(init_states),
-        prompt_ids=first_ids,
-        prompt_len=first_len,
-        **zeros,
-    )
-
-
-# The carry's fields that the trajectories keep as they are, under the same names.
-_KEPT_FROM_CARRY = tuple(
-    f.name for f in dataclasses.fields(_Carry) if f.name in {t.name for t in dataclasses.fields(Trajectories)}
-)
-
-
-def pack_trajectories(plan: RolloutPlan, init_states, carry: _Carry, records) -> Trajectories:
-    """The finished episodes: the last carry, and the turns' records stacked as ``[T, B]`` (each
-    ``play_turn`` record is named as the ``Trajectories`` field it fills)."""
-    B = plan.batch_size
-    rec = jax.tree.map(lambda x: x.T, records)  # [B, T]
-    turns = jnp.maximum(carry.num_turns, 1)
-    return Trajectories(
-        **{name: getattr(carry, name) for name in _KEPT_FROM_CARRY},
-        **rec,
-        env_reward=jnp.sum(rec["turn_reward"], axis=1),
-        format_penalty_sum=plan.format_penalty * jnp.sum(rec["turn_penalised"], axis=1).astype(jnp.float32),
-        action_is_effective=carry.effective_sum / turns,
-        action_is_valid=carry.valid_sum / turns,
-        group_id=jnp.arange(B, dtype=jnp.int32) // plan.group_size,
-        tag_id=_per_row(plan, range(len(plan.tags))),
-        action_name_ids=jnp.concatenate(
-            [action_name_ids(plan, t, s, pad=-1) for t, s in zip(plan.tags, init_states)]
-        ),
-    )
-
-
-def rollout(plan: RolloutPlan, responder, model: ModelState, tables: RolloutTables, init_states: tuple, key,
-            temperature) -> Trajectories:
-    """Every episode of the batch, ``plan.max_turn`` turns at most (traced as one program)."""
-    carry = initial_carry(plan, responder, model, tables, init_states)
-    # Turn 1 has its own (long) prompt width; later turns share one, so they run in a scan.
-    carry, first = play_turn(plan, responder, model, tables, key, temperature, 0, carry)
-    if plan.max_turn > 1:
-        def body(c, turn):
-            return play_turn(plan, responder, model, tables, key, temperature, turn, c)
-
-        carry, rest = jax.lax.scan(body, carry, jnp.arange(1, plan.max_turn))
-        records = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
-    else:
-        records = jax.tree.map(lambda a: a[None], first)
-    return pack_trajectories(plan, init_states, carry, records)
-
-
-def make_rollout(plan: RolloutPlan, responder=None):
-    """Returns ``rollout(model, tables, init_states, key, temperature) -> Trajectories`` (jitted).
-
-    ``responder`` produces each turn's responses (default: ``LLMResponder``, the model sampling
-    from its KV cache); tests pass a scripted one.
-    """
-    return jax.jit(functools.partial(rollout, plan, responder or LLMResponder(plan)))
-
-
-def chunked_rollout(plan: RolloutPlan, chunks: int, responder=None, first_prompts: int | None = None):
-    """``make_rollout(plan)``'s function, run as ``chunks`` calls of one compiled program, each on
-    1/chunks of every tag's groups (validation on many levels in a fraction of the memory: the KV
-    cache is the rollout's largest buffer). Returns the same batch, rows in the plan's order; chunk
-    ``i`` samples with ``fold_in(key, i)`` (one chunk: ``key`` itself). ``first_prompts``: distinct
-    first prompts in the whole batch, at most (``distinct_first_prompts``; default one per group).
-    The returned function's ``progress``, if given, is called as each chunk finishes (a progress
-    bar's ``update``): it waits for each chunk, which the chunks' one device does anyway."""
-    if any(t.n_groups % chunks for t in plan.tags):
-        raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
-    part = dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
-    run_part = make_rollout(part, responder or LLMResponder(part, first_prompts=first_prompts))
-    rows = [sl.stop - sl.start for sl in part.row_slices()]
-
-    def chunk_states(init_states, i):
-        return tuple(jax.tree.map(lambda x, n=n: x[i * n:(i + 1) * n], s) for s, n in zip(init_states, rows))
-
-    def one_chunk(model, tables, init_states, key, temperature, i, progress):
-        traj = run_part(model, tables, chunk_states(init_states, i), key if chunks == 1 else jax.random.fold_in(key, i),
-                        temperature)
-        if progress is not None:
-            jax.block_until_ready(traj)
-            progress(1)
-        return traj
-
-    def run(model, tables, init_states, key, temperature, progress=None) -> Trajectories:
-        parts = [one_chunk(model, tables, init_states, key, temperature, i, progress) for i in range(chunks)]
-        if chunks == 1:
-            return parts[0]
-        # tag by tag, each tag's rows from every chunk in order: the plan's row order
-        pieces = [jax.tree.map(lambda x, sl=sl: x[sl], p) for sl in part.row_slices() for p in parts]
-        merged = jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)
-        return merged.replace(group_id=jnp.arange(plan.batch_size, dtype=jnp.int32) // plan.group_size)
-
-    return run
-
