@@ -221,8 +221,8 @@ def jit_iteration(step: TrainStep, settings: TrainSettings, plan: RolloutPlan, a
 
 # ---- its steps, in the order they run ------------------------------------------------------------
 #
-# Each is a pure function of the static settings (and the graphdef and plan where it needs them)
-# and arrays. The numbers are the module docstring's.
+# Each is a pure function of static values and arrays: the settings, or the whole ``UpdateProgram``
+# (settings, graphdef, plan, layout) where a forward pass runs. The numbers are the module docstring's.
 
 
 def collect(settings: TrainSettings, graphdef, plan: RolloutPlan, rollout, state: TrainState, tables, key) -> Trajectories:
@@ -236,14 +236,14 @@ def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainStat
           layout: UpdateLayout | None = None):
     """Steps 2–7 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
     forward passes compute (``update_layout``; default every position of every row)."""
-    layout = layout or full_layout(plan.max_len)
+    program = UpdateProgram(settings, graphdef, plan, layout or full_layout(plan.max_len))
     # Both read the whole rollout batch, rows the filter drops included. The horizon is
     # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, the longest sequence less one.
     metrics = rollout_metrics(traj, plan, "train")
     horizon = (traj.length.max() - 1).astype(jnp.float32)
-    batch, prepared_metrics = prepare_update(settings, graphdef, plan, layout, state, traj, hyper)
-    critic, critic_opt, critic_skipped, critic_metrics = update_critic(settings, graphdef, plan, layout, state, batch, hyper)
-    actor, actor_opt, skipped, actor_metrics = update_actor(settings, graphdef, plan, layout, state, batch, hyper, horizon)
+    batch, prepared_metrics = prepare_update(program, state, traj, hyper)
+    critic, critic_opt, critic_skipped, critic_metrics = update_critic(program, state, batch, hyper)
+    actor, actor_opt, skipped, actor_metrics = update_actor(program, state, batch, hyper, horizon)
     new_state = state.replace(
         step=state.step + 1,
         actor=actor,
@@ -256,19 +256,19 @@ def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainStat
     return new_state, metrics | prepared_metrics | critic_metrics | actor_metrics
 
 
-def prepare_update(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                   traj: Trajectories, hyper: Hyperparams):
+def prepare_update(program: UpdateProgram, state: TrainState, traj: Trajectories, hyper: Hyperparams):
     """Steps 2–5: filter, then everything the update needs: (UpdateBatch, metrics)."""
+    settings = program.settings
     # RAGEN normalises the scores over the whole rollout batch (ctx_manager), then filters
     score = rewards.trajectory_score(
         traj.env_reward, traj.format_penalty_sum, traj.group_id, traj.tag_id,
         settings.reward_grouping, settings.reward_method,
     )
-    kept, score, valid, metrics = filter_groups(settings, plan.group_size, traj, score, hyper.filter_ratio)
+    kept, score, valid, metrics = filter_groups(settings, program.plan.group_size, traj, score, hyper.filter_ratio)
     mask = (kept.loss_mask & valid[:, None]).astype(jnp.float32)
-    old_logp = old_logprobs(settings, graphdef, plan, layout, state, kept, mask)
-    ref_logp = ref_logprobs(settings, graphdef, plan, layout, state, kept, mask)
-    values = old_values(settings, graphdef, plan, layout, state, kept, mask)
+    old_logp = old_logprobs(program, state, kept, mask)
+    ref_logp = ref_logprobs(program, state, kept, mask)
+    values = old_values(program, state, kept, mask)
     token_rewards, score, kl_metrics = token_level_rewards(settings, kept, score, mask, old_logp, ref_logp, hyper)
     advantages, returns = estimate_advantages(settings, kept, token_rewards, values, mask, valid, hyper)
     batch = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, old_logp, ref_logp, values, advantages, returns)
@@ -288,37 +288,34 @@ def filter_groups(settings: TrainSettings, group_size: int, traj: Trajectories, 
     return kept, score, valid, metrics
 
 
-def old_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                 kept: Trajectories, mask):
+def old_logprobs(program: UpdateProgram, state: TrainState, kept: Trajectories, mask):
     """3a. log π_old [M, L] of the policy tokens: recomputed by the policy that sampled them, or
     the sampler's own (``use_sampler_logprobs``). A constant of the update."""
+    settings = program.settings
     if settings.use_sampler_logprobs:
         return jax.lax.stop_gradient(kept.sampler_logprobs)
     params = policy_weights(settings, state)
-    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, params),
-                         _rows(kept, mask), settings.micro_batch_size)
+    logp, _ = _map_micro(functools.partial(_row_logprobs, program, params), _rows(kept, mask), settings.micro_batch_size)
     return jax.lax.stop_gradient(logp)
 
 
-def ref_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                 kept: Trajectories, mask):
+def ref_logprobs(program: UpdateProgram, state: TrainState, kept: Trajectories, mask):
     """3b. log π_ref [M, L] under the frozen reference; zeros when no KL term reads them."""
-    if not settings.uses_ref:
+    if not program.settings.uses_ref:
         return jnp.zeros(kept.tokens.shape, jnp.float32)
-    logp, _ = _map_micro(functools.partial(_row_logprobs, settings, graphdef, plan, layout, reference_weights(state)),
-                         _rows(kept, mask), settings.micro_batch_size)
+    logp, _ = _map_micro(functools.partial(_row_logprobs, program, reference_weights(state)),
+                         _rows(kept, mask), program.settings.micro_batch_size)
     return logp
 
 
-def old_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-               kept: Trajectories, mask):
+def old_values(program: UpdateProgram, state: TrainState, kept: Trajectories, mask):
     """3c. V_old [M, L] on the policy tokens (0 elsewhere); zeros when the estimator has no critic."""
+    settings = program.settings
     if not settings.uses_critic:
         return jnp.zeros(kept.tokens.shape, jnp.float32)
     assert state.critic is not None  # init_state makes one whenever the settings use a critic
     critic = critic_weights(settings, state.critic, state.base)
-    values = _map_micro(functools.partial(_row_values, settings, graphdef, plan, layout, critic),
-                        _rows(kept, mask), settings.micro_batch_size)
+    values = _map_micro(functools.partial(_row_values, program, critic), _rows(kept, mask), settings.micro_batch_size)
     return values * mask
 
 
@@ -364,14 +361,14 @@ def estimate_advantages(settings: TrainSettings, kept: Trajectories, token_rewar
     raise ValueError(f"Unknown advantage estimator {settings.adv_estimator!r}: use gae, grpo, bilevel_gae or gigpo.")
 
 
-def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                  batch: UpdateBatch, hyper: Hyperparams):
+def update_critic(program: UpdateProgram, state: TrainState, batch: UpdateBatch, hyper: Hyperparams):
     """6. The critic's update, ``ppo_update`` of ``critic_loss_fn``: (critic, critic_opt, skipped
     steps, metrics); unchanged without one."""
+    settings = program.settings
     if not settings.uses_critic:
         return state.critic, state.critic_opt, jnp.zeros((), jnp.int32), {}
     tx = optimizer(settings, "critic")
-    loss_fn = functools.partial(critic_loss_fn, settings, graphdef, plan, layout, state.base)
+    loss_fn = functools.partial(critic_loss_fn, program, state.base)
     (critic, critic_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.critic, state.critic_opt, batch, hyper.critic_lr, hyper, "critic"
     )
@@ -379,20 +376,20 @@ def update_critic(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: 
     return critic, critic_opt, skipped, metrics
 
 
-def critic_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, critic: Critic,
-                   b: UpdateBatch, hyper: Hyperparams):
+def critic_loss_fn(program: UpdateProgram, base, critic: Critic, b: UpdateBatch, hyper: Hyperparams):
     """6. The clipped value loss of a micro-batch, a function of what the critic trains."""
-    values = _row_values(settings, graphdef, plan, layout, critic_weights(settings, critic, base), _batch_rows(b))
+    settings = program.settings
+    values = _row_values(program, critic_weights(settings, critic, base), _batch_rows(b))
     return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
 
 
-def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, state: TrainState,
-                 batch: UpdateBatch, hyper: Hyperparams, horizon):
+def update_actor(program: UpdateProgram, state: TrainState, batch: UpdateBatch, hyper: Hyperparams, horizon):
     """7. The actor's update, ``ppo_update`` of ``actor_loss_fn``: (actor, actor_opt, skipped steps,
     metrics); unchanged for the first ``critic_warmup`` steps (RAGEN: the actor waits while the
     critic warms up)."""
+    settings = program.settings
     tx = optimizer(settings, "actor")
-    loss_fn = functools.partial(actor_loss_fn, settings, graphdef, plan, layout, state.base, horizon)
+    loss_fn = functools.partial(actor_loss_fn, program, state.base, horizon)
     (actor, actor_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
     )
@@ -405,11 +402,11 @@ def update_actor(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: U
     return actor, actor_opt, skipped, metrics
 
 
-def actor_loss_fn(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, base, horizon, trained,
-                  b: UpdateBatch, hyper: Hyperparams):
+def actor_loss_fn(program: UpdateProgram, base, horizon, trained, b: UpdateBatch, hyper: Hyperparams):
     """7. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
+    settings = program.settings
     params = with_adapters(settings, base, trained)
-    logp, entropy = _row_logprobs(settings, graphdef, plan, layout, params, _batch_rows(b))
+    logp, entropy = _row_logprobs(program, params, _batch_rows(b))
     return losses.actor_loss(
         logp, entropy, b.old_logp, b.advantages, b.mask,
         clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
@@ -511,6 +508,17 @@ def apply_update(tx, params, opt_state, grads, lr, live=True):
 # ---- helpers: the update batch -------------------------------------------------------------------
 
 
+class UpdateProgram(NamedTuple):
+    """What the update's steps share besides arrays, all static for the compiled program: the
+    settings, the model's structure, the rollout plan, and which positions the forward passes
+    compute (``forward.update_layout``)."""
+
+    settings: TrainSettings
+    graphdef: Any
+    plan: RolloutPlan
+    layout: UpdateLayout
+
+
 class UpdateBatch(flax.struct.PyTreeNode):
     tokens: jax.Array
     length: jax.Array
@@ -565,17 +573,19 @@ def _batch_rows(b: UpdateBatch) -> Rows:
     return Rows(b.tokens, b.length, b.split, b.mask > 0)
 
 
-def _row_logprobs(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, params, r: Rows):
+def _row_logprobs(program: UpdateProgram, params, r: Rows):
     """(logp, entropy) [m, L] of one micro-batch's policy tokens."""
+    settings, plan = program.settings, program.plan
     return token_logprobs(
-        graphdef, params, r.tokens, r.length, r.needed, settings.rollout_temperature, settings.logprob_chunk,
-        policy_tokens_per_row(plan), layout, r.split, share_rows(settings, plan.group_size),
+        program.graphdef, params, r.tokens, r.length, r.needed, settings.rollout_temperature, settings.logprob_chunk,
+        policy_tokens_per_row(plan), program.layout, r.split, share_rows(settings, plan.group_size),
     )
 
 
-def _row_values(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout, critic: Critic, r: Rows):
+def _row_values(program: UpdateProgram, critic: Critic, r: Rows):
     """V [m, L] of one micro-batch at its policy tokens (0 elsewhere)."""
+    settings, plan = program.settings, program.plan
     return token_values(
-        graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), layout, r.split,
+        program.graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), program.layout, r.split,
         share_rows(settings, plan.group_size),
     )

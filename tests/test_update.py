@@ -33,6 +33,7 @@ from starpo_jax.train import (
     Hyperparams,
     TrainSettings,
     UpdateBatch,
+    UpdateProgram,
     accumulate_gradients,
     actor_loss_fn,
     batch_metrics,
@@ -111,7 +112,7 @@ def program(model, **overrides):
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
         "micro_batch_size": N, "logprob_chunk": 8, **overrides,
     })
-    prepare = functools.partial(prepare_update, settings, model.graphdef, PLAN, full_layout(L))
+    prepare = functools.partial(prepare_update, UpdateProgram(settings, model.graphdef, PLAN, full_layout(L)))
     learn = make_train_step(settings, model.graphdef, PLAN).learn
     return jax.jit(prepare), jax.jit(learn), init_train_state(settings, model, jax.random.PRNGKey(0))
 
@@ -297,25 +298,27 @@ def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     settings, kept, _, _, mask = kept_batch(adv_estimator="gae", use_kl_loss=True, micro_batch_size=4)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     max_tokens, full = policy_tokens_per_row(PLAN), full_layout(L)
-    old = old_logprobs(settings, model.graphdef, PLAN, full, state, kept, mask)
+    program = UpdateProgram(settings, model.graphdef, PLAN, full)
+    old = old_logprobs(program, state, kept, mask)
     whole, _ = token_logprobs(model.graphdef, state.actor, kept.tokens, kept.length, mask > 0, 1.0, 8, max_tokens)
     # micro-batches of 4 rows against one call on 32: the same math, matmuls of another shape
     np.testing.assert_allclose(old, whole, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(old).min(where=mask > 0, initial=np.inf)) > 0 and not np.any(np.asarray(old)[mask == 0])
     # the reference starts as a copy of the policy: the same program on equal weights
-    np.testing.assert_array_equal(ref_logprobs(settings, model.graphdef, PLAN, full, state, kept, mask), old)
+    np.testing.assert_array_equal(ref_logprobs(program, state, kept, mask), old)
     moved = state.replace(ref=jax.tree.map(lambda x: x * 1.5, state.ref))
-    assert not np.allclose(ref_logprobs(settings, model.graphdef, PLAN, full, moved, kept, mask), old)
+    assert not np.allclose(ref_logprobs(program, moved, kept, mask), old)
 
-    values = old_values(settings, model.graphdef, PLAN, full, state, kept, mask)
+    values = old_values(program, state, kept, mask)
     critic = token_values(model.graphdef, state.critic, kept.tokens, kept.length, mask > 0, max_tokens)
     np.testing.assert_allclose(values, critic * mask, rtol=1e-5, atol=1e-6)
     assert np.count_nonzero(values) == np.count_nonzero(mask)
 
     sampler = settings_for(use_sampler_logprobs=True)
-    np.testing.assert_array_equal(old_logprobs(sampler, model.graphdef, PLAN, full, state, kept, mask), kept.sampler_logprobs)
-    assert not np.any(ref_logprobs(sampler, model.graphdef, PLAN, full, state, kept, mask))
-    assert not np.any(old_values(sampler, model.graphdef, PLAN, full, state, kept, mask))
+    sampling = UpdateProgram(sampler, model.graphdef, PLAN, full)
+    np.testing.assert_array_equal(old_logprobs(sampling, state, kept, mask), kept.sampler_logprobs)
+    assert not np.any(ref_logprobs(sampling, state, kept, mask))
+    assert not np.any(old_values(sampling, state, kept, mask))
 
 
 def shared_prompt_batch(seed=0) -> Trajectories:
@@ -448,16 +451,17 @@ def test_losses_at_the_old_policy_and_values(model):
     settings, kept, _, _, mask = kept_batch(adv_estimator="gae")
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     full = full_layout(L)
-    old = old_logprobs(settings, model.graphdef, PLAN, full, state, kept, mask)
-    values = old_values(settings, model.graphdef, PLAN, full, state, kept, mask)
+    program = UpdateProgram(settings, model.graphdef, PLAN, full)
+    old = old_logprobs(program, state, kept, mask)
+    values = old_values(program, state, kept, mask)
     adv = jnp.where(mask > 0, jnp.arange(G * N, dtype=jnp.float32)[:, None] / (G * N) - 0.5, 0.0)
     b = UpdateBatch(kept.tokens, kept.length, first_prompt_split(kept), mask, old, jnp.zeros_like(old), values, adv, values + 0.5 * mask)
     horizon = jnp.float32(L - 1)
-    loss, metrics = actor_loss_fn(settings, model.graphdef, PLAN, full, None, horizon, state.actor, b, HYPER)
+    loss, metrics = actor_loss_fn(program, None, horizon, state.actor, b, HYPER)
     per_row = (adv * mask).sum(axis=1) / mask.sum(axis=1)
     assert float(loss) == pytest.approx(-float(per_row.mean()), abs=1e-5)
     assert float(metrics["actor/ppo_kl"]) == pytest.approx(0.0, abs=1e-5) and float(metrics["actor/pg_clipfrac"]) == 0.0
-    loss, _ = critic_loss_fn(settings, model.graphdef, PLAN, full, None, state.critic, b, HYPER)
+    loss, _ = critic_loss_fn(program, None, state.critic, b, HYPER)
     assert float(loss) == pytest.approx(0.5 * 0.5**2, rel=1e-4)
 
 
