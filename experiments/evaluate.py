@@ -220,8 +220,9 @@ def tag_levels(config, tag: str, levels: int, batch: int, tokenizer, vocab_size:
                random_valid: bool):
     """``levels`` levels of ``tag`` from seed ``first_seed`` on, one row each, ``batch`` a call
     (``diagnostics.fixed_levels``); answered by ``RandomAnswers`` when ``random_valid``."""
-    from starpo_jax.diagnostics.fixed_levels import chunk_plan, fixed_levels
+    from starpo_jax.diagnostics.fixed_levels import fixed_levels
     from starpo_jax.format_warmup import RandomAnswers, answer_pieces
+    from starpo_jax.rollout.multi_turn import chunk_plan
     from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
 
     one_tag = tag_config(config, tag, levels)

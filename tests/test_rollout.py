@@ -522,6 +522,9 @@ def test_buffers_fit_the_longest_trajectory_and_play_the_same_rows(smollm2_token
                      jax.device_get(make_rollout(fitted, responder)(None, tables, init, key, 1.0)))
 
 
+# slow: SmolLM2's rollout twice (~2-4 min on 2 cores); the default suite keeps the fitted buffers'
+# exactness with scripted answers (above) and the cache's masking (test_kv_cache_continuation_...)
+@pytest.mark.slow
 def test_the_model_samples_the_same_in_a_cache_fitted_to_the_longest_trajectory(smollm2_rollout):
     """SmolLM2 in a cache of ``longest_trajectory`` slots rather than 1,000: the same tokens and
     turns. The masked slots add exactly zero to attention, but its reductions run over another

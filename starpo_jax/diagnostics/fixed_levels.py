@@ -38,17 +38,10 @@ class LevelResults(NamedTuple):
     seconds: float  # the rollout's, metrics apart
 
 
-def chunk_plan(plan: RolloutPlan, chunks: int) -> RolloutPlan:
-    """The plan one call of ``chunked_rollout`` plays: 1/chunks of every tag's groups (a responder
-    other than the policy is built for it)."""
-    return dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks)
-                                                for t in plan.tags))
-
-
 def fixed_levels(plan: RolloutPlan, tables: RolloutTables, first_seed: int, chunks: int,
                  responder=None) -> FixedLevels:
     """``plan``'s levels of seeds ``first_seed``, ``first_seed + 1``, ... (continuing across tags),
-    played in ``chunks`` calls. ``responder`` (built for ``chunk_plan``) answers instead of the
+    played in ``chunks`` calls. ``responder`` (built for ``multi_turn.chunk_plan``) answers instead of the
     policy; the policy prefills each distinct first prompt once (fixed levels repeat boards)."""
     init = initial_states_from_seeds(plan, first_seed)
     first = None if responder is not None else distinct_first_prompts(plan, tables, init)

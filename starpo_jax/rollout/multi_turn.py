@@ -174,9 +174,7 @@ def chunked_rollout(
     first prompts in the whole batch, at most (``distinct_first_prompts``; default one per group).
     The returned function's ``progress``, if given, is called as each chunk finishes (a progress
     bar's ``update``): it waits for each chunk, which the chunks' one device does anyway."""
-    if any(t.n_groups % chunks for t in plan.tags):
-        raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
-    part = dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
+    part = chunk_plan(plan, chunks)
     run_part = make_rollout(part, responder or LLMResponder(part, first_prompts=first_prompts))
     rows = [sl.stop - sl.start for sl in part.row_slices()]
 
@@ -201,6 +199,14 @@ def chunked_rollout(
         return merged.replace(group_id=jnp.arange(plan.batch_size, dtype=jnp.int32) // plan.group_size)
 
     return run
+
+
+def chunk_plan(plan: RolloutPlan, chunks: int) -> RolloutPlan:
+    """The plan of one of ``chunks`` calls: 1/chunks of every tag's groups (what a responder other
+    than the policy is built for, in a chunked rollout)."""
+    if any(t.n_groups % chunks for t in plan.tags):
+        raise ValueError(f"Every tag's group count ({[t.n_groups for t in plan.tags]}) must split into {chunks} chunks.")
+    return dataclasses.replace(plan, tags=tuple(dataclasses.replace(t, n_groups=t.n_groups // chunks) for t in plan.tags))
 
 
 def rollout(plan: RolloutPlan, responder: Responder, model: ModelState, tables: RolloutTables, init_states: tuple, key,
