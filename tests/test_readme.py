@@ -82,6 +82,7 @@ COMMANDS = {
         (("--steps", "2", "--lr", "1e-3", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)",
           "--config.actor.ppo_mini_batch_size=8"),
          "tiny model, 2 steps (tests/test_bench_format_warmup.py runs a smaller one by default)", True),
+    ".venv/bin/python -m experiments.bench.ceilings": (QUICK_BENCH, "smoke run (tests/test_bench_ceilings.py runs one by default)", True),
     ".venv/bin/python -m experiments.bench.step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
     ".venv/bin/python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
         ((), "compiles the quick start's programs for abstract shapes (tests/test_plan.py checks the figures)", True),

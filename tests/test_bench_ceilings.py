@@ -1,0 +1,34 @@
+"""The machine's ceilings benchmark (``experiments.bench.ceilings``): what it runs is what it reports."""
+
+import json
+import subprocess
+import sys
+
+from experiments.bench import ceilings
+from helpers import REPO, command_env
+
+
+def test_quick_run_reports_both_ceilings_at_the_sizes_asked(tmp_path):
+    out = tmp_path / "ceilings.json"
+    report = ceilings.main(["--quick", "--size", "64", "--copy-mib", "4", "--repeats", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["matmul"]["size"] == 64 and report["matmul"]["flops"] == 2 * 64**3
+    assert report["copy"]["bytes"] == 4 * 2**20 and report["copy"]["bytes_moved"] == 2 * 4 * 2**20
+    for part in ("matmul", "copy"):
+        assert len(report[part]["runs_s"]) == 3 and min(report[part]["runs_s"]) > 0
+        assert report[part]["cpu_per_wall"] > 0
+    assert report["machine"]["load_average"]  # a figure is read with the load it was taken under
+    assert "GFLOP/s" in out.with_suffix(".md").read_text()
+
+
+def test_runs_are_timed_after_one_warm_up_call():
+    calls = []
+    seconds, cpu_per_wall = ceilings.timed_runs(lambda: calls.append(len(calls)) or ceilings.jnp.ones(3), 2)
+    assert calls == [0, 1, 2] and len(seconds) == 2 and cpu_per_wall >= 0
+
+
+def test_bad_input_is_one_line():
+    proc = subprocess.run([sys.executable, "-m", "experiments.bench.ceilings", "--repeats", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=command_env())
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "--repeats must be a positive whole number, not 0")
