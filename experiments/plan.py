@@ -30,7 +30,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_integer("devices", 1, "Number of devices to plan for (simulated CPU devices).")
-flags.DEFINE_string("device-memory", "80GiB", "Memory of one device, e.g. 80GiB, 24GB, 16e9.")
+_DEVICE_MEMORY = flags.DEFINE_string("device-memory", "80GiB", "Memory of one device, e.g. 80GiB, 24GB, 16e9.")
 FLAGS = flags.FLAGS
 def main(argv) -> int:
     del argv
@@ -40,7 +40,7 @@ def main(argv) -> int:
     from starpo_jax.runtime.planning import PlanError, abstract_policy, parse_bytes, plan_memory
 
     try:
-        budget = parse_bytes(FLAGS["device-memory"].value)
+        budget = parse_bytes(_DEVICE_MEMORY.value)
         if FLAGS.devices < 1:
             raise PlanError(f"--devices must be at least 1, not {FLAGS.devices}.")
     except PlanError as err:

@@ -230,7 +230,8 @@ def read_dumps(run_dir: Path, folder: str, env_of, settings: tuple[int, bool], m
                            disable=len(step_files) < 20):
         records = read_jsonl(path, notes)
         diversity[step] = diversity_of(records)
-        kept, shown = Counter(), 0
+        kept: Counter[str] = Counter()
+        shown = 0
         for record in records:
             tag = str(record.get("tag", "?"))
             if max_levels is not None and kept[tag] >= max_levels:
@@ -270,7 +271,8 @@ def load_run(run_dir: Path, max_levels: int | None = None) -> dict:
         return envs[tag]
 
     metrics_path = run_dir / "metrics.jsonl"
-    metrics, gaps = [], []
+    metrics: list[dict] = []
+    gaps: list[list[float]] = []  # [step before, step after] of each broken metrics line
     if metrics_path.exists():
         rows = read_jsonl(metrics_path, notes, gaps)
         metrics = [{k: finite(v) for k, v in r.items()} for r in rows if isinstance(r.get("step"), (int, float))]
@@ -371,7 +373,7 @@ def inputs_signature(run_dirs: list[Path]) -> str:
 def make_server(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None):
     """An HTTP server on 127.0.0.1 for the page; the page asks for /version every ``interval``
     seconds and reloads when the run has written something (the page is rebuilt on that request)."""
-    state = {"signature": None}
+    state: dict[str, str | None] = {"signature": None}  # the inputs the page was last built from
     lock = threading.Lock()
 
     def refresh() -> str:

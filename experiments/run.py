@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
@@ -177,8 +178,12 @@ def _checked_and_trained(cfg, stopping: Stopping) -> int:
         check_output_dir(out, resume=cfg.trainer.resume, overwrite=cfg.trainer.overwrite)
         fit = check_fits(checked)  # refuse a run that cannot fit its devices (on CPU: the host) before loading it
         if fit is not None and distributed.is_writer():  # what the host (CPU) or each device is asked for
-            line = fit.plan.host_line(fit.available) if fit.available is not None else fit.plan.device_line(
-                device_budget(jax.local_devices()))
+            if fit.available is not None:
+                line = fit.plan.host_line(fit.available)
+            else:
+                budget = device_budget(jax.local_devices())
+                assert budget is not None  # a Fit without available is an accelerator's, checked against this budget
+                line = fit.plan.device_line(budget)
             print(line, file=sys.stderr, flush=True)
         exp = build_experiment(checked)
     except (ConfigError, ModelLoadError, CheckpointError, FileNotFoundError, PlanError) as err:
@@ -385,7 +390,7 @@ def _agreed(*flags: bool) -> tuple[bool, ...]:
     from jax.experimental import multihost_utils
 
     gathered = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
-    return tuple(bool(flag) for flag in gathered.reshape(-1, len(flags)).any(axis=0))
+    return tuple(bool(flag) for flag in np.any(gathered.reshape(-1, len(flags)), axis=0))
 
 
 def config_changes(saved: Path, config) -> str:
@@ -413,7 +418,7 @@ def config_changes(saved: Path, config) -> str:
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
+    flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:
             flat |= _flat(value, f"{prefix}{key}.")
@@ -540,7 +545,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
             return stopping.report("terminated (SIGTERM)", 143)
         stopping.check()
     bar.close()
-    if writer:
+    if board is not None:  # the writer's (process 0's)
         board.close()
     if stop == total and cfg.trainer.export_hf:
         export_policy(exp, state, log)

@@ -27,7 +27,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 from absl import flags
 from ml_collections import config_flags
@@ -140,7 +140,7 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "sweep.jsonl"
-    last = [{} for _ in range(n)]
+    last: list[dict[str, float]] = [{} for _ in range(n)]  # each setting's latest metrics
     chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
     with log_path.open("w") as f, tqdm(total=cfg.trainer.total_steps * len(chunks), desc=f"sweep x{n}", unit="step") as bar:
         for chunk in chunks:
@@ -156,7 +156,7 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
                     f.write(json.dumps({"step": t + 1, "setting": settings_grid[i], **last[i]}) + "\n")
                 f.flush()
                 bar.update()
-    shown = [k for k in ("train/reward/mean", "rollout/in_group_std", "actor/entropy_loss") if k in last[0]]
+    shown: list[str] = [k for k in ("train/reward/mean", "rollout/in_group_std", "actor/entropy_loss") if k in last[0]]
     print(" | ".join(list(settings_grid[0]) + shown))
     for setting, m in zip(settings_grid, last):
         print(" | ".join([f"{v:g}" for v in setting.values()] + [f"{m[k]:.4f}" for k in shown]))
@@ -202,11 +202,14 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     abstract_states = jax.eval_shape(copies, state)
     step = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
     iteration = jit_iteration(step, exp.settings, exp.train_plan, traced_axes[0])
+    # jit_iteration's collect and learn are jax.jit's (JittedIteration types them as plain Callables).
+    jitted_collect = cast("jax.stages.Wrapped", iteration.collect)
+    jitted_learn = cast("jax.stages.Wrapped", iteration.learn)
     key = jax.random.PRNGKey(0)
-    collect = iteration.collect.lower(abstract_states, exp.train_tables, key).compile()
+    collect = jitted_collect.lower(abstract_states, exp.train_tables, key).compile()
     traj = jax.eval_shape(iteration.collect, abstract_states, exp.train_tables, key)
     hyper = jax.eval_shape(lambda h: swept_hyper(h, [{}] * size), exp.hyper)
-    learn = iteration.learn.lower(abstract_states, traj, hyper, full_layout(exp.train_plan.max_len)).compile()
+    learn = jitted_learn.lower(abstract_states, traj, hyper, full_layout(exp.train_plan.max_len)).compile()
     tables = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(exp.train_tables))
     need = max(program_peak_bytes(collect), program_peak_bytes(learn) + tables)
     return SweepPrograms(iteration._replace(collect=collect), jax.jit(copies), need)

@@ -54,8 +54,8 @@ def main(argv=None) -> list[dict]:
         num_new = np.full((B,), tokens.shape[1], np.int32)
         for windowed in (True, False):
             start = time.perf_counter()
-            program = jax.jit(lambda m, c, t, n, w=windowed: sampling.append(m, c, t, n, windowed=w))
-            program = program.lower(model, cache, tokens, num_new).compile()
+            jitted = jax.jit(lambda m, c, t, n, w=windowed: sampling.append(m, c, t, n, windowed=w))
+            program = jitted.lower(model, cache, tokens, num_new).compile()
             compile_s = time.perf_counter() - start
             run = lambda i, p=program: jax.block_until_ready(p(model, cache, tokens, num_new))  # noqa: E731
             run(0)  # warm-up

@@ -68,7 +68,8 @@ def run_workload(spec, repeats: int) -> dict:
     name, batch, cache_slots, held, new = spec
     config = preset(name, dtype="float32", param_dtype="float32")
     programs = {o: decode_program(config, batch, cache_slots, held, new, q) for o, q in ORIENTATIONS.items()}
-    outputs, times = {}, {o: [] for o in ORIENTATIONS}
+    outputs: dict = {}  # orientation -> the warm-up's decoded output
+    times: dict[str, list[float]] = {o: [] for o in ORIENTATIONS}
     order = list(ORIENTATIONS)
     for o in order:  # warm-up; keeps the tokens to compare
         compiled, args, _ = programs[o]

@@ -292,7 +292,8 @@ def checksum(timestep, batch: int, observe: bool):
     step live (the state is carried to the next step, so its update always is). Per row, in int32
     first: on XLA:CPU a good deal cheaper than reducing over the whole batch at every step."""
     counts = jax.tree.leaves((timestep.observation, timestep.extras) if observe else timestep.extras)
-    per_row = sum(jnp.sum(x.reshape(batch, -1), axis=1, dtype=jnp.int32) for x in counts)
+    per_row = sum((jnp.sum(x.reshape(batch, -1), axis=1, dtype=jnp.int32) for x in counts),
+                  jnp.zeros((batch,), jnp.int32))
     return timestep.reward + per_row.astype(jnp.float32)
 
 
@@ -485,7 +486,7 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     envs = {name: envs_jax.make(name) for name in args.envs}
-    numpy_rates = {name: {} for name in args.envs}
+    numpy_rates: dict[str, dict[str, float]] = {name: {} for name in args.envs}  # env -> mode -> steps/s
     results = []
     total = len(args.envs) * len(args.modes) * (1 + len(args.batch_sizes))
     with tqdm(total=total, desc="bench_envs") as bar:

@@ -86,12 +86,17 @@ def main(argv=None) -> dict:
         return with_intervals(summed(counts)), time.perf_counter() - t0
 
     before, before_s = measure("before")
-    nll, t0 = [], time.perf_counter()
+    nll: list[float] = []
+    t0 = time.perf_counter()
     with tqdm(total=args.steps, desc="format warm-up", unit="step") as bar:
+
+        def on_step(i: int, metrics: dict[str, float]) -> None:
+            nll.append(metrics["format_warmup/nll"])
+            bar.update()
+
         state = format_warmup(exp.settings, exp.model.graphdef, exp.train_plan, exp.train_tables,
                               answer_pieces(exp.tokenizer, exp.train_plan, exp.train_tables), state,
-                              jax.random.PRNGKey(exp.config.trainer.seed + 2), args.steps, lr,
-                              lambda i, m: (nll.append(m["format_warmup/nll"]), bar.update()))
+                              jax.random.PRNGKey(exp.config.trainer.seed + 2), args.steps, lr, on_step)
     warmup_s = time.perf_counter() - t0
     after, after_s = measure("after")
     report = {

@@ -26,6 +26,7 @@ and the fraction is decode tokens/s divided by that. Bandwidths: H100 SXM 3.35 T
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,7 @@ def main(argv=None) -> dict:
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     hf_device = None if args.no_hf else transformers_device(device.platform)
     bandwidth = hbm_bandwidth(device.device_kind) if device.platform == "gpu" else None
-    report = {
+    report: dict[str, Any] = {
         "workload": {
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": dtype,
             "cache_size": args.cache_size or args.prompt_len + args.new_tokens,
@@ -116,7 +117,7 @@ def main(argv=None) -> dict:
                 row["jax_whole_cache"] = bench_jax(model, config, prompts, args.new_tokens, args.repeats,
                                                    args.cache_size, windowed=False)
                 row["window_speedup"] = row["jax"]["tokens_per_s"] / row["jax_whole_cache"]["tokens_per_s"]
-            if hf is not None and (args.hf_max_batch is None or batch <= args.hf_max_batch):
+            if hf is not None and hf_device is not None and (args.hf_max_batch is None or batch <= args.hf_max_batch):
                 row["transformers"] = bench_transformers(hf, prompts, args.new_tokens, args.hf_repeats, hf_device)
                 row["speedup_vs_transformers"] = row["jax"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             if bandwidth:

@@ -30,10 +30,19 @@ def _without_workspace(shape: str) -> str:
     return re.sub(r",\s*s8\[\d+\]\{0\}\)$", ")", shape)
 
 
+def _group(pattern: str, text: str) -> str:
+    """The first group of ``pattern``'s first match in ``text``, which the HLO's grammar guarantees
+    (a ``ValueError`` naming both if the text is not such HLO)."""
+    found = re.search(pattern, text)
+    if found is None:
+        raise ValueError(f"HLO text without {pattern!r}: {text!r}")
+    return found.group(1)
+
+
 def _sliced_parameters(parsed) -> dict[int, int]:
     """Fused parameters read only through (dynamic-)slices or as a gather's table: parameter index ->
     bytes read (the slices, or the rows gathered)."""
-    params = {inst: int(re.search(r"parameter\((\d+)\)", f"{op}({operands})").group(1))
+    params = {inst: int(_group(r"parameter\((\d+)\)", f"{op}({operands})"))
               for inst, _, op, operands, _ in parsed if op == "parameter"}  # fmt: skip
     uses: dict[str, list[tuple[str, str, bool]]] = {p: [] for p in params}
     for inst, shape, op, operands, _ in parsed:
@@ -97,12 +106,12 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
                 starts[inst] = operands, attrs
                 continue
             if op.endswith("-done"):
-                operands, attrs = starts[re.search(r"%([\w.-]+)", operands).group(1)]
+                operands, attrs = starts[_group(r"%([\w.-]+)", operands)]
                 op = "copy" if op == "copy-done" else "fusion"
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-                body = re.search(r"body=%(\S+?)[,\s]", attrs + " ")
-                total += walk(body.group(1), times * (int(trips.group(1)) if trips else 1))
+                body = _group(r"body=%(\S+?)[,\s]", attrs + " ")
+                total += walk(body, times * (int(trips.group(1)) if trips else 1))
                 continue
             if op in ("call", "conditional"):  # conditional: every branch counted (an upper bound)
                 for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.-]+)", attrs):

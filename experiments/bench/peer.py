@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/learn_bandit.py"  # the learning preset
@@ -254,7 +255,18 @@ def score_completion(text: str, hi_first: bool, env, plan, u: float) -> tuple[fl
     return reward, success
 
 
-def reward_function(config, seed: int):
+class BanditReward(Protocol):
+    """``reward_function``'s answer: a plain function, as TRL wants (it names a reward by its
+    ``__name__``), that keeps every completion's success and reward, in the order scored."""
+
+    __name__: str
+    successes: list[bool]
+    rewards: list[float]
+
+    def __call__(self, completions, hi_first, **_) -> list[float]: ...
+
+
+def reward_function(config, seed: int) -> BanditReward:
     """TRL reward function: the env rule on each completion; its draws from ``seed``."""
     import numpy as np
 
@@ -266,8 +278,8 @@ def reward_function(config, seed: int):
     successes: list[bool] = []
     rewards: list[float] = []
 
-    def bandit_reward(completions, hi_first, **_):
-        out = []
+    def bandit_reward(completions, hi_first, **_) -> list[float]:
+        out: list[float] = []
         for text, h in zip(completions, hi_first):
             reward, success = score_completion(text, bool(h), env, plan, float(rng.random()))
             out.append(reward)
@@ -275,8 +287,9 @@ def reward_function(config, seed: int):
         rewards.extend(out)
         return out
 
-    bandit_reward.successes, bandit_reward.rewards = successes, rewards  # every completion scored, in order
-    return bandit_reward
+    reward = cast(BanditReward, bandit_reward)  # the function, given the two lists below
+    reward.successes, reward.rewards = successes, rewards  # every completion scored, in order
+    return reward
 
 
 # ---- the two sides -----------------------------------------------------------------------------------
@@ -354,6 +367,7 @@ class _StepTimer:
             def on_step_end(self, args, state, control, **kwargs):
                 timer.seconds.append(time.perf_counter() - timer.t0)
 
+        self.t0: float  # perf_counter() as the current step began (set then)
         self.seconds: list[float] = []
         self.callback = Callback()
 

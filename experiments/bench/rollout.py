@@ -197,7 +197,8 @@ def bench_model(name: str, args, dtype: str, bandwidth: float | None, bar) -> di
     plan, tables = make_plan(subject.tokenizer, args)
     init_states = initial_states_from_seeds(plan, args.seed)
     rollout_key = jax.random.key(args.seed)
-    row = {"model": name, "weights": subject.weights, "num_params": subject.num_params, "max_len": plan.max_len}
+    row: dict[str, Any] = {"model": name, "weights": subject.weights, "num_params": subject.num_params,
+                           "max_len": plan.max_len}
     row["compiled"], traj = bench_compiled(subject, plan, tables, init_states, rollout_key, args.repeats, bar)
     if args.baseline:
         row["baseline"], episodes = bench_baseline(
@@ -241,7 +242,7 @@ def main(argv=None) -> dict:
     device = jax.devices()[0]
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     bandwidth = hbm_bandwidth(device.device_kind) if device.platform == "gpu" else None
-    report = {
+    report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "workload": {
             "env": args.env, "groups": args.groups, "group_size": args.group_size,

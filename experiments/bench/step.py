@@ -67,6 +67,7 @@ import dataclasses
 import datetime
 import statistics
 import time
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,9 @@ from experiments.bench import generation_timing, rollout_timing
 from experiments.bench.common import hbm_bandwidth, machine, markdown_table, timed, write_markdown, write_report
 from experiments.bench.hlo_bytes import hlo_bytes
 from starpo_jax.runtime.planning import device_peak, kv_bytes_per_token, program_memory
+
+if TYPE_CHECKING:
+    from starpo_jax.train import TrainState
 
 # ---- the workload ------------------------------------------------------------------------------
 
@@ -97,7 +101,7 @@ TINY = {
 def experiment_config(args):
     from configs import base, sokoban
 
-    changes = {"envs.val.n_groups": (1,), "trainer.output_dir": "bench_results/bench_step_run"}
+    changes: dict[str, object] = {"envs.val.n_groups": (1,), "trainer.output_dir": "bench_results/bench_step_run"}
     if args.model:
         changes |= {"model.source": args.model}
     else:
@@ -159,7 +163,7 @@ def compile_learn(exp, state, traj) -> Programs:
 
 def run_steps(exp, state, collect, learn, steps: int, bar):
     """``steps`` warm iterations as ``experiments.run`` runs them; per-iteration seconds."""
-    times = {"rollout": [], "update": [], "step": []}
+    times: dict[str, list[float]] = {"rollout": [], "update": [], "step": []}
     traj = None
     for i in range(steps):
         key = jax.random.PRNGKey(i)
@@ -177,7 +181,7 @@ def run_steps(exp, state, collect, learn, steps: int, bar):
 
 def split_update(programs: Programs, state, traj, hyper, steps: int, bar) -> dict[str, list[float]]:
     """Seconds of each ``learn`` variant on the same batch, ``steps`` times each."""
-    times = {}
+    times: dict[str, list[float]] = {}
     for name, fn in programs.variants.items():
         times[name] = []
         for _ in range(steps):
@@ -260,6 +264,8 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
 
     # The state is donated, as the decode loop carries it: its cache is updated in place.
     hlo = jax.jit(step, donate_argnums=2).lower(model, weights, state, key).compile().as_text()
+    if hlo is None:  # XLA:CPU gives its compiled programs' text
+        raise RuntimeError("the compiled decode step has no HLO text to count its bytes from")
     total, biggest = hlo_bytes(hlo)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_per_token = kv_bytes_per_token(config)
@@ -322,7 +328,7 @@ def parse_args(argv=None):
     return args
 
 
-def run_n(exp, state, programs, n: int, args, bandwidth, bar) -> tuple[object, dict]:
+def run_n(exp, state: TrainState, programs, n: int, args, bandwidth, bar) -> tuple[TrainState, dict]:
     from starpo_jax.rollout.multi_turn import LLMResponder
     from starpo_jax.rollout.sampling import sampling_policy
     from starpo_jax.train import make_train_step, policy_weights
@@ -379,7 +385,8 @@ def main(argv=None) -> dict:
 
     device = jax.devices()[0]
     bandwidth = args.bandwidth or hbm_bandwidth(device.device_kind)
-    report = {"date": _now(), "machine": machine(args.note), "hbm_bytes_per_s": bandwidth, "results": []}
+    report: dict[str, Any] = {"date": _now(), "machine": machine(args.note), "hbm_bytes_per_s": bandwidth,
+                              "results": []}
     if not args.cost_only:
         exp = build_experiment(experiment_config(args))
         report["workload"] = workload(exp, args)

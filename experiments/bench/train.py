@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from typing import Any
 
 import jax
 from tqdm import tqdm
@@ -77,6 +78,8 @@ def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
     compiled = learn.lower(state, traj, exp.hyper, layout).compile()
     compile_s = time.perf_counter() - start
     memory = program_memory(compiled)
+    if memory is None:  # XLA's CPU and GPU backends report one; nothing to measure without it
+        raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis of the compiled update")
     times = []
     for _ in tqdm(range(repeats), desc=f"learn lora_rank={lora_rank} layout={tuple(layout or ())}", unit="run", leave=False):
         start = time.perf_counter()
@@ -128,7 +131,7 @@ def main(argv=None) -> dict:
     laid_out = bench_mode(exp, traj, 0, args.repeats, layout)
     lora = bench_mode(exp, traj, args.lora_rank, args.repeats)
     held = lambda r: r["learn_bytes"]["arguments"] + r["learn_bytes"]["temporaries"]  # noqa: E731
-    report = {
+    report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "workload": {"model": args.model, "trajectories": args.groups * args.group_size, "max_len": args.max_len,
                      "response_length": args.response_length, "micro_batch_size": args.micro_batch_size,
