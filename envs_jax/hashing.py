@@ -2,9 +2,9 @@
 
 FrozenLake's slips and Bandit's payouts come from ``draw_bits``, not ``jax.random``. ``reset`` still uses
 ``jax.random``. Why: under ``vmap`` on CPU, ``jax.random.split`` + ``uniform`` per row and step
-costs about 45 ns (three threefry blocks), more than the rest of the step; the hash about 2 ns.
-``jax.random``'s other key implementations are slower on CPU (``rbg`` ~125 ns, ``unsafe_rbg``
-~800 ns per row-step under ``vmap``).
+costs three threefry blocks, more than the rest of the step, where the hash is a few integer
+operations; ``jax.random``'s other key implementations (``rbg``, ``unsafe_rbg``) are slower still
+on CPU under ``vmap``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def draw_bits(key):
 def hash_uniform(key, shape):
     """float32 uniforms in [0, 1) of ``shape``: each element hashes the key with its own index.
 
-    Counter-based like ``draw_bits`` (one ``mix32`` per number, about 30x cheaper than
+    Counter-based like ``draw_bits`` (one ``mix32`` per number, far cheaper than
     ``jax.random.uniform`` under ``vmap`` on CPU). Same key, same numbers.
     """
     words = key_words(key)
