@@ -11,8 +11,9 @@ Rules are gym_sokoban's, as RAGEN uses them:
 - ``action_is_effective``: the player moved; ``success``: all boxes are on targets.
 
 The state (``SokobanState``) keeps walls, targets and boxes as bitboards (``envs_jax.base``) and
-the player as a flat cell index, so a step reads and flips a few bits: under ``vmap`` on CPU about
-4x faster than updating a grid of cells per row. Its grid view: cell codes of ``room_state`` are 0
+the player as a flat cell index, so a step reads and flips a few bits: under ``vmap`` each word is
+one batch-long vector, which XLA vectorises, where a grid of cells per row compiles to loops over
+each row's cells (docs/benchmarks.md, "Environments"). Its grid view: cell codes of ``room_state`` are 0
 wall, 1 floor, 2 empty target, 3 box on target, 4 box, 5 player; ``room_fixed`` holds 0 wall, 1
 floor, 2 target. Rendering adds 6 = player on a target, and maps code ``i`` to
 ``grid_symbols[i]``.
