@@ -89,8 +89,8 @@ def _hub_rows(dataset: str) -> list[dict]:
     try:
         from huggingface_hub import snapshot_download
 
-        # A snapshot fails at once when the hub cannot be reached (listing the files first retried
-        # for ~23 s); the first parquet file by name is the tasks, as before.
+        # A snapshot fails at once when the hub cannot be reached, where listing the files first
+        # retries for many seconds; the first parquet file by name is the tasks.
         folder = Path(snapshot_download(dataset, repo_type="dataset", allow_patterns="*.parquet", etag_timeout=5))
         local = str(sorted(folder.rglob("*.parquet"), key=lambda p: p.relative_to(folder).as_posix())[0])
     except Exception as err:  # offline, unknown data set, no parquet file
