@@ -323,7 +323,7 @@ class PromptTables(struct.PyTreeNode):
         system_prompt: str = SYSTEM_PROMPT,
         chat_template: str | None = None,
     ) -> "PromptTables":
-        """Tokenize every prompt piece of this env tag (LargerSokoban: ~2 s, the others < 0.5 s)."""
+        """Tokenize every prompt piece of this env tag (LargerSokoban's room-row table is the largest)."""
         glue = chat_glue(tokenizer, system_prompt, chat_template)
         texts = PromptPieces.of(
             glue, env, max_actions_per_traj, max_actions_per_turn, max_turn, max_tokens, enable_think,
