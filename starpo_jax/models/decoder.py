@@ -27,13 +27,13 @@ Layout choices:
   bf16/fp16 it is ``jax.nn.dot_product_attention(implementation="cudnn")`` (flash attention); the
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway. On CPU a decode step's scores are computed keys @ queries^T, which
-  XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T was up to
-  15x slower (``_keys_lead_the_product``).
+  XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T runs
+  several times slower once the keys are large (``_keys_lead_the_product``).
 
 Decoding does not scan. The scan hands each block its weights and its slice of the stacked cache
-through dynamic slices, which XLA materialised at every decoded token: a copy of every weight and of
-the whole live cache per step, 41 % of the bytes of a Qwen2.5-0.5B decode step at batch 128
-(``python -m experiments.bench.step --cost-only``, docs/benchmarks.md). The decode step
+through dynamic slices, which XLA materialises at every decoded token: a copy of every weight and of
+the whole live cache per step, a large share of a decode step's bytes
+(``python -m experiments.bench.step --cost-only`` counts them, docs/benchmarks.md). The decode step
 (``extend_layers``) instead takes the blocks' weights split once per decode call
 (``DecoderLayers.per_layer``) and the cache as one buffer per layer (``LayerCache``, split from the
 stacked ``KVCache`` and stacked back once per call), with the blocks unrolled: each writes its
@@ -282,10 +282,10 @@ KEYS_LEAD_MAX_QUERIES = 48
 def _keys_lead_the_product(queries: int) -> bool:
     """Whether the scores are computed as keys @ queries^T ([S, q], then transposed) rather than
     queries @ keys^T ([q, S]): the same sums, other rounding. XLA:CPU hands both to YNNPACK, whose
-    product with a few rows against a long [S, d] operand ran at ~1 GB/s once a decode step's keys
-    passed ~20 MiB (SmolLM2, 64 rows x 640 slots: 25 ms per layer, 3-15x slower than keys-first),
-    half of a FrozenLake rollout's time; with many queries (prefill, training) queries-first is the
-    faster (docs/benchmarks.md, "Decode attention on CPU"). Other backends keep queries-first."""
+    product with a few rows against a long [S, d] operand runs far below the speed of reading its
+    keys once a decode step's keys are large, enough to dominate a multi-turn rollout on CPU; with
+    many queries (prefill, training) queries-first is the faster (docs/benchmarks.md, "Decode
+    attention on CPU", has the figures). Other backends keep queries-first."""
     return jax.default_backend() == "cpu" and queries <= KEYS_LEAD_MAX_QUERIES
 
 
