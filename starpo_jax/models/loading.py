@@ -70,8 +70,8 @@ def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "f
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc's ``malloc_trim``). Reading a checkpoint frees
     its float32 tensors in pieces below glibc's mmap threshold, which glibc would otherwise keep for
-    the process (the bundled SmolLM2: 0.4 GB of its 0.5 GB; resident 1.44 GB after loading, 1.02 GB
-    after the trim). Nothing off glibc."""
+    the process: most of a checkpoint's size stays resident for nothing (docs/scaling.md, "On a CPU
+    host"). Nothing off glibc."""
     import ctypes
 
     try:
@@ -294,7 +294,7 @@ def save_model(model, tokenizer, folder: str | os.PathLike, dtype: str | None = 
         hf_config = {**_hf_config_for_saving(model.config, tokenizer), "torch_dtype": dtype, "dtype": dtype}
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         # The dtype config.json states; copy=False: a float32 model's tensors are already float32, and a
-        # second copy of every weight (0.55 GB for SmolLM2) made the export the quick start's peak.
+        # second copy of every weight would make the export a run's peak of memory.
         tensors = {name: value.astype(_numpy_dtype(dtype), copy=False)
                    for name, value in decoder_to_hf_tensors(model).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
