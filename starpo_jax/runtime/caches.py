@@ -11,8 +11,7 @@ Both are rebuilt from their sources when missing, and neither changes a result.
   refuses (and recompiles) an entry compiled for CPU features the host lacks.
 - ``tokenizers/``: a GGUF file's tokenizer as transformers builds it, saved as a tokenizer folder.
   transformers parses the file's ~100,000 vocabulary and merge entries in Python, seconds per
-  process (5-8 s for the bundled SmolLM2 on 2 cores); loading the saved folder takes a fraction of
-  a second. Keyed by the file's path, size and modification time and transformers' version
+  process; loading the saved folder takes a fraction of a second. Keyed by the file's path, size and modification time and transformers' version
   (``models.loading.gguf_tokenizer``).
 
 One setting, the environment variable ``STARPO_JAX_CACHE``:
