@@ -1,13 +1,14 @@
 """A decode loop with its attention scores keys-first (what a CPU runs) against
-queries-first (before), side by side in one process.
+queries-first (the other order), side by side in one process.
 
     python -m experiments.bench.decode_attention                      # the three workloads below
     python -m experiments.bench.decode_attention --quick              # tiny-llama, seconds, any machine
 
 A decode step's attention has a few queries per (row, kv head) (Qwen2.5: 7, SmolLM2: 3) against
-every cached key. XLA:CPU gives the score product to YNNPACK, which ran queries @ keys^T at ~1 GB/s
-once the keys passed ~20 MiB, and keys @ queries^T (the same sums, another order) at the speed of
-reading them (``models.decoder._keys_lead_the_product``). Each workload decodes ``new`` tokens for
+every cached key. XLA:CPU gives the score product to YNNPACK, which runs queries @ keys^T far below
+the speed of reading the keys once they are large, and keys @ queries^T (the same sums, another
+order) at the speed of reading them (``models.decoder._keys_lead_the_product``; docs/benchmarks.md,
+"Decode attention on CPU", has the figures). Each workload decodes ``new`` tokens for
 ``batch`` rows that already hold ``held`` tokens in a ``cache``-slot cache (random weights, float32,
 stop tokens off), once per orientation per repeat, alternating (ABBA); medians reported.
 
