@@ -14,8 +14,8 @@
 #   OUT=/tmp/gpu BUDGET_S=540 bash experiments/bench/gpu_window.sh
 #   STAGES="step decode" OUT=/tmp/gpu BUDGET_S=300 bash experiments/bench/gpu_window.sh  # a later call
 #
-# The paper stages fill a 10-minute call on an H200 (its first process is mostly compiling;
-# docs/benchmarks.md): run them alone in a lease's first call. Give that call a minute more than
+# The paper stages can fill a whole call on their own (their first process is mostly compiling;
+# docs/benchmarks.md has the times): run them alone in a lease's first call. Give that call a minute more than
 # BUDGET_S, for the wheels' install and the stages' tarballs.
 #
 # Settings: STAGES (default "paper step decode bandit"), PAPER_ARGS (extra --config overrides of the
