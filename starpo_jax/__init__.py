@@ -4,5 +4,5 @@
 over the update batch. The rest is grouped by role: ``algo`` (the update maths), ``rollout`` (the
 compiled multi-turn rollout), ``models`` (the decoder and its checkpoints), ``runtime`` (settings,
 experiment, planner, mesh, many hosts, checkpoints, caches) and ``diagnostics`` (metrics, the
-collapse watch, dumps).
+collapse watch, dumps). ``format_warmup`` is the optional supervised warm-up before RL.
 """
