@@ -109,7 +109,7 @@ SETTINGS: tuple[Setting, ...] = (
     # a Jinja chat template replacing the tokenizer's ("" keeps it); the rollout needs one that renders
     # past messages verbatim (ChatML: Qwen2.5, SmolLM2)
     S("model.chat_template", "", "run.chat_template"),
-    # envs: the prompt's settings (rollout.build_tables); the sides and per-tag keys are UNDECLARED
+    # envs: the prompt's settings (multi_turn.build_tables); the sides and per-tag keys are UNDECLARED
     S("envs.prompt_max_tokens", 100, "run.max_tokens"),  # only printed in the prompt: "Max response length: N words"
     # quirk 1: RAGEN's prompt legend shows the default symbols even for SokobanDifferentGridVocab
     S("envs.legend_from_env_symbols", False, "run.legend_from_env_symbols"),
