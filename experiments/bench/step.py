@@ -10,7 +10,7 @@ Workload: ``configs/sokoban.py`` unchanged unless a flag says otherwise — Simp
 × 16, 5 turns, ``response_length`` 400, ``max_model_len`` 3,600, PPO with a critic (GAE), filter
 0.25 (2 groups × 16 = 32 trajectories updated), bf16 compute over float32 master weights.
 Random weights never stop on their own, so ``--response-tokens N`` makes every turn end after
-exactly N sampled tokens (``rollout.LLMResponder.fixed_length``; stop tokens ignored): the
+exactly N sampled tokens (``multi_turn.LLMResponder.fixed_length``; stop tokens ignored): the
 workload is then fixed, B × turns × N generated tokens. N = 100 is the paper's typical trained
 length, N = 400 the worst case. The update always sees ``response_length`` = 400 of room per turn.
 
