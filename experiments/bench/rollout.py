@@ -123,7 +123,7 @@ def load_subject(name: str, dtype: str) -> Subject:
 
 def make_plan(tokenizer, args) -> tuple[RolloutPlan, RolloutTables]:
     """The rollout plan of the benchmark and its token tables; ``max_len`` defaults to the longest
-    conversation the turns can produce (``rollout.longest_trajectory``), so no episode runs out of
+    conversation the turns can produce (``multi_turn.longest_trajectory``), so no episode runs out of
     context."""
     env = envs_jax.make(args.env)
     plan = RolloutPlan(
