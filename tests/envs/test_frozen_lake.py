@@ -8,6 +8,7 @@ import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 
 import envs_jax
+from envs_jax.bitboards import cell_bit
 from envs_jax.frozen_lake import (
     DIRECTION_DELTAS,
     FrozenLake,
@@ -16,7 +17,14 @@ from envs_jax.frozen_lake import (
     goal_reachable,
     neighbour_cell,
 )
-from envs_jax.solvers.frozen_lake_dp import optimal_success_probability
+from envs_jax.solvers.frozen_lake_dp import (
+    all_answers,
+    optimal_success_probability,
+    random_answer_probabilities,
+    random_answers_success,
+    same_answer_success,
+    turn_limited_success,
+)
 
 LEFT, DOWN, RIGHT, UP = range(4)
 OPEN_BOARD = "____\n_P__\n____\n___G"  # no holes, player at (1, 1)
@@ -271,3 +279,63 @@ def test_solver_by_hand(env):
     )
     with pytest.raises(ValueError, match="F/H/S/G"):
         optimal_success_probability(["SX", "FG"], 3)
+
+
+# ---- turn-limited DP and board-blind baselines ----------------------------------------------------
+
+
+def test_one_action_per_turn_is_the_closed_loop_optimum():
+    # Seeing the board before every action is what the closed-loop DP assumes: same values.
+    for seed in range(123, 131):
+        board = generate_random_map(4, 0.8, seed)
+        for horizon in (3, 6):
+            assert turn_limited_success(board, horizon, 1, horizon) == pytest.approx(
+                optimal_success_probability(board, horizon), abs=1e-12)
+
+
+def test_blind_policies_score_below_board_reading_ones():
+    for seed in range(123, 127):
+        board = generate_random_map(4, 0.8, seed)
+        closed = optimal_success_probability(board, 10)
+        turns = turn_limited_success(board, 3, 5, 10)
+        same = same_answer_success(board, 3, 5, 10)
+        assert random_answers_success(board, 3, 5, 10) <= same.max() + 1e-12
+        assert same.max() <= turns + 1e-12 and turns <= closed + 1e-12
+
+
+def test_answers_are_cut_to_the_budget_left():
+    ids, lengths = all_answers(3)
+    right3 = int(np.flatnonzero((lengths == 3) & (ids == RIGHT).all(axis=1))[0])
+    right1 = int(np.flatnonzero((lengths == 1) & (ids[:, 0] == RIGHT))[0])
+    assert same_answer_success(["SFG"], 1, 3, 2, is_slippery=False)[right3] == 1.0  # two steps suffice
+    assert same_answer_success(["SFG"], 1, 3, 1, is_slippery=False)[right3] == 0.0  # one is left
+    assert same_answer_success(["SFG"], 2, 3, 2, is_slippery=False)[right1] == 1.0  # one a turn, two turns
+    assert same_answer_success(["SFG"], 1, 3, 5, is_slippery=False)[right1] == 0.0
+
+
+def test_random_answers_by_hand():
+    # From S beside G: Right, Down and Up each slip onto G with 1/3; Left never does.
+    assert random_answers_success(["SG", "FF"], 1, 1, 1) == pytest.approx(0.25)
+    # Two actions drawn: the count is 1 or 2 (1/2 each), and every action is uniform.
+    probabilities = random_answer_probabilities(all_answers(2)[1])
+    assert probabilities.sum() == pytest.approx(1.0) and probabilities[0] == pytest.approx(1 / 8)
+
+
+def test_the_dp_matches_the_env_s_own_slips(env):
+    # The prompt's example every turn, played by the env's step 4000 times on seed 125's map: the
+    # DP's probability lies within 4.5 binomial standard deviations of the sampled rate.
+    state = env.reset_from_seed(125)
+    answer, turns, budget, episodes = (LEFT, UP), 3, 10, 4000
+    ids, lengths = all_answers(5)
+    row = int(np.flatnonzero((lengths == 2) & (ids[:, 0] == LEFT) & (ids[:, 1] == UP))[0])
+    exact = same_answer_success(state, turns, 5, budget)[row]
+
+    def episode(key):
+        s = state.replace(key=key)
+        for i in range(min(turns * len(answer), budget)):
+            s, _ = env.step(s, answer[i % len(answer)])
+        return cell_bit(s.goals, s.player_cell)
+
+    wins = jax.jit(jax.vmap(episode))(jax.random.split(jax.random.PRNGKey(0), episodes))
+    sigma = np.sqrt(exact * (1 - exact) / episodes)
+    assert 0.05 < exact < 0.95 and abs(float(wins.mean()) - exact) < 4.5 * sigma
