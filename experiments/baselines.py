@@ -15,7 +15,10 @@ validation levels a run plays (``envs.val.seed`` on, the config's ``rollout.max_
   turn, and uniformly random valid answers (what ``experiments.evaluate --policy random-valid``
   samples);
 - how many of the levels a run must solve for its 95 % Wilson interval to clear the best
-  board-blind policy: a success above that is evidence that the policy reads the board.
+  board-blind policy: a success above that is evidence that the policy reads the board;
+- the share of a group's success variance that the first answer explains when the policy is near
+  random (``first_answer_share``): the part of a group-relative advantage that can teach the first
+  answer; the rest is the ice's luck, noise to the update.
 
 ``--config`` is a config file (``configs/*.py``) or a run folder (its ``config.json``). Only
 FrozenLake has an exact solver here; other envs are refused. The best single answer takes a few
@@ -39,6 +42,7 @@ from configs import base
 from envs_jax.frozen_lake import FrozenLake
 from envs_jax.solvers.frozen_lake_dp import (
     all_answers,
+    first_answer_share,
     optimal_success_probability,
     random_answers_success,
     same_answer_success,
@@ -112,13 +116,14 @@ def baselines(config: ConfigDict, levels: int | None = None, progress=lambda n: 
                   action_budget=tag.max_actions_per_traj, is_slippery=env.is_slippery)
     ids, lengths = all_answers(plan.max_actions_per_turn)
     example = answer_row(ids, lengths, example_answer(env)[:plan.max_actions_per_turn])
-    closed, best, random, same = [], [], [], []
+    closed, best, random, same, share = [], [], [], [], []
     for seed in range(first_seed, first_seed + levels):
         state = env.reset_from_seed(seed)
         closed.append(optimal_success_probability(state, tag.max_actions_per_traj, env.is_slippery))
         best.append(turn_limited_success(state, **limits))
         random.append(random_answers_success(state, **limits))
         same.append(same_answer_success(state, **limits))
+        share.append(first_answer_share(state, **limits))
         progress(1)
     same_mean = np.mean(same, axis=0)
     blind = int(np.argmax(same_mean))
@@ -132,6 +137,7 @@ def baselines(config: ConfigDict, levels: int | None = None, progress=lambda n: 
         "example_answer": float(same_mean[example]), "example_answer_text": answer_text(example),
         "random_valid": float(np.mean(random)),
         "levels_to_beat_blind": levels_to_clear(best_blind, levels),
+        "first_answer_share": float(np.nanmean(share)) if not np.isnan(share).all() else None,
     }
 
 
@@ -151,6 +157,8 @@ def format_report(r: dict) -> str:
         f"A run beats every board-blind policy above with {need} or more of {r['levels']} levels solved "
         "(its 95 % Wilson interval above the best of them)." if need is not None else
         f"No count of {r['levels']} levels clears the best board-blind policy with 95 % confidence: use more levels.",
+        *([f"Under random valid answers the first answer explains {r['first_answer_share']:.1%} of a group's success "
+           "variance (mean over the levels); the rest is luck on the ice."] if r["first_answer_share"] is not None else []),
     ])
 
 

@@ -18,6 +18,7 @@ def test_frozen_lake_figures(tmp_path, capsys):
     blind = max(r["best_same_answer"], r["random_valid"])
     assert r["example_answer"] <= r["best_same_answer"] <= r["turn_limited"] <= r["closed_loop"]
     assert blind < r["turn_limited"]
+    assert 0 < r["first_answer_share"] < 1
     printed = capsys.readouterr().out
     assert "FrozenLake: 4 levels from seed 123, 3 turns of up to 5 actions, 10 in all" in printed
     assert f"{r['best_same_answer']:.3f}  ({r['best_same_answer_text']})" in printed

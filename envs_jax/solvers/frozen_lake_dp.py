@@ -101,18 +101,32 @@ def _after_answers(matrices: np.ndarray, ids: np.ndarray, lengths: np.ndarray, v
     return out
 
 
-def _turns(level: Level, turns: int, actions_per_turn: int, action_budget: int, is_slippery: bool, choose):
-    """Backward induction over ``turns`` turns of answers of up to ``actions_per_turn`` actions:
-    ``choose(after)`` turns one turn's per-answer values (``_after_answers``) into the values the
-    turn before it continues with. Returns the values from the level's start, one per row kept."""
+def _turns(level: Level, actions_per_turn: int, action_budget: int, is_slippery: bool, chooses):
+    """Backward induction over one turn per entry of ``chooses`` (the last turn first), each of answers
+    of up to ``actions_per_turn`` actions: ``choose(after)`` turns that turn's per-answer values
+    (``_after_answers``) into the values the turn before it continues with. Returns the values from
+    the level's start, one per row the first turn's ``choose`` keeps."""
     board, start = _board_and_start(level)
     matrices = transition_matrices(board, is_slippery)
     goal = (board == GOAL).ravel().astype(np.float64)
     ids, lengths = all_answers(actions_per_turn)
     value = np.tile(goal, (1, action_budget + 1, 1))  # after the last turn only a goal counts
-    for _ in range(turns):
+    for choose in chooses:
         value = choose(_after_answers(matrices, ids, lengths, value, goal))
     return value[:, 0, np.ravel_multi_index(start, board.shape)]
+
+
+def _best(after: np.ndarray) -> np.ndarray:
+    return after.max(axis=0, keepdims=True)  # each cell's best answer
+
+
+def _each(after: np.ndarray) -> np.ndarray:
+    return after  # answer a at this turn continues with answer a's values
+
+
+def _random(actions_per_turn: int):
+    probabilities = random_answer_probabilities(all_answers(actions_per_turn)[1])
+    return lambda after: np.tensordot(probabilities, after, 1)[None]
 
 
 def turn_limited_success(level: Level, turns: int, actions_per_turn: int, action_budget: int,
@@ -121,24 +135,34 @@ def turn_limited_success(level: Level, turns: int, actions_per_turn: int, action
     turn plays 1..``actions_per_turn`` actions blind, ``action_budget`` actions in all, ``turns``
     turns: the best an agent within the rollout's limits can do. Bounded above by
     ``optimal_success_probability`` at horizon ``action_budget``, which sees every step."""
-    best = lambda after: after.max(axis=0, keepdims=True)  # noqa: E731  (each cell's best answer)
-    return float(_turns(level, turns, actions_per_turn, action_budget, is_slippery, best)[0])
+    return float(_turns(level, actions_per_turn, action_budget, is_slippery, [_best] * turns)[0])
 
 
 def random_answers_success(level: Level, turns: int, actions_per_turn: int, action_budget: int,
                            is_slippery: bool = True) -> float:
     """Success probability of uniformly random valid answers every turn (``random_answer_probabilities``),
     the board unread: the chance baseline that ``experiments.evaluate --policy random-valid`` samples."""
-    probabilities = random_answer_probabilities(all_answers(actions_per_turn)[1])
-    mean = lambda after: np.tensordot(probabilities, after, 1)[None]  # noqa: E731
-    return float(_turns(level, turns, actions_per_turn, action_budget, is_slippery, mean)[0])
+    return float(_turns(level, actions_per_turn, action_budget, is_slippery, [_random(actions_per_turn)] * turns)[0])
 
 
 def same_answer_success(level: Level, turns: int, actions_per_turn: int, action_budget: int,
                         is_slippery: bool = True) -> np.ndarray:
     """``float64[A]``: the success probability of giving answer ``a`` of ``all_answers`` every turn,
     whatever the board (the prompt's example ``Left || Up`` is one; a collapsed policy plays one)."""
-    return _turns(level, turns, actions_per_turn, action_budget, is_slippery, lambda after: after)
+    return _turns(level, actions_per_turn, action_budget, is_slippery, [_each] * turns)
+
+
+def first_answer_share(level: Level, turns: int, actions_per_turn: int, action_budget: int,
+                       is_slippery: bool = True) -> float:
+    """How much of a group's success variance the first answer explains, under uniformly random valid
+    answers (the policy a run starts near): ``Var_a q(a) / p (1 - p)``, with ``q(a)`` the success
+    probability after first answer ``a`` and ``p`` its mean. The rest is the ice's and the later
+    turns' luck, which a group-relative advantage passes on as noise (nan where ``p`` is 0 or 1)."""
+    probabilities = random_answer_probabilities(all_answers(actions_per_turn)[1])
+    chooses = [_random(actions_per_turn)] * (turns - 1) + [_each]
+    q = _turns(level, actions_per_turn, action_budget, is_slippery, chooses)
+    p = float(probabilities @ q)
+    return float(probabilities @ (q - p) ** 2 / (p * (1 - p))) if 0 < p < 1 else float("nan")
 
 
 def optimal_success_probability(level: Level, horizon: int, is_slippery: bool = True) -> float:

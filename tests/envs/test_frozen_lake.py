@@ -19,6 +19,7 @@ from envs_jax.frozen_lake import (
 )
 from envs_jax.solvers.frozen_lake_dp import (
     all_answers,
+    first_answer_share,
     optimal_success_probability,
     random_answer_probabilities,
     random_answers_success,
@@ -339,3 +340,11 @@ def test_the_dp_matches_the_env_s_own_slips(env):
     wins = jax.jit(jax.vmap(episode))(jax.random.split(jax.random.PRNGKey(0), episodes))
     sigma = np.sqrt(exact * (1 - exact) / episodes)
     assert 0.05 < exact < 0.95 and abs(float(wins.mean()) - exact) < 4.5 * sigma
+
+
+def test_first_answer_share_by_hand():
+    # Without slips the one answer decides everything; with them Right, Down and Up each reach G with
+    # 1/3: q = (0, 1/3, 1/3, 1/3), p = 1/4, Var q = 1/48 of p (1 - p) = 3/16, a share of 1/9.
+    assert first_answer_share(["SG", "FF"], 1, 1, 1, is_slippery=False) == pytest.approx(1.0)
+    assert first_answer_share(["SG", "FF"], 1, 1, 1) == pytest.approx(1 / 9)
+    assert 0 < first_answer_share(generate_random_map(4, 0.8, 123), 3, 5, 10) < 1
