@@ -9,7 +9,8 @@ import sys
 
 from absl import app, flags
 
-HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "-?", "--helpfull"}
+from experiments.bootstrap import HELP_FLAGS, join_processes
+from starpo_jax.runtime import distributed
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -65,25 +66,10 @@ def flag_error_message(err: Exception, argv: list[str]) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def start_distributed(argv: list[str]) -> None:
-    """Join the other processes of a multi-host run (``starpo_jax.runtime.distributed``) from the command
-    line's ``--config.distributed.*`` and the launcher's environment, before the config file loads:
-    loading it imports the envs, whose dependencies initialise XLA's backend."""
-    from starpo_jax.runtime import distributed
-
-    try:
-        distributed.initialize(distributed.from_argv(argv))
-    except distributed.DistributedError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-
-
 def runtime_agrees(config) -> bool:
-    """Whether ``config``'s ``distributed`` section is what ``start_distributed`` started from the
-    command line (a config file cannot set it: it loads after the start); if not, one line on
+    """Whether ``config``'s ``distributed`` section is what ``bootstrap.join_processes`` started from
+    the command line (a config file cannot set it: it loads after the start); if not, one line on
     stderr, and the command exits with status 2."""
-    from starpo_jax.runtime import distributed
-
     try:
         distributed.check_started(config.distributed, distributed.from_argv(sys.argv))
     except distributed.DistributedError as err:
@@ -93,10 +79,10 @@ def runtime_agrees(config) -> bool:
 
 
 def run(main) -> None:
-    """``app.run(main)`` with the parser above, the processes of a multi-host run joined first;
-    ``main`` returns the exit status."""
-    if not HELP_FLAGS & set(sys.argv[1:]):
-        start_distributed(sys.argv)
+    """``app.run(main)`` with the parser above, the processes of a multi-host run joined first (by
+    ``bootstrap.command`` already, or here for a launcher that imported the command); ``main``
+    returns the exit status."""
+    join_processes(sys.argv)
     app.run(lambda argv: sys.exit(interruptible(main, argv)), flags_parser=parse_flags)
 
 

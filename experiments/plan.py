@@ -22,23 +22,29 @@ memory (MemAvailable). The library is ``starpo_jax/runtime/planning.py``.
 
 from __future__ import annotations
 
-import os
+from experiments import bootstrap
+
+if __name__ == "__main__":  # first: the simulated devices, which XLA's backend makes as the imports below start it
+    bootstrap.command("experiments.plan", bootstrap.simulate_cpu_devices)
+
 import sys
 
-from absl import app, flags
+import jax
+from absl import app, flags, logging
 from ml_collections import config_flags
+
+from starpo_jax.runtime.experiment import ConfigError, build_experiment
+from starpo_jax.runtime.planning import PlanError, abstract_policy, parse_bytes, plan_memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_integer("devices", 1, "Number of devices to plan for (simulated CPU devices).")
 _DEVICE_MEMORY = flags.DEFINE_string("device-memory", "80GiB", "Memory of one device, e.g. 80GiB, 24GB, 16e9.")
 FLAGS = flags.FLAGS
+
+
 def main(argv) -> int:
     del argv
-    from absl import logging
-
     logging.set_verbosity(logging.WARNING)  # absl shows INFO, e.g. jax's "Unable to initialize backend 'tpu'"
-    from starpo_jax.runtime.planning import PlanError, abstract_policy, parse_bytes, plan_memory
-
     try:
         budget = parse_bytes(_DEVICE_MEMORY.value)
         if FLAGS.devices < 1:
@@ -46,14 +52,7 @@ def main(argv) -> int:
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    # Simulated CPU devices: must be set before JAX starts (nothing above imports it).
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={FLAGS.devices}").strip()
-    import jax
-
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment
-
-    if len(jax.devices()) != FLAGS.devices:
+    if len(jax.devices()) != FLAGS.devices:  # made by bootstrap.simulate_cpu_devices, before the backend started
         print(f"error: JAX started before the planner could simulate {FLAGS.devices} devices.", file=sys.stderr)
         return 2
     try:
@@ -75,7 +74,3 @@ def run() -> None:
         FLAGS(sys.argv[:1])
         app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
     app.run(lambda argv: sys.exit(main(argv)))
-
-
-if __name__ == "__main__":
-    run()

@@ -20,9 +20,15 @@ honour the umask.
 
 from __future__ import annotations
 
+from experiments import bootstrap
+
+if __name__ == "__main__":  # first: joins a multi-host run before the imports below start XLA's backend
+    bootstrap.command("experiments.run")
+
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -30,10 +36,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-from absl import flags
+import jax
+import numpy as np
+from absl import flags, logging
+from flax import nnx
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
+from tqdm import tqdm
 
 from experiments import cli
+from starpo_jax.diagnostics import dumps
+from starpo_jax.diagnostics.collapse import CollapseWatch
+from starpo_jax.diagnostics.diversity import think_diversity_metrics
+from starpo_jax.diagnostics.fixed_levels import evaluate_levels, fixed_levels
+from starpo_jax.diagnostics.template_collapse import collapse_metrics
+from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
+from starpo_jax.format_warmup import answer_pieces, format_warmup
+from starpo_jax.models.loading import ModelLoadError, hf_name, save_model, source_dtype
+from starpo_jax.models.lora import save_adapter
+from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.runtime import checkpoint, distributed, sharding, unraisable
+from starpo_jax.runtime.caches import setup_compilation_cache
+from starpo_jax.runtime.checkpoint import CheckpointError
+from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
+from starpo_jax.runtime.planning import PlanError, check_fits, device_budget, device_peak
+from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps this invocation (for smoke runs).")
@@ -51,14 +78,6 @@ def validation(exp, policy_of, val_levels, state, step, out: Path, log) -> dict:
     """One validation on the fixed levels ``val_levels`` (``diagnostics.fixed_levels``, as
     ``experiments.evaluate`` plays them; a bar per ``trainer.val_chunks`` chunk): metrics, JSONL
     dump and a printed sample."""
-    import jax
-    from tqdm import tqdm
-
-    from starpo_jax.diagnostics import dumps
-    from starpo_jax.diagnostics.diversity import think_diversity_metrics
-    from starpo_jax.diagnostics.fixed_levels import evaluate_levels
-    from starpo_jax.runtime import distributed
-
     cfg = exp.config
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed + 1), step)  # other samples at every validation
     policy = policy_of(state)
@@ -86,11 +105,6 @@ def validation(exp, policy_of, val_levels, state, step, out: Path, log) -> dict:
 def dump_training(exp, traj, step: int, out: Path) -> None:
     """The first ``trainer.log_trajectories`` trajectories of training step ``step``'s batch as
     ``train/step_<step>.jsonl`` (the records of ``val/``), for the run report."""
-    import jax
-
-    from starpo_jax.diagnostics import dumps
-    from starpo_jax.runtime import distributed
-
     first = jax.tree.map(lambda rows: rows[: exp.config.trainer.log_trajectories], traj)  # sliced on the devices
     first = distributed.to_host(first)  # a collective with several processes
     if distributed.is_writer():
@@ -101,8 +115,6 @@ def dump_training(exp, traj, step: int, out: Path) -> None:
 def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
     """RAGEN-2's template-collapse figures of a rollout batch (``diagnostics.template_collapse``),
     per env tag, with their time; none when ``trainer.mi_prompts`` is 0."""
-    from starpo_jax.diagnostics.template_collapse import collapse_metrics
-
     if not exp.config.trainer.mi_prompts:
         return {}
     t0 = time.perf_counter()
@@ -114,12 +126,6 @@ def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
 def warm_up_format(exp, state, log, stopping: Stopping):
     """``actor.format_warmup_steps`` supervised steps on random valid answers before RL
     (``starpo_jax.format_warmup``): (state, metrics of step 0). A signal stops it between steps."""
-    import jax
-    from tqdm import tqdm
-
-    from starpo_jax.format_warmup import answer_pieces, format_warmup
-    from starpo_jax.runtime import distributed
-
     cfg, nll, t0 = exp.config, [], time.perf_counter()
     steps = cfg.actor.format_warmup_steps
     with tqdm(total=steps, desc=f"{distributed.tag()}format warm-up", unit="step", leave=False,
@@ -141,14 +147,9 @@ def warm_up_format(exp, state, log, stopping: Stopping):
 
 def main(argv) -> int:
     del argv
-    from absl import logging
-
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every checkpoint step at INFO
-    from starpo_jax.runtime.caches import setup_compilation_cache
-
     setup_compilation_cache()  # before the first compile
-
-    if not cli.runtime_agrees(_CONFIG.value):  # the runtime started from the command line (cli.run)
+    if not cli.runtime_agrees(_CONFIG.value):  # the runtime started from the command line (bootstrap)
         return 2
     cfg = _CONFIG.value
     stopping = Stopping(cfg)  # from here on, while checking, planning and loading too
@@ -164,14 +165,6 @@ def main(argv) -> int:
 
 def _checked_and_trained(cfg, stopping: Stopping) -> int:
     """``main`` once the runtime has started: refuse bad input, plan, load, then ``train``."""
-    import jax
-
-    from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.runtime import distributed, sharding
-    from starpo_jax.runtime.checkpoint import CheckpointError
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
-    from starpo_jax.runtime.planning import PlanError, check_fits, device_budget
-
     out = Path(cfg.trainer.output_dir)
     try:  # everything that needs no model first: a mistake costs a second, not a model load
         checked = check_config(cfg)
@@ -209,9 +202,6 @@ def run_files_in(out: Path) -> list[str]:
 
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """A fresh run never mixes with an earlier one in the same folder, and resume needs a checkpoint."""
-    from starpo_jax.runtime import checkpoint
-    from starpo_jax.runtime.experiment import ConfigError
-
     earlier = run_files_in(out)
     if resume:
         if overwrite:
@@ -239,8 +229,6 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
 def clear_run(out: Path) -> list[str]:
     """Delete the files of an earlier run in ``out`` (``trainer.overwrite=True``), saying so in one
     line; others stay. Returns what it deleted (folders with a trailing /)."""
-    import shutil
-
     gone = [name + "/" * (out / name).is_dir() for name in run_files_in(out)]
     if gone:
         print(f"overwrite: deleting the earlier run's {', '.join(gone)} in {out}", file=sys.stderr, flush=True)
@@ -287,7 +275,6 @@ class Stopping:
         if threading.current_thread() is threading.main_thread():  # handlers can be set nowhere else
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
-        from starpo_jax.runtime import unraisable
 
         unraisable.ignore(_ctrl_c_dropped)  # for the life of the process (the module says why)
         return self
@@ -331,8 +318,6 @@ class Stopping:
 
     def report(self, what: str, status: int) -> int:
         """Close the bar and the TensorBoard log, print the one line, return ``status``."""
-        from starpo_jax.runtime import checkpoint, distributed
-
         for closable in (self.bar, self.board):
             try:
                 if closable is not None:
@@ -382,13 +367,8 @@ def resume_command(config, restart: bool = False, overwrite: bool = True) -> str
 
 def _agreed(*flags: bool) -> tuple[bool, ...]:
     """Each flag, true if it is on any process: every process must save and stop at the same step."""
-    import jax
-
     if jax.process_count() == 1:
         return flags
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     gathered = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
     return tuple(bool(flag) for flag in np.any(gathered.reshape(-1, len(flags)), axis=0))
 
@@ -435,16 +415,6 @@ def train(exp, iteration, stopping: Stopping) -> int:
     The first Ctrl-C stops the run where it is (status 130: ``main`` reports it), SIGTERM after
     saving the step it finishes (143); each prints one line naming the last checkpoint and the
     command that resumes (``Stopping``)."""
-    import jax
-    from tqdm import tqdm
-
-    from starpo_jax.diagnostics.fixed_levels import fixed_levels
-    from starpo_jax.diagnostics.tensorboard import summary_writer, write_scalars
-    from starpo_jax.rollout.sampling import sampling_policy
-    from starpo_jax.runtime import checkpoint, distributed, sharding
-    from starpo_jax.runtime.planning import device_peak
-    from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
-
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)
     # Every process trains and checkpoints; process 0 alone writes logs, dumps and exports.
@@ -559,9 +529,6 @@ def open_run(exp, state, log):
     mismatch names the settings that changed) leaves the folder as it was; then ``config.json`` is
     written, and a resume cuts the metrics log back to the step restored and sets aside the damaged
     steps newer than it."""
-    from starpo_jax.diagnostics.collapse import CollapseWatch
-    from starpo_jax.runtime import checkpoint, distributed
-
     cfg = exp.config
     out = Path(cfg.trainer.output_dir)
     if not cfg.trainer.resume:
@@ -590,13 +557,6 @@ def export_policy(exp, state, log) -> None:
     LoRA also its adapters for peft, with the base written as a folder where no client can name it
     (a GGUF, the bundled model, random weights). Every process calls it (a collective); process 0
     writes."""
-    from flax import nnx
-
-    from starpo_jax.models.loading import hf_name, save_model, source_dtype
-    from starpo_jax.models.lora import save_adapter
-    from starpo_jax.runtime import distributed
-    from starpo_jax.train import policy_weights
-
     cfg, out = exp.config, Path(exp.config.trainer.output_dir)
     weights = distributed.to_host(policy_weights(exp.settings, state))  # a collective with several processes
     if not distributed.is_writer():
@@ -644,8 +604,5 @@ def _truncate_log(path: Path, step: int) -> None:
 
 
 def run() -> None:
+    """The command (``bootstrap.command`` calls it; so can a launcher that registers an env first)."""
     cli.run(main)
-
-
-if __name__ == "__main__":
-    run()

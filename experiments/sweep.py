@@ -23,17 +23,32 @@ sweep refuses to start) unless ``--config.trainer.overwrite=True``. Sweeps keep 
 
 from __future__ import annotations
 
+from experiments import bootstrap
+
+if __name__ == "__main__":  # first: joins a multi-host run before the imports below start XLA's backend
+    bootstrap.command("experiments.sweep")
+
 import itertools
 import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, cast
 
-from absl import flags
+import jax
+import jax.numpy as jnp
+from absl import flags, logging
 from ml_collections import config_flags
+from tqdm import tqdm
 
 from experiments import cli
+from starpo_jax.forward import full_layout
+from starpo_jax.models.loading import ModelLoadError
+from starpo_jax.runtime import distributed, sharding
+from starpo_jax.runtime.caches import setup_compilation_cache
+from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
+from starpo_jax.runtime.planning import PlanError, check_fits, free_bytes_per_device, program_peak_bytes
 from starpo_jax.runtime.settings import BY_KEY, LORA_LEARNING_RATES, SWEEPABLE  # config key -> Hyperparams field
+from starpo_jax.train import init_train_state, jit_iteration, make_train_step, replicate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
 flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeatable); keys (default): " + ", ".join(
@@ -73,8 +88,6 @@ def grid(sweeps: dict[str, list[float]]) -> list[dict[str, float]]:
 
 def check_sweep_log(out: Path, overwrite: bool) -> None:
     """A sweep never replaces an earlier sweep's log unless asked to (``trainer.overwrite``)."""
-    from starpo_jax.runtime.experiment import ConfigError
-
     if (out / "sweep.jsonl").exists() and not overwrite:
         raise ConfigError(
             f"{out} holds an earlier sweep (sweep.jsonl); choose a new --config.trainer.output_dir, or replace "
@@ -84,17 +97,8 @@ def check_sweep_log(out: Path, overwrite: bool) -> None:
 
 def main(argv) -> int:
     del argv
-    from absl import logging
-
     logging.set_verbosity(logging.WARNING)
-    from starpo_jax.runtime import sharding
-    from starpo_jax.runtime.caches import setup_compilation_cache
-
     setup_compilation_cache()  # before the first compile
-    from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.runtime import distributed
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
-    from starpo_jax.runtime.planning import PlanError, check_fits
 
     cfg = _CONFIG.value
     if not cli.runtime_agrees(cfg):
@@ -119,13 +123,6 @@ def main(argv) -> int:
 def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     """Train every setting of the grid side by side (inside the experiment's mesh), as many at a
     time as the memory holds: the compiled program's own estimate decides, before anything runs."""
-    import jax
-    from tqdm import tqdm
-
-    from starpo_jax.runtime import sharding
-    from starpo_jax.runtime.planning import PlanError, free_bytes_per_device
-    from starpo_jax.train import init_train_state
-
     cfg = exp.config
     n = len(settings_grid)
     state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
@@ -166,9 +163,6 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
 
 def swept_hyper(hyper, settings: list[dict[str, float]]):
     """The experiment's hyperparameters with a leading settings axis, the swept keys varying on it."""
-    import jax
-    import jax.numpy as jnp
-
     stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(settings),)), hyper)
     return stacked.replace(**{SWEEPABLE[k]: jnp.asarray([s[k] for s in settings], jnp.float32) for k in settings[0]})
 
@@ -186,12 +180,6 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     them. The two run one after the other, so the peak is the larger of the rollout's program and
     the update's plus the rollout tables, which stay on the device beside it (the update's own
     arguments hold the states and the rollout batch)."""
-    import jax
-
-    from starpo_jax.forward import full_layout
-    from starpo_jax.runtime.planning import program_peak_bytes
-    from starpo_jax.train import jit_iteration, make_train_step, replicate
-
     traced_axes = []
 
     def copies(s):
@@ -244,5 +232,6 @@ def fit_in_memory(compile_for, n: int, free: int | None):
         size = max(1, min(size - 1, size * budget // need))
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command (``bootstrap.command`` calls it)."""
     cli.run(main)

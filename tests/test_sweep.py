@@ -72,8 +72,8 @@ def test_a_setting_that_cannot_fit_is_refused_before_the_model_loads(tmp_path, m
         planned.append(checked)
         raise planning.PlanError("the run does not fit in device memory.")
 
-    monkeypatch.setattr(planning, "check_fits", does_not_fit)
-    monkeypatch.setattr(experiment, "build_experiment", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sweep, "check_fits", does_not_fit)
+    monkeypatch.setattr(sweep, "build_experiment", lambda *args, **kwargs: pytest.fail("the model loaded"))
     argv = ["sweep", *TINY, f"--config.trainer.output_dir={tmp_path}", "--sweep", "filter.ratio=0.25,1.0"]
     monkeypatch.setattr(sys, "argv", argv)
     sweep.FLAGS(argv)

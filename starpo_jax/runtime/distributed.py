@@ -14,8 +14,8 @@ detects itself. A single process on its own needs none of this and starts nothin
 ``jax.distributed.initialize`` must run before anything initialises XLA's backend, and importing a
 dependency can do that (jumanji builds arrays at import; loading a config imports the env classes).
 So the commands read the ``distributed`` settings from the command line (``from_argv``) and start
-the runtime before they load their config file (``experiments.cli.run``); the loaded config must
-then agree with what was started (``check_started``).
+the runtime before their other imports and their config file (``experiments.bootstrap``); the
+loaded config must then agree with what was started (``check_started``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental import multihost_utils
+
+from starpo_jax.runtime.settings import config_section
 
 
 class DistributedError(ValueError):
@@ -33,8 +36,6 @@ def from_argv(argv: list[str]):
     """The ``distributed`` settings a command line gives: the defaults of ``configs/base.py`` with
     its ``--config.distributed.KEY=VALUE`` (or ``KEY VALUE``) flags applied, each cast to its
     default's type. Reads no config file, so that nothing has initialised XLA yet."""
-    from starpo_jax.runtime.settings import config_section
-
     settings = config_section("distributed")
     prefix = "--config.distributed."
     for i, arg in enumerate(argv):
@@ -108,6 +109,4 @@ def to_host(tree):
     every array gathered from all of them (a collective: every process must call it)."""
     if jax.process_count() == 1:
         return tree
-    from jax.experimental import multihost_utils
-
     return multihost_utils.process_allgather(tree, tiled=True)
