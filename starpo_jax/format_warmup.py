@@ -34,7 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from starpo_jax.forward import UpdateLayout, token_logprobs
+from starpo_jax.forward import ForwardPass, Rows, UpdateLayout, token_logprobs
 from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
     RolloutTables,
@@ -189,11 +189,11 @@ def warmup_step(settings: TrainSettings, graphdef, plan: RolloutPlan, trained, b
     # from each prompt's last token on only the answer's width.
     answers = max(answer_width(p, plan.max_actions_per_turn) for p in pieces)
     layout = UpdateLayout(prefix=batch.tokens.shape[1] - answers, width=answers + 1)
-    share = math.gcd(micro, plan.group_size)
+    ctx = ForwardPass(graphdef, layout, answers, settings.logprob_chunk, 1.0, math.gcd(micro, plan.group_size))
 
     def loss_fn(trained, b: AnswerBatch, hyper):
-        logp, _ = token_logprobs(graphdef, with_adapters(settings, base, trained), b.tokens, b.length, b.mask, 1.0,
-                                 settings.logprob_chunk, answers, layout, b.split, share)
+        rows = Rows(b.tokens, b.length, b.split, b.mask)
+        logp, _ = token_logprobs(ctx, with_adapters(settings, base, trained), rows)
         nll = -jnp.sum(jnp.where(b.mask, logp, 0.0)) / jnp.maximum(b.mask.sum(), 1)
         return nll, {"format_warmup/nll": nll}
 

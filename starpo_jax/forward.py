@@ -6,12 +6,15 @@ and project only them, in chunks under ``jax.checkpoint`` (``_chunked``), so the
 never exist at once. Which positions are computed is an ``UpdateLayout``, picked on the host per
 batch (``update_layout``): each row from its first prompt's end on, the first prompt computed once
 per block of rows that share it (a group's rows start from the same level).
+
+Each takes one static ``ForwardPass`` (the model's graphdef, the layout, how many positions and
+how to score them), then arrays: ``token_logprobs(ctx, params, rows)``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -50,58 +53,73 @@ def policy_tokens_per_row(plan: RolloutPlan) -> int:
     return min(plan.max_len, plan.max_turn * plan.response_length)
 
 
-def token_logprobs(graphdef, params, tokens, length, needed, temperature: float, chunk: int, max_tokens: int,
-                   layout: UpdateLayout | None = None, split=None, share: int = 1):
+class ForwardPass(NamedTuple):
+    """What a forward pass over update rows reads besides arrays, all static (bound before ``jit``,
+    or a static argument): the model's structure, which positions it computes and how it scores
+    them. ``update_forward`` is the update's; the format warm-up builds its own."""
+
+    graphdef: Any  # the decoder's nnx graphdef (the policy's, or the critic's backbone's)
+    layout: UpdateLayout  # which positions of each row are computed
+    max_tokens: int  # the most positions a loss reads per row (K, static): ``policy_tokens_per_row``
+    chunk: int  # positions per vocabulary projection (``logprob_chunk``)
+    temperature: float = 1.0  # the log-probs are of logits / temperature
+    share: int = 1  # rows per shared first prompt (``share_rows``), when ``layout.prefix`` > 0
+
+
+def update_forward(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout) -> ForwardPass:
+    """The forward pass of the update: the policy's sampling temperature, every policy token of a
+    row, a group's first prompt once per ``share_rows`` rows."""
+    return ForwardPass(graphdef, layout, policy_tokens_per_row(plan), settings.logprob_chunk,
+                       settings.rollout_temperature, share_rows(settings, plan.group_size))
+
+
+def token_logprobs(ctx: ForwardPass, params, rows: Rows):
     """(logp, entropy) [B, L]: log p(token_t | tokens_<t) under the policy, and its entropy.
 
-    Only positions where ``needed`` (the loss mask, at most ``max_tokens`` per row) is set are
-    computed: their hidden states are gathered first, so the vocabulary projection — the largest
-    cost of a small model — is paid only where the loss looks. Other positions are 0. ``layout``,
-    ``split`` and ``share``: which positions the forward pass computes (``hidden_predicting``;
-    default every position of every row)."""
-    model = nnx.merge(graphdef, params)
-    index, real = policy_positions(needed, max_tokens)
+    Only positions where ``rows.needed`` (the loss mask, at most ``ctx.max_tokens`` per row) is
+    set are computed: their hidden states are gathered first, so the vocabulary projection — the
+    largest cost of a small model — is paid only where the loss looks. Other positions are 0."""
+    model = nnx.merge(ctx.graphdef, params)
+    index, real = policy_positions(rows.needed, ctx.max_tokens)
     safe = jnp.where(real, index, 0)
-    layout = layout or full_layout(tokens.shape[1])
-    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
-    h = hidden_predicting(model, tokens, length, safe, split, layout, share)
-    t = jnp.take_along_axis(tokens, safe, axis=1)
-    logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, temperature), h, t, chunk)
-    zeros = jnp.zeros(tokens.shape, jnp.float32)
+    h = hidden_predicting(ctx, model, rows, safe)
+    t = jnp.take_along_axis(rows.tokens, safe, axis=1)
+    logp, entropy = _chunked(lambda h, t: losses.token_logprobs_and_entropy(model.logits(h), t, ctx.temperature),
+                             h, t, ctx.chunk)
+    zeros = jnp.zeros(rows.tokens.shape, jnp.float32)
     return scatter_rows(zeros, index, logp), scatter_rows(zeros, index, entropy)
 
 
-def token_values(graphdef, critic: Critic, tokens, length, needed, max_tokens: int,
-                 layout: UpdateLayout | None = None, split=None, share: int = 1):
+def token_values(ctx: ForwardPass, critic: Critic, rows: Rows):
     """V[B, L]: the critic's value of the state before token t (aligned like the log-probs), where
-    ``needed`` is set (0 elsewhere); ``layout``, ``split``, ``share`` as in ``token_logprobs``."""
-    model = nnx.merge(graphdef, critic.backbone)
-    index, real = policy_positions(needed, max_tokens)
-    layout = layout or full_layout(tokens.shape[1])
-    split = jnp.zeros(length.shape, jnp.int32) if split is None else split
-    h = hidden_predicting(model, tokens, length, jnp.where(real, index, 0), split, layout, share)
+    ``rows.needed`` is set (0 elsewhere)."""
+    model = nnx.merge(ctx.graphdef, critic.backbone)
+    index, real = policy_positions(rows.needed, ctx.max_tokens)
+    h = hidden_predicting(ctx, model, rows, jnp.where(real, index, 0))
     values = jnp.einsum("bkd,d->bk", h.astype(jnp.float32), critic.head_w) + critic.head_b
-    return scatter_rows(jnp.zeros(tokens.shape, jnp.float32), index, values)
+    return scatter_rows(jnp.zeros(rows.tokens.shape, jnp.float32), index, values)
 
 
-def hidden_predicting(model, tokens, length, index, split, layout: UpdateLayout, share: int):
-    """Final hidden states [B, K, D] that predict ``tokens[b, index[b, k]]`` (the state at position
-    ``index - 1``; every index is past the row's split, or is padding whose result no one reads).
+def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
+    """Final hidden states [B, K, D] that predict ``rows.tokens[b, index[b, k]]`` (the state at
+    position ``index - 1``; every index is past the row's split, or is padding whose result no one
+    reads).
 
     Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
-    first prompts (tokens before the split) are computed once per block of ``share`` rows, and the
-    rows continue from their keys and values: exactly the same attention as over the whole rows."""
+    first prompts (tokens before the split) are computed once per block of ``ctx.share`` rows, and
+    the rows continue from their keys and values: exactly the same attention as over the whole rows."""
+    layout, tokens, split = ctx.layout, rows.tokens, rows.split
     B, L = tokens.shape
     start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
     positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
     row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
     if layout.prefix:
-        leaders = slice(None, None, share)
+        leaders = slice(None, None, ctx.share)
         k, v = model.prefix_keys_values(tokens[leaders, : layout.prefix], split[leaders])
-        k, v = (jnp.repeat(x, share, axis=1) for x in (k, v))
+        k, v = (jnp.repeat(x, ctx.share, axis=1) for x in (k, v))
         hidden = model.hidden_states_after(row_tokens, positions, k, v, start)
     else:
-        hidden = model.hidden_states(row_tokens, positions, (positions < length[:, None]).astype(jnp.int32))
+        hidden = model.hidden_states(row_tokens, positions, (positions < rows.length[:, None]).astype(jnp.int32))
     at = jnp.clip(index - 1 - start[:, None], 0, layout.width - 1)
     return jnp.take_along_axis(hidden, at[..., None], axis=1)
 

@@ -71,14 +71,15 @@ from starpo_jax.algo.masked import masked_mean
 from starpo_jax.diagnostics.metrics import rollout_metrics
 from starpo_jax.forward import (
     Critic,
+    ForwardPass,
     Rows,
     UpdateLayout,
     first_prompt_split,
     full_layout,
-    policy_tokens_per_row,
     share_rows,
     token_logprobs,
     token_values,
+    update_forward,
     update_layout,
 )
 from starpo_jax.models import lora
@@ -222,7 +223,8 @@ def jit_iteration(step: TrainStep, settings: TrainSettings, plan: RolloutPlan, a
 # ---- its steps, in the order they run ------------------------------------------------------------
 #
 # Each is a pure function of static values and arrays: the settings, or the whole ``UpdateProgram``
-# (settings, graphdef, plan, layout) where a forward pass runs. The numbers are the module docstring's.
+# (settings, plan, and the forward pass: graphdef and layout) where a forward pass runs. The numbers
+# are the module docstring's.
 
 
 def collect(settings: TrainSettings, graphdef, plan: RolloutPlan, rollout, state: TrainState, tables, key) -> Trajectories:
@@ -236,7 +238,7 @@ def learn(settings: TrainSettings, graphdef, plan: RolloutPlan, state: TrainStat
           layout: UpdateLayout | None = None):
     """Steps 2–7 on a rollout batch: (new state, metrics). ``layout`` (static): which positions the
     forward passes compute (``update_layout``; default every position of every row)."""
-    program = UpdateProgram(settings, graphdef, plan, layout or full_layout(plan.max_len))
+    program = UpdateProgram(settings, plan, update_forward(settings, graphdef, plan, layout or full_layout(plan.max_len)))
     # Both read the whole rollout batch, rows the filter drops included. The horizon is
     # seq-mean-token-sum-norm's divisor: RAGEN's padded batch width, the longest sequence less one.
     metrics = rollout_metrics(traj, plan, "train")
@@ -295,7 +297,8 @@ def old_logprobs(program: UpdateProgram, state: TrainState, kept: Trajectories, 
     if settings.use_sampler_logprobs:
         return jax.lax.stop_gradient(kept.sampler_logprobs)
     params = policy_weights(settings, state)
-    logp, _ = _map_micro(functools.partial(_row_logprobs, program, params), _rows(kept, mask), settings.micro_batch_size)
+    logp, _ = _map_micro(functools.partial(token_logprobs, program.forward, params), _rows(kept, mask),
+                         settings.micro_batch_size)
     return jax.lax.stop_gradient(logp)
 
 
@@ -303,7 +306,7 @@ def ref_logprobs(program: UpdateProgram, state: TrainState, kept: Trajectories, 
     """3b. log π_ref [M, L] under the frozen reference; zeros when no KL term reads them."""
     if not program.settings.uses_ref:
         return jnp.zeros(kept.tokens.shape, jnp.float32)
-    logp, _ = _map_micro(functools.partial(_row_logprobs, program, reference_weights(state)),
+    logp, _ = _map_micro(functools.partial(token_logprobs, program.forward, reference_weights(state)),
                          _rows(kept, mask), program.settings.micro_batch_size)
     return logp
 
@@ -315,7 +318,8 @@ def old_values(program: UpdateProgram, state: TrainState, kept: Trajectories, ma
         return jnp.zeros(kept.tokens.shape, jnp.float32)
     assert state.critic is not None  # init_state makes one whenever the settings use a critic
     critic = critic_weights(settings, state.critic, state.base)
-    values = _map_micro(functools.partial(_row_values, program, critic), _rows(kept, mask), settings.micro_batch_size)
+    values = _map_micro(functools.partial(token_values, program.forward, critic), _rows(kept, mask),
+                        settings.micro_batch_size)
     return values * mask
 
 
@@ -379,7 +383,7 @@ def update_critic(program: UpdateProgram, state: TrainState, batch: UpdateBatch,
 def critic_loss_fn(program: UpdateProgram, base, critic: Critic, b: UpdateBatch, hyper: Hyperparams):
     """6. The clipped value loss of a micro-batch, a function of what the critic trains."""
     settings = program.settings
-    values = _row_values(program, critic_weights(settings, critic, base), _batch_rows(b))
+    values = token_values(program.forward, critic_weights(settings, critic, base), _batch_rows(b))
     return losses.value_loss(values, b.values, b.returns, b.mask, settings.cliprange_value, "seq-mean-token-mean")
 
 
@@ -406,7 +410,7 @@ def actor_loss_fn(program: UpdateProgram, base, horizon, trained, b: UpdateBatch
     """7. The PPO actor loss of a micro-batch, a function of what the actor trains: (loss, metrics)."""
     settings = program.settings
     params = with_adapters(settings, base, trained)
-    logp, entropy = _row_logprobs(program, params, _batch_rows(b))
+    logp, entropy = token_logprobs(program.forward, params, _batch_rows(b))
     return losses.actor_loss(
         logp, entropy, b.old_logp, b.advantages, b.mask,
         clip_low=hyper.clip_ratio_low, clip_high=hyper.clip_ratio_high, clip_c=hyper.clip_ratio_c,
@@ -510,13 +514,12 @@ def apply_update(tx, params, opt_state, grads, lr, live=True):
 
 class UpdateProgram(NamedTuple):
     """What the update's steps share besides arrays, all static for the compiled program: the
-    settings, the model's structure, the rollout plan, and which positions the forward passes
-    compute (``forward.update_layout``)."""
+    settings, the rollout plan, and the forward pass over the update rows (the model's structure
+    and which positions it computes: ``forward.update_forward``)."""
 
     settings: TrainSettings
-    graphdef: Any
     plan: RolloutPlan
-    layout: UpdateLayout
+    forward: ForwardPass
 
 
 class UpdateBatch(flax.struct.PyTreeNode):
@@ -572,20 +575,3 @@ def _rows(kept: Trajectories, mask) -> Rows:
 def _batch_rows(b: UpdateBatch) -> Rows:
     return Rows(b.tokens, b.length, b.split, b.mask > 0)
 
-
-def _row_logprobs(program: UpdateProgram, params, r: Rows):
-    """(logp, entropy) [m, L] of one micro-batch's policy tokens."""
-    settings, plan = program.settings, program.plan
-    return token_logprobs(
-        program.graphdef, params, r.tokens, r.length, r.needed, settings.rollout_temperature, settings.logprob_chunk,
-        policy_tokens_per_row(plan), program.layout, r.split, share_rows(settings, plan.group_size),
-    )
-
-
-def _row_values(program: UpdateProgram, critic: Critic, r: Rows):
-    """V [m, L] of one micro-batch at its policy tokens (0 elsewhere)."""
-    settings, plan = program.settings, program.plan
-    return token_values(
-        program.graphdef, critic, r.tokens, r.length, r.needed, policy_tokens_per_row(plan), program.layout, r.split,
-        share_rows(settings, plan.group_size),
-    )

@@ -302,13 +302,13 @@ def test_real_model_rollout_on_every_env(smollm2_rollout):
 def test_kv_cache_continuation_equals_a_fresh_forward(smollm2_rollout):
     """The log-probs the sampler saw across turns (cache appended turn by turn) equal those of one
     forward pass over the finished conversation."""
-    from starpo_jax.forward import token_logprobs
+    from starpo_jax.forward import ForwardPass, Rows, full_layout, token_logprobs
 
     model, tok, plan, traj = smollm2_rollout
-    logp, _ = jax.jit(token_logprobs, static_argnums=(0, 5, 6, 7))(
-        model.graphdef, model.params, jnp.asarray(traj.tokens), jnp.asarray(traj.length),
-        jnp.asarray(traj.loss_mask), 1.0, 128, plan.max_turn * plan.response_length,
-    )
+    ctx = ForwardPass(model.graphdef, full_layout(traj.tokens.shape[1]), plan.max_turn * plan.response_length, chunk=128)
+    length = jnp.asarray(traj.length)
+    rows = Rows(jnp.asarray(traj.tokens), length, jnp.zeros(length.shape, jnp.int32), jnp.asarray(traj.loss_mask))
+    logp, _ = jax.jit(token_logprobs, static_argnums=0)(ctx, model.params, rows)
     mask = traj.loss_mask
     np.testing.assert_allclose(np.asarray(logp)[mask], traj.sampler_logprobs[mask], atol=2e-3)
 

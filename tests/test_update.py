@@ -19,12 +19,15 @@ from flax import nnx
 import envs_jax
 from starpo_jax.algo import advantages, rewards
 from starpo_jax.forward import (
+    ForwardPass,
+    Rows,
     first_prompt_split,
     full_layout,
     policy_tokens_per_row,
     share_rows,
     token_logprobs,
     token_values,
+    update_forward,
     update_layout,
 )
 from starpo_jax.models import Decoder, ModelState, preset
@@ -112,7 +115,7 @@ def program(model, **overrides):
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": G, "ppo_mini_batch_size": G * N,
         "micro_batch_size": N, "logprob_chunk": 8, **overrides,
     })
-    prepare = functools.partial(prepare_update, UpdateProgram(settings, model.graphdef, PLAN, full_layout(L)))
+    prepare = functools.partial(prepare_update, program_for(settings, model, full_layout(L)))
     learn = make_train_step(settings, model.graphdef, PLAN).learn
     return jax.jit(prepare), jax.jit(learn), init_train_state(settings, model, jax.random.PRNGKey(0))
 
@@ -253,6 +256,16 @@ def settings_for(**overrides) -> TrainSettings:
     })
 
 
+def program_for(settings: TrainSettings, model: ModelState, layout) -> UpdateProgram:
+    """The update's static context, as ``learn`` builds it, for these settings on ``PLAN``."""
+    return UpdateProgram(settings, PLAN, update_forward(settings, model.graphdef, PLAN, layout))
+
+
+def whole_rows(kept: Trajectories, mask) -> Rows:
+    """The kept rows as a full layout computes them: every row from position 0."""
+    return Rows(kept.tokens, kept.length, jnp.zeros(kept.length.shape, jnp.int32), mask > 0)
+
+
 def kept_batch(**overrides):
     """(settings, kept trajectories, score, valid, mask) of the whole rollout batch (ratio 1)."""
     settings, traj = settings_for(**overrides), rollout_batch()
@@ -297,10 +310,12 @@ def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     term; values are the critic's on the mask, zeros without a critic."""
     settings, kept, _, _, mask = kept_batch(adv_estimator="gae", use_kl_loss=True, micro_batch_size=4)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
-    max_tokens, full = policy_tokens_per_row(PLAN), full_layout(L)
-    program = UpdateProgram(settings, model.graphdef, PLAN, full)
+    full = full_layout(L)
+    program = program_for(settings, model, full)
     old = old_logprobs(program, state, kept, mask)
-    whole, _ = token_logprobs(model.graphdef, state.actor, kept.tokens, kept.length, mask > 0, 1.0, 8, max_tokens)
+    # every row from position 0, in one call
+    ctx, rows = ForwardPass(model.graphdef, full, policy_tokens_per_row(PLAN), chunk=8), whole_rows(kept, mask)
+    whole, _ = token_logprobs(ctx, state.actor, rows)
     # micro-batches of 4 rows against one call on 32: the same math, matmuls of another shape
     np.testing.assert_allclose(old, whole, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(old).min(where=mask > 0, initial=np.inf)) > 0 and not np.any(np.asarray(old)[mask == 0])
@@ -310,12 +325,12 @@ def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     assert not np.allclose(ref_logprobs(program, moved, kept, mask), old)
 
     values = old_values(program, state, kept, mask)
-    critic = token_values(model.graphdef, state.critic, kept.tokens, kept.length, mask > 0, max_tokens)
+    critic = token_values(ctx, state.critic, rows)
     np.testing.assert_allclose(values, critic * mask, rtol=1e-5, atol=1e-6)
     assert np.count_nonzero(values) == np.count_nonzero(mask)
 
     sampler = settings_for(use_sampler_logprobs=True)
-    sampling = UpdateProgram(sampler, model.graphdef, PLAN, full)
+    sampling = program_for(sampler, model, full)
     np.testing.assert_array_equal(old_logprobs(sampling, state, kept, mask), kept.sampler_logprobs)
     assert not np.any(ref_logprobs(sampling, state, kept, mask))
     assert not np.any(old_values(sampling, state, kept, mask))
@@ -450,8 +465,7 @@ def test_losses_at_the_old_policy_and_values(model):
     actor's loss is minus the mean advantage; the critic's loss is ½(V − R)² where V = V_old."""
     settings, kept, _, _, mask = kept_batch(adv_estimator="gae")
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
-    full = full_layout(L)
-    program = UpdateProgram(settings, model.graphdef, PLAN, full)
+    program = program_for(settings, model, full_layout(L))
     old = old_logprobs(program, state, kept, mask)
     values = old_values(program, state, kept, mask)
     adv = jnp.where(mask > 0, jnp.arange(G * N, dtype=jnp.float32)[:, None] / (G * N) - 0.5, 0.0)
