@@ -97,6 +97,8 @@ COMMANDS = {
     CURVES: ((), "on the tiny learning run's folder", False),
     ".venv/bin/python -m experiments.run --config configs/learn_frozen_lake.py":
         (TINY_LEARN_FL, "tiny model, 2 groups, 1 step", True),
+    ".venv/bin/python -m experiments.baselines --config configs/learn_frozen_lake.py":
+        (("--levels", "2"), "2 levels (tests/test_baselines.py runs 4 by default)", True),
 }
 
 
