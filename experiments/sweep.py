@@ -203,8 +203,8 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     return SweepPrograms(iteration._replace(collect=collect), jax.jit(copies), need)
 
 
-# XLA's buffer accounting does not see the runtime, allocator fragmentation or host copies: the
-# quick start's sweep peaked 1.1 GB (9 %) above its 11.7 GiB estimate, so keep a fifth free.
+# XLA's buffer accounting does not see the runtime, allocator fragmentation or host copies, which
+# put a sweep's measured peak above its estimate: keep a fifth free.
 HEADROOM = 0.8
 
 
