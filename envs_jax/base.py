@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jumanji import specs
 from jumanji.env import Environment
 from jumanji.types import StepType, TimeStep
@@ -287,8 +288,6 @@ class GridEnv(TextEnv, abc.ABC):
 
 def symbols_to_text(grid, symbols: Sequence[str]) -> str:
     """Rows of glyphs joined by newlines, no trailing newline (RAGEN's text rendering)."""
-    import numpy as np
-
     grid = np.asarray(grid)
     return "\n".join("".join(symbols[int(c)] for c in row) for row in grid)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories
@@ -65,8 +66,6 @@ def _names_for(tag, traj, b) -> tuple[str, ...]:
 
 
 def jax_to_numpy(tree):
-    import jax
-
     return jax.tree.map(np.asarray, tree)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def _tensorboardx():
     """tensorboardX, imported without torch: where torch is installed, tensorboardX's writer imports
     it only to accept torch tensors, which a run never logs, and that import would add seconds to every
     run's start."""
-    import sys
-
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         import tensorboardX
 

@@ -13,6 +13,8 @@ import functools
 import importlib.util
 from pathlib import Path
 
+from starpo_jax.rollout.prompts import CHATML_TEMPLATE
+
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -54,9 +56,7 @@ def qwen_tokenizer():
     tokens stay: with this tokenizer ``<think>`` is one token, where real Qwen2.5 spells it
     ``<``, ``think``, ``>``; tests that need Qwen2.5's exact ids must load a real checkpoint.
     """
-    from transformers import AutoTokenizer
-
-    from starpo_jax.rollout.prompts import CHATML_TEMPLATE
+    from transformers import AutoTokenizer  # here: seconds to import, and only this tokenizer needs it
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     tokenizer.chat_template = CHATML_TEMPLATE

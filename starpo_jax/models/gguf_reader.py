@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from starpo_jax.models.errors import ModelLoadError
@@ -63,8 +64,6 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
 
 def open_gguf(path: Path):
     """A ``gguf.GGUFReader`` over the file; a missing, truncated or foreign file is one clear error."""
-    import gguf
-
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist.")
     try:
@@ -130,8 +129,6 @@ def hf_tensor_name(gguf_name: str, path: Path) -> str:
 def dequantize_tensor(tensor, path: Path) -> np.ndarray:
     """A GGUF tensor as a float32 numpy array in numpy (= torch) dimension order, copied out of the
     memory map so the file can be closed or replaced."""
-    import gguf
-
     try:
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as err:
@@ -157,13 +154,11 @@ def _metadata(reader, path: Path, key: str, default=...):
     float32 value as the shortest decimal that rounds to it, as config.json writes it: the file's
     1e-05 is float32 9.99999974738e-06, which would make the model's config unequal to the preset's
     (and its compiled programs another cache entry) while computing with the same float32."""
-    from gguf import GGUFValueType
-
     field = reader.get_field(key)
     if field is None:
         if default is ...:
             raise ModelLoadError(f"{path} lacks the metadata key {key!r}, so its model shape is unknown.")
         return default
-    if field.types == [GGUFValueType.FLOAT32]:
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
         return float(str(np.float32(field.contents())))
     return field.contents()

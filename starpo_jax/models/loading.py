@@ -18,19 +18,29 @@ there is one weight-mapping path for all formats. Anything wrong with the input 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes  # also registers numpy's "bfloat16", which safetensors' numpy reader needs
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from starpo_jax.models import bundled
+from starpo_jax.models.config import ModelConfig
 from starpo_jax.models.errors import ModelLoadError
+from starpo_jax.models.gguf_reader import open_gguf, read_gguf
+from starpo_jax.models.hf_tensors import decoder_from_hf_tensors, decoder_to_hf_tensors
+from starpo_jax.runtime.caches import tokenizer_cache_dir
 
 HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                      "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -52,8 +62,6 @@ def load_model(source: str | os.PathLike = bundled.SMOLLM2_NAME, dtype: str = "f
     kind, path = resolve_source(source)
     dtypes = {"dtype": dtype, "param_dtype": param_dtype or dtype, **compute}
     if kind == "gguf":
-        from starpo_jax.models.gguf_reader import read_gguf
-
         hf_config, tensors = read_gguf(path)
         config = model_config(hf_config, path, **dtypes)
         tokenizer = load_tokenizer(path)
@@ -72,8 +80,6 @@ def release_freed_memory() -> None:
     its float32 tensors in pieces below glibc's mmap threshold, which glibc would otherwise keep for
     the process: most of a checkpoint's size stays resident for nothing (docs/scaling.md, "On a CPU
     host"). Nothing off glibc."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -82,8 +88,6 @@ def release_freed_memory() -> None:
 
 def model_config(hf_config: dict, origin: Path, **overrides):
     """``ModelConfig`` from an HF config dict; an unsupported model names the file it came from."""
-    from starpo_jax.models.config import ModelConfig
-
     try:
         return ModelConfig.from_hf_config(hf_config, **overrides)
     except (ValueError, KeyError, TypeError) as err:
@@ -92,8 +96,6 @@ def model_config(hf_config: dict, origin: Path, **overrides):
 
 def build_decoder(config, tensors: dict[str, np.ndarray], origin: Path):
     """``decoder_from_hf_tensors``, with the checkpoint named in its errors (missing or misshapen tensors)."""
-    from starpo_jax.models.hf_tensors import decoder_from_hf_tensors
-
     try:
         return decoder_from_hf_tensors(config, tensors)
     except (ValueError, KeyError) as err:
@@ -138,7 +140,7 @@ def download_from_hub(repo_id: str) -> Path:
     """Snapshot of the config, safetensors and tokenizer files of a hub repo (cached by
     huggingface_hub). Honours ``HF_HUB_OFFLINE`` as set now, not only at import time, and fails
     fast with one message when the hub cannot be reached."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, snapshot_download  # here: only a hub id needs it, and it is slow to import
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
@@ -188,9 +190,6 @@ def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
-    import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16", which safetensors' numpy reader needs)
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         raise ModelLoadError(f"Safetensors shard {path} is missing; download the checkpoint again.")
     try:
@@ -213,7 +212,7 @@ def load_tokenizer(path: Path):
     try:
         if path.is_file():
             return gguf_tokenizer(path)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # here, as below: seconds to import, and only a folder needs it
 
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -263,11 +262,7 @@ def _saved_tokenizer(folder: Path):
 
 
 def _gguf_tokenizer_folder(path: Path) -> Path | None:
-    import hashlib
-
-    import transformers
-
-    from starpo_jax.runtime.caches import tokenizer_cache_dir
+    import transformers  # its version keys the cache; imported here, as above, for its seconds of import
 
     root = tokenizer_cache_dir()
     if root is None:
@@ -285,10 +280,6 @@ def save_model(model, tokenizer, folder: str | os.PathLike, dtype: str | None = 
     The folder is written next to its destination under a temporary name and renamed into place,
     so a crash never leaves a half-written checkpoint; an existing folder is replaced.
     """
-    from safetensors.numpy import save_file
-
-    from starpo_jax.models.hf_tensors import decoder_to_hf_tensors
-
     with atomic_folder(folder) as staging:
         dtype = dtype or model.config.param_dtype
         hf_config = {**_hf_config_for_saving(model.config, tokenizer), "torch_dtype": dtype, "dtype": dtype}
@@ -311,13 +302,10 @@ def source_dtype(source: str | os.PathLike) -> str:
     """The dtype ``source`` stores its weights in: a folder's config.json ``torch_dtype``
     (transformers 5: ``dtype``; float32 when it says neither), the float type of most of a GGUF
     file's matrices, or bfloat16 when any is quantized (the bundled model)."""
-    from collections import Counter
-
     kind, path = resolve_source(source)
     if kind == "folder":
         config = read_hf_config(path)
         return str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    from starpo_jax.models.gguf_reader import open_gguf
 
     matrices = Counter(tensor.tensor_type.name for tensor in open_gguf(path).tensors if len(tensor.shape) > 1)
     if not matrices or not set(matrices) <= set(_GGUF_FLOAT_TYPES):
@@ -347,8 +335,6 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
 
 
 def _numpy_dtype(name: str) -> np.dtype:
-    import ml_dtypes
-
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 

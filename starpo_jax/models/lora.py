@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from starpo_jax.models.config import ModelConfig
 from starpo_jax.models.decoder import linear_layer_weights
+from starpo_jax.models.loading import atomic_folder
 
 Adapters = dict[str, dict[str, jax.Array]]
 
@@ -82,10 +84,6 @@ def to_peft_tensors(adapters: Adapters, config: ModelConfig) -> dict[str, np.nda
 def save_adapter(adapters: Adapters, config: ModelConfig, alpha: float, folder: str | os.PathLike,
                  base_model: str = "") -> Path:
     """Write the adapters as a peft LoRA folder (atomically: a crash leaves no half-written folder)."""
-    from safetensors.numpy import save_file
-
-    from starpo_jax.models.loading import atomic_folder
-
     rank = int(next(iter(adapters.values()))["a"].shape[-1])
     peft_config = {
         "peft_type": "LORA",

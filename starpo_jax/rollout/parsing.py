@@ -179,7 +179,7 @@ def build_token_bytes_table(tokenizer, vocab_size: int | None = None) -> tuple[n
     ``vocab_size``) add nothing. Concatenating rows then decoding as UTF-8 with replacement
     reproduces ``decode_response`` exactly (tested for Qwen2.5 and SmolLM2).
     """
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # here: seconds to import, for one table
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":

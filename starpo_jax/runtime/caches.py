@@ -33,6 +33,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+
 ENV = "STARPO_JAX_CACHE"
 OFF = {"off", "0", "false", "no"}
 
@@ -63,8 +65,6 @@ def tokenizer_cache_dir(environ=None) -> Path | None:
 def setup_compilation_cache(environ=None) -> Path | None:
     """Point JAX's persistent compilation cache at ``compilation_cache_dir`` (or turn it off); call
     before the first compile. Returns the folder, or None when off."""
-    import jax
-
     path = compilation_cache_dir(environ)
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)

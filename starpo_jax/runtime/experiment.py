@@ -17,8 +17,11 @@ from ml_collections import ConfigDict
 
 import envs_jax
 from starpo_jax.algo.filtering import num_kept_groups
+from starpo_jax.format_warmup import check_named_actions
 from starpo_jax.models import bundled
+from starpo_jax.models.config import preset
 from starpo_jax.models.decoder import Decoder, ModelState
+from starpo_jax.models.loading import load_model, load_tokenizer, resolve_source, smollm2_tokenizer
 from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
     RolloutTables,
@@ -28,6 +31,7 @@ from starpo_jax.rollout.multi_turn import (
     stop_tokens_for,
 )
 from starpo_jax.rollout.prompts import PieceCutError
+from starpo_jax.runtime import sharding
 from starpo_jax.runtime.contract import check_env
 from starpo_jax.runtime.settings import (
     ConfigError,
@@ -56,8 +60,6 @@ class Experiment:
 def device_mesh(config: ConfigDict, **batch_sizes: int):
     """``config.mesh`` as a device mesh, checked against the batches it splits into rows over
     ``data × fsdp`` (named as the user sets them)."""
-    from starpo_jax.runtime import sharding
-
     try:
         mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.model))
         sharding.check_batch(mesh, **batch_sizes)
@@ -74,9 +76,6 @@ def model_compute(config: ConfigDict) -> dict[str, Any]:
 
 def load_policy(config: ConfigDict):
     """(ModelState, tokenizer) from ``config.model``."""
-    from starpo_jax.models.config import preset
-    from starpo_jax.models.loading import load_model
-
     compute = model_compute(config)
     if config.model.random_init_preset:
         # Random weights of a preset (tests and benchmarks); the tokenizer still comes from `source`.
@@ -91,12 +90,9 @@ def load_policy(config: ConfigDict):
 def _tokenizer_only(source: str):
     """The tokenizer of a model source, without reading its weights ("qwen2.5": the bundled one)."""
     if source == bundled.SMOLLM2_NAME:
-        from starpo_jax.models.loading import smollm2_tokenizer
-
         return smollm2_tokenizer()  # cached
     if source == "qwen2.5":
         return bundled.qwen_tokenizer()
-    from starpo_jax.models.loading import load_tokenizer, resolve_source
 
     return load_tokenizer(resolve_source(source)[1])
 
@@ -192,8 +188,6 @@ def check_config(config: ConfigDict) -> CheckedConfig:
     train_plan, val_plan = rollout_plan(config, "train"), rollout_plan(config, "val")
     check_val_chunks(config.trainer.val_chunks, val_plan)
     if config.actor.format_warmup_steps:
-        from starpo_jax.format_warmup import check_named_actions
-
         check_named_actions(train_plan)
     return CheckedConfig(
         config=config,

@@ -17,8 +17,25 @@ program's buffers and peak (``program_memory``, ``program_peak_bytes``), the KV 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from starpo_jax.forward import full_layout
+from starpo_jax.models import bundled
+from starpo_jax.models.config import PRESETS, ModelConfig, preset
+from starpo_jax.models.decoder import Decoder, ModelState
+from starpo_jax.models.gguf_reader import hf_config_from_gguf, open_gguf
+from starpo_jax.models.loading import load_tokenizer, smollm2_tokenizer
+from starpo_jax.runtime import sharding
+from starpo_jax.runtime.experiment import _tokenizer_only, build_experiment, model_compute
+from starpo_jax.train import init_train_state, jit_iteration, make_train_step
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -45,14 +62,6 @@ def gib(n: int) -> str:
 
 def model_config_and_tokenizer(config):
     """(ModelConfig, tokenizer) of ``config.model`` without reading a weight."""
-    import json
-    from pathlib import Path
-
-    from starpo_jax.models import bundled
-    from starpo_jax.models.config import PRESETS, ModelConfig, preset
-    from starpo_jax.models.loading import load_tokenizer, smollm2_tokenizer
-    from starpo_jax.runtime.experiment import _tokenizer_only, model_compute
-
     source = str(config.model.source)
     dtypes = model_compute(config)
     if config.model.random_init_preset:
@@ -65,8 +74,6 @@ def model_config_and_tokenizer(config):
         hf = json.loads((folder / "config.json").read_text())
         return ModelConfig.from_hf_config(hf, **dtypes), load_tokenizer(folder)
     if folder.suffix.lower() == ".gguf" and folder.is_file():  # its header only; no weight is dequantised
-        from starpo_jax.models.gguf_reader import hf_config_from_gguf, open_gguf
-
         return ModelConfig.from_hf_config(hf_config_from_gguf(open_gguf(folder), folder), **dtypes), load_tokenizer(folder)
     name = source.split("/")[-1].lower()
     if name in PRESETS and name.startswith("qwen2.5"):
@@ -79,10 +86,6 @@ def model_config_and_tokenizer(config):
 
 def abstract_policy(config):
     """(ModelState whose weights are ``jax.ShapeDtypeStruct``, tokenizer): a load with no weights."""
-    from flax import nnx
-
-    from starpo_jax.models.decoder import Decoder, ModelState
-
     model_config, tokenizer = model_config_and_tokenizer(config)
     return ModelState.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))), tokenizer
 
@@ -185,9 +188,6 @@ class MemoryPlan:
 
 def _bytes_per_device(tree) -> int:
     """Bytes one device holds of an abstract (sharded) tree."""
-    import jax
-    import numpy as np
-
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
@@ -196,8 +196,6 @@ def _bytes_per_device(tree) -> int:
 
 
 def _abstract(tree, shardings):
-    import jax
-
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
@@ -247,12 +245,6 @@ def compile_programs(exp, iteration):
     calls) compiled for abstract inputs on ``exp.mesh``, the update for every position
     (``full_layout``, the largest it runs): (compiled collect, compiled learn, abstract sharded train
     state)."""
-    import jax
-
-    from starpo_jax.forward import full_layout
-    from starpo_jax.runtime import sharding
-    from starpo_jax.train import init_train_state
-
     with sharding.use_mesh(exp.mesh):
         state = jax.eval_shape(lambda m: init_train_state(exp.settings, m, jax.random.PRNGKey(0)), exp.model)
         state = _abstract(state, sharding.shardings(state, exp.mesh))
@@ -266,8 +258,6 @@ def compile_programs(exp, iteration):
 def kv_bytes_per_token(model_config) -> int:
     """Bytes one token takes in the KV cache (``KVCache``): a key and a value per layer and kv
     head, in the compute dtype."""
-    import jax.numpy as jnp
-
     c = model_config
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
 
@@ -279,8 +269,6 @@ def kv_cache_bytes(model_config, rows: int, length: int) -> int:
 
 def rollout_kv_cache_bytes(exp) -> int:
     """Keys and values of the rollout per device: rows split over data × fsdp, kv heads whole."""
-    from starpo_jax.runtime import sharding
-
     plan = exp.train_plan
     return kv_cache_bytes(exp.model.merge().config, plan.batch_size // sharding.rows_per_mesh(exp.mesh), plan.max_len)
 
@@ -295,8 +283,6 @@ def plan_programs(exp):
     """The memory plan of a built experiment (its model may be abstract), and the run's iteration
     (``train.jit_iteration``) whose rollout is the program the plan compiled: a run of an equal
     ``iteration_program`` calls it instead of compiling its rollout again."""
-    from starpo_jax.train import jit_iteration, make_train_step
-
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), exp.settings, exp.train_plan)
     collect_c, learn_c, state = compile_programs(exp, iteration)
     return _memory_plan(exp, collect_c, learn_c, state), iteration._replace(collect=collect_c)
@@ -308,8 +294,6 @@ def plan_memory(exp) -> MemoryPlan:
 
 
 def _memory_plan(exp, collect_c, learn_c, state) -> MemoryPlan:
-    from starpo_jax.runtime import sharding
-
     runtime = resident_bytes()
     rollout, update = _reported_memory(collect_c), _reported_memory(learn_c)
     train_state = _bytes_per_device(state)
@@ -421,10 +405,6 @@ def check_fits(config, available: int | None = None) -> Fit | None:
     planning, so what the planning compiles already holds is no longer in it. None where nothing can
     be checked (a CPU host without /proc, or a model source only loading can read).
     ``config``: a config or ``experiment.check_config``'s result (then it is not checked again)."""
-    import jax
-
-    from starpo_jax.runtime.experiment import build_experiment
-
     devices = jax.local_devices()  # every process checks its own
     budget = device_budget(devices)
     if budget is None and available is None and available_bytes() is None:
