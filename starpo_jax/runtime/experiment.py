@@ -200,7 +200,7 @@ def check_config(config: ConfigDict) -> CheckedConfig:
 
 
 def check_val_chunks(chunks, val_plan: RolloutPlan) -> None:
-    """``trainer.val_chunks`` splits every validation tag's groups evenly (``rollout.chunked_rollout``)."""
+    """``trainer.val_chunks`` splits every validation tag's groups evenly (``multi_turn.chunked_rollout``)."""
     counts = [t.n_groups for t in val_plan.tags]
     if not isinstance(chunks, int) or chunks < 1 or any(n % chunks for n in counts):
         raise ConfigError(
