@@ -22,10 +22,13 @@ least as wide as the normal-approximation interval of the mean.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import sys
 from pathlib import Path
+
+from experiments.report import read_jsonl
 
 TRAIN_PANELS = (
     ("train/*/success", "training success (rollouts, per env tag)"),
@@ -57,8 +60,6 @@ def val_levels(run: Path) -> dict[str, int]:
 
 
 def read_rows(path: Path) -> list[dict]:
-    from experiments.report import read_jsonl
-
     notes: list[str] = []
     rows = read_jsonl(path, notes)
     for note in notes:
@@ -79,8 +80,6 @@ def read_runs(run: Path, label: str) -> dict[str, tuple[Path, list[dict]]]:
 
 def keys_like(rows: list[dict], pattern: str) -> list[str]:
     """The metric names matching ``pattern`` (``*``: one name part, e.g. an env tag), in first-seen order."""
-    import fnmatch
-
     return list(dict.fromkeys(k for r in rows for k in r if fnmatch.fnmatchcase(k, pattern) and "/non-zero/" not in k))
 
 
@@ -109,7 +108,7 @@ def validation_table(run: Path, rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def draw(runs: list[Path], labels: list[str], out: Path) -> dict:
-    import matplotlib
+    import matplotlib  # here: seconds to import, and the backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

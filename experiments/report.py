@@ -33,7 +33,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tqdm import tqdm
+
+import envs_jax
+from envs_jax.base import GridEnv
 from starpo_jax.diagnostics.diversity import distinct_ngrams, think_texts
+from starpo_jax.rollout.parsing import parse_response_text
+from starpo_jax.runtime.settings import setting_defaults
 
 ASSETS = Path(__file__).with_name("report_assets")
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
@@ -91,8 +97,6 @@ def finite(value):
 def make_env(tag: str, overrides: dict):
     """The env of a tag as the run built it, or None for one this version does not know (its boards
     are then shown as text, and its format failures without a reason)."""
-    import envs_jax
-
     try:
         return envs_jax.make(tag, **overrides)
     except Exception:
@@ -102,8 +106,6 @@ def make_env(tag: str, overrides: dict):
 def board_spec(env) -> dict:
     """How to draw an env's observation: a grid with a role per glyph (its ``symbol_meanings``,
     "box on target" as "box_on_target"), the Bandit's arms, or text."""
-    from envs_jax.base import GridEnv
-
     if isinstance(env, GridEnv) and env.symbol_meanings:
         return {"kind": "grid", "roles": {s: m.replace(" ", "_") for s, m in zip(env.symbols, env.symbol_meanings)}}
     if type(env).__name__ == "Bandit":
@@ -118,8 +120,6 @@ def env_spec(env) -> dict:
 
 def parse_settings(config: dict) -> tuple[int, bool]:
     """``(max_actions_per_turn, enable_think)`` the run parsed replies with (config defaults if unsaid)."""
-    from starpo_jax.runtime.settings import setting_defaults
-
     defaults, rollout = setting_defaults("RolloutPlan"), config.get("rollout") or {}
     return (rollout.get("max_actions_per_turn", defaults["max_actions_per_turn"]),
             rollout.get("enable_think", defaults["enable_think"]))
@@ -129,8 +129,6 @@ def format_failure(response: str, env, settings: tuple[int, bool]) -> str:
     """Why a reply earned the format penalty, by the rollout's own parser (``parse_response_text``,
     the oracle of the in-graph one): no closing tag, an answer that is not an action name, or no
     answer at all. "" when the env is unknown or the text parses clean."""
-    from starpo_jax.rollout.parsing import parse_response_text
-
     if env is None:
         return ""
     max_actions, think = settings
@@ -222,8 +220,6 @@ def read_dumps(run_dir: Path, folder: str, env_of, settings: tuple[int, bool], m
     """The compact trajectories of a run's ``<folder>/step_N.jsonl`` dumps (each marked with its
     ``kind``, the folder) and, per step, the diversity of their think texts. Each tag's prompt text goes
     to ``prompts`` (tag -> text, None while no dump of it had one)."""
-    from tqdm import tqdm
-
     step_files = step_dumps(run_dir, folder)
     trajectories, diversity = [], {}
     for step, path in tqdm(step_files, desc=f"report {run_dir.name} {folder}", unit="file",
