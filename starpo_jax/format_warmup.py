@@ -110,6 +110,13 @@ def random_answers(pieces: AnswerPieces, name_ids, max_actions: int, key, pad_id
     count_key, pick_key = jax.random.split(key)
     count = jax.random.randint(count_key, (n,), 1, max_actions + 1)
     names = jnp.take_along_axis(name_ids, jax.random.randint(pick_key, (n, max_actions), 0, num_actions), axis=1)
+    return compose_answers(pieces, names, count, pad_id)
+
+
+def compose_answers(pieces: AnswerPieces, names, count, pad_id: int):
+    """``(tokens int32[n, W], lengths int32[n])``: each row's first ``count`` action names (``names``
+    int32[n, K], indices into the env's action names) written as an answer."""
+    n, max_actions = names.shape
     tokens = jnp.full((n, answer_width(pieces, max_actions)), pad_id, jnp.int32)
     whole = lambda piece: (jnp.broadcast_to(piece, (n,) + piece.shape), jnp.full((n,), piece.shape[0]))  # noqa: E731
     tokens, offset = _write(tokens, jnp.zeros((n,), jnp.int32), *whole(pieces.opening))
@@ -166,12 +173,18 @@ def warmup_batch(plan: RolloutPlan, tables: RolloutTables, pieces: tuple[AnswerP
     """A batch of ``plan``'s rows: fresh levels (one per group), first prompts, random answers."""
     level_key, answer_key = jax.random.split(key)
     states = initial_states_from_key(plan, level_key)
-    prompt_ids, prompt_len = first_prompts(plan, tables, states)
-    answers, answer_len = concat_ids([
+    answers = concat_ids([
         random_answers(tag_pieces, jax.vmap(tag.env.action_name_ids)(tag_states).astype(jnp.int32),
                        plan.max_actions_per_turn, jax.random.fold_in(answer_key, t), plan.pad_id)
         for t, (tag, tag_pieces, tag_states) in enumerate(zip(plan.tags, pieces, states))
     ], plan.pad_id)
+    return answer_batch(plan, tables, states, *answers)
+
+
+def answer_batch(plan: RolloutPlan, tables: RolloutTables, states, answers, answer_len) -> AnswerBatch:
+    """The first prompts of ``states`` (per tag, as the rollout holds them), each followed by its
+    answer (``answers`` int32[B, W], ``answer_len`` int32[B]: ``compose_answers``')."""
+    prompt_ids, prompt_len = first_prompts(plan, tables, states)
     B, P = prompt_ids.shape
     width = answers.shape[1]
     tokens = jnp.full((B, P + width), plan.pad_id, jnp.int32).at[:, :P].set(prompt_ids)
@@ -183,13 +196,20 @@ def warmup_batch(plan: RolloutPlan, tables: RolloutTables, pieces: tuple[AnswerP
 def warmup_step(settings: TrainSettings, graphdef, plan: RolloutPlan, trained, base, opt_state, tables, pieces, key,
                 lr):
     """One supervised step on a fresh batch: (trained weights, optimiser state, metrics)."""
-    micro = math.gcd(settings.micro_batch_size, plan.batch_size)
+    answers = max(answer_width(p, plan.max_actions_per_turn) for p in pieces)
     batch = warmup_batch(plan, tables, pieces, key)
+    return supervised_step(settings, graphdef, plan.group_size, answers, trained, base, opt_state, batch, lr)
+
+
+def supervised_step(settings: TrainSettings, graphdef, group_size: int, answer_width: int, trained, base, opt_state,
+                    batch: AnswerBatch, lr):
+    """One step of supervised learning on ``batch``'s answers, whose rows come in blocks of
+    ``group_size`` that share a prompt: (trained weights, optimiser state, metrics)."""
+    micro = math.gcd(settings.micro_batch_size, batch.tokens.shape[0])
     # As the update computes its rows: a group's prompt once per block of rows that share it, and
     # from each prompt's last token on only the answer's width.
-    answers = max(answer_width(p, plan.max_actions_per_turn) for p in pieces)
-    layout = UpdateLayout(prefix=batch.tokens.shape[1] - answers, width=answers + 1)
-    ctx = ForwardPass(graphdef, layout, answers, settings.logprob_chunk, 1.0, math.gcd(micro, plan.group_size))
+    layout = UpdateLayout(prefix=batch.tokens.shape[1] - answer_width, width=answer_width + 1)
+    ctx = ForwardPass(graphdef, layout, answer_width, settings.logprob_chunk, 1.0, math.gcd(micro, group_size))
 
     def loss_fn(trained, b: AnswerBatch, hyper):
         rows = Rows(b.tokens, b.length, b.split, b.mask)

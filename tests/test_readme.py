@@ -82,6 +82,9 @@ COMMANDS = {
         (("--steps", "2", "--lr", "1e-3", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)",
           "--config.actor.ppo_mini_batch_size=8"),
          "tiny model, 2 steps (tests/test_bench_format_warmup.py runs a smaller one by default)", True),
+    ".venv/bin/python -m experiments.bench.imitation":
+        (("--steps", "1", "--levels", "2", *TINY_MODEL_FLAGS, "--config.envs.val.n_groups=(2,)", "--config.rollout.max_turn=1"),
+         "tiny model, 1 step (tests/test_bench_imitation.py runs a smaller one by default)", True),
     ".venv/bin/python -m experiments.bench.ceilings": (QUICK_BENCH, "smoke run (tests/test_bench_ceilings.py runs one by default)", True),
     ".venv/bin/python -m experiments.bench.step": (("--tiny",), "CPU smoke run (tests/test_bench_step.py runs it by default)", True),
     ".venv/bin/python -m experiments.plan --config configs/quickstart.py --devices 1 --device-memory 80GiB":
@@ -147,8 +150,10 @@ def run_command(command: str, tmp: Path, extra=(), replace=None) -> subprocess.C
     return proc
 
 
-def shrunk(command: str) -> tuple:
-    return COMMANDS[command][0]
+def shrunk(command: str) -> tuple[str, ...]:
+    how = COMMANDS[command][0]
+    assert isinstance(how, tuple), f"{command!r} is not run ({how})"
+    return how
 
 
 def cases(slow: bool):
@@ -231,7 +236,9 @@ def test_readme_python_block(block):
 def test_setup_installs_quietly(tmp_path):
     """setup.sh's pip calls drop pip's notices about this machine's pip.conf index folders, keep
     errors and exit statuses; the project builds without setuptools' deprecation banner."""
-    pip_ = re.search(r"^export PYTHONWARNINGS=.*?^}\n", (REPO / "setup.sh").read_text(), re.M | re.S).group(0)
+    found = re.search(r"^export PYTHONWARNINGS=.*?^}\n", (REPO / "setup.sh").read_text(), re.M | re.S)
+    assert found is not None, "setup.sh's pip wrapper is gone"
+    pip_ = found.group(0)
     fake = tmp_path / "fakepython"  # a python whose pip prints the notice, then fails
     fake.write_text("#!/bin/sh\necho \"WARNING: Location 'file:///opt/x/simple/pip/' is ignored: it is neither a file "
                     "nor a directory.\" >&2\necho 'ERROR: no matching distribution' >&2\nexit 1\n")

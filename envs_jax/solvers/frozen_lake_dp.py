@@ -152,6 +152,16 @@ def same_answer_success(level: Level, turns: int, actions_per_turn: int, action_
     return _turns(level, actions_per_turn, action_budget, is_slippery, [_each] * turns)
 
 
+def best_first_answer(level: Level, turns: int, actions_per_turn: int, action_budget: int,
+                      is_slippery: bool = True) -> tuple[int, ...]:
+    """The first answer of a best turn-limited policy (``turn_limited_success``): its action ids
+    (the shortest of equally good answers)."""
+    q = _turns(level, actions_per_turn, action_budget, is_slippery, [_best] * (turns - 1) + [_each])
+    ids, lengths = all_answers(actions_per_turn)
+    best = int(np.argmax(q))
+    return tuple(int(a) for a in ids[best, :lengths[best]])
+
+
 def first_answer_share(level: Level, turns: int, actions_per_turn: int, action_budget: int,
                        is_slippery: bool = True) -> float:
     """How much of a group's success variance the first answer explains, under uniformly random valid

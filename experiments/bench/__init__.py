@@ -1,7 +1,7 @@
 """The benchmarks and what they share.
 
 Commands, each with a ``main`` (``python -m experiments.bench.NAME``): envs, ceilings, generate,
-decode_attention, rollout, train, step, peer, template_collapse, format_warmup, append_window, and
+decode_attention, rollout, train, step, peer, template_collapse, format_warmup, imitation, append_window, and
 charts (redraws the PNG charts of JSON reports already written). ``decode_hlo.py`` is a command run
 as a file (``python experiments/bench/decode_hlo.py``) so that ``--tree`` picks the source tree
 imported: it imports that tree's ``step``, swaps ``jax.devices`` so that ``step.decode_cost``'s CPU

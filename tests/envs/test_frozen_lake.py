@@ -18,7 +18,11 @@ from envs_jax.frozen_lake import (
     neighbour_cell,
 )
 from envs_jax.solvers.frozen_lake_dp import (
+    _best,
+    _each,
+    _turns,
     all_answers,
+    best_first_answer,
     first_answer_share,
     optimal_success_probability,
     random_answer_probabilities,
@@ -348,3 +352,14 @@ def test_first_answer_share_by_hand():
     assert first_answer_share(["SG", "FF"], 1, 1, 1, is_slippery=False) == pytest.approx(1.0)
     assert first_answer_share(["SG", "FF"], 1, 1, 1) == pytest.approx(1 / 9)
     assert 0 < first_answer_share(generate_random_map(4, 0.8, 123), 3, 5, 10) < 1
+
+
+def test_best_first_answer_reaches_the_turn_limited_optimum():
+    board = generate_random_map(4, 0.8, 124)
+    first = best_first_answer(board, 3, 5, 10)
+    ids, lengths = all_answers(5)
+    row = int(np.flatnonzero((lengths == len(first)) & (ids[:, :len(first)] == first).all(axis=1))[0])
+    # Its value, with the best play after it, is the optimum itself.
+    after = _turns(board, 5, 10, True, [_best, _best, _each])
+    assert after[row] == pytest.approx(turn_limited_success(board, 3, 5, 10), abs=1e-12)
+    assert best_first_answer(["SFG"], 1, 3, 3, is_slippery=False) == (RIGHT, RIGHT)
