@@ -36,25 +36,18 @@ def reward_categories(reward, values):
 
 
 def execute_turn(env, state, actions, n_actions, actions_left, active, reward_values):
-    """Step one row's env through the valid actions of one turn.
+    """Step one row's env through the valid actions of one turn: ``(new_state, TurnResult)``.
 
-    Args:
-      env: the row's env (static).
-      state: the row's env state.
-      actions: the turn's valid actions in order, a pytree with leading dim K whose slot ``k`` is
-        what ``env.step`` takes: int32[K] action ids for named actions (unknown names already
-        dropped), or ``(uint8[K, W], int32[K])`` answer texts for language actions; slots past
-        ``n_actions`` are ignored.
-      n_actions: int32, how many valid actions the response gave.
-      actions_left: int32, the trajectory's remaining action budget.
-      active: bool, whether this row still plays.
-      reward_values: float32[C], the env's possible per-step rewards (categories for the reward
-        message, whose text depends on the exact sequence of doubles).
-
-    Returns:
-      (new_state, TurnResult). ``TurnResult.reward_index`` numbers the sequence of the executed
-      steps' reward categories ``c_1, c_2, ...`` as ``sum_i (c_i + 1) * (C + 1) ** (i - 1)`` (0: no
-      step), the row of the reward message in ``prompts.PromptTables`` (``reward_sequence_index``).
+    ``env`` is the row's env (static), ``state`` its env state. ``actions`` holds the turn's valid
+    actions in order, a pytree with leading dim K whose slot ``k`` is what ``env.step`` takes: int32[K]
+    action ids for named actions (unknown names already dropped), or ``(uint8[K, W], int32[K])``
+    answer texts for language actions; slots past ``n_actions`` (int32, how many valid actions the
+    response gave) are ignored. ``actions_left`` (int32) is the trajectory's remaining action budget,
+    ``active`` (bool) whether this row still plays, and ``reward_values`` (float32[C]) the env's
+    possible per-step rewards: categories for the reward message, whose text depends on the exact
+    sequence of doubles. ``TurnResult.reward_index`` numbers the sequence of the executed steps'
+    reward categories ``c_1, c_2, ...`` as ``sum_i (c_i + 1) * (C + 1) ** (i - 1)`` (0: no step), the
+    row of the reward message in ``prompts.PromptTables`` (``reward_sequence_index``).
     """
     num_categories = reward_values.shape[0]
     slots = jnp.arange(jax.tree.leaves(actions)[0].shape[0])
