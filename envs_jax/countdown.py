@@ -131,7 +131,7 @@ class Countdown(TextEnv):
     lists_actions = False  # RAGEN's Countdown config has no action_lookup
     default_max_actions_per_traj = 1
     step_reward_values = STEP_REWARDS
-    action_names = ()  # a language action: the answer text itself
+    action_names: tuple[str, ...] = ()  # a language action: the answer text itself
     success_meaning = (f"the answer uses the task's numbers and equals the target (reward {SCORE}); "
                        f"a well-formed wrong answer's {FORMAT_SCORE} is a failure")
 

@@ -57,7 +57,7 @@ Choices (each a departure from, or a decision about, the original; see docs/desi
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import flax.struct
 import jax
@@ -420,7 +420,8 @@ def actor_loss_fn(program: UpdateProgram, base, horizon, trained, b: UpdateBatch
     )
 
 
-def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: UpdateBatch, lr, hyper: Hyperparams, prefix: str):
+def ppo_update(settings: TrainSettings, loss_fn, tx, params, opt_state, batch: MaskedRows, lr, hyper: Hyperparams,
+               prefix: str):
     """6, 7. ``ppo_epochs`` passes over the mini-batches, one optimiser step each: ((params, opt_state,
     skipped steps), metrics averaged over the mini-batches that hold a trained token)."""
 
@@ -520,6 +521,14 @@ class UpdateProgram(NamedTuple):
     settings: TrainSettings
     plan: RolloutPlan
     forward: ForwardPass
+
+
+class MaskedRows(Protocol):
+    """What ``ppo_update`` splits into mini- and micro-batches (``UpdateBatch``): a pytree of rows
+    whose ``mask`` marks the trained tokens (a micro-batch with none adds no gradient)."""
+
+    @property
+    def mask(self) -> jax.Array: ...
 
 
 class UpdateBatch(flax.struct.PyTreeNode):

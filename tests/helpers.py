@@ -10,6 +10,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotations only: importing this module imports no jax or numpy
+    import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +87,9 @@ def _known_to_jaxlib(flags: list[str]) -> str:
     import mmap
 
     known = set()
-    for library in Path(importlib.util.find_spec("jaxlib").origin).parent.glob("*.so"):
+    spec = importlib.util.find_spec("jaxlib")
+    assert spec is not None and spec.origin is not None, "jaxlib is not installed"
+    for library in Path(spec.origin).parent.glob("*.so"):
         with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
             known |= {flag for flag in flags if text.find(flag[2:].split("=")[0].encode() + b"\0") >= 0}
     return " ".join(flag for flag in flags if flag in known)
@@ -95,7 +101,7 @@ XLA_TEST_FLAGS = _known_to_jaxlib(["--xla_backend_optimization_level=0", "--xla_
 # Compiler options that undo XLA_TEST_FLAGS where they change a program's HLO, for a test that reads
 # a compiled program as a run compiles it (the fusion emitters decide which slices fuse into their
 # consumers; LLVM's settings change only the machine code).
-AS_A_RUN_COMPILES = {"xla_cpu_use_fusion_emitters": True}
+AS_A_RUN_COMPILES: dict[str, str | bool] = {"xla_cpu_use_fusion_emitters": True}  # jax's compiler_options
 
 
 def simulated_devices(devices: int) -> dict[str, str]:
@@ -169,8 +175,8 @@ class ScriptedResponder:
     """Answers ``script[b, turn]`` (token ids, padded) as row b's response, ignoring the prompt and
     the model; every answer token's log-prob is -1."""
 
-    script: "np.ndarray"  # int32[B, T, R]  # noqa: F821
-    lengths: "np.ndarray"  # int32[B, T]  # noqa: F821
+    script: "np.ndarray"  # int32[B, T, R]
+    lengths: "np.ndarray"  # int32[B, T]
 
     def init(self, model, batch_size):
         import jax.numpy as jnp

@@ -69,7 +69,8 @@ def test_sampled_random_answers_agree_with_the_exact_dp():
     state = env.reset_from_seed(125)
     limits = dict(turns=3, actions_per_turn=5, action_budget=10)
     success, reward = baselines.sampled_random_answers(env, state, **limits, key=jax.random.PRNGKey(0))
-    exact, share = random_answers_success(state, **limits), first_answer_share(state, **limits)
+    exact = random_answers_success(state, **limits, is_slippery=True)
+    share = first_answer_share(state, **limits, is_slippery=True)
     rows, continuations = success.shape
     sigma = np.sqrt(exact * (1 - exact) / success.size * (1 + (continuations - 1) * share))
     assert 0.05 < exact < 0.95 and abs(success.mean() - exact) < 4.5 * sigma

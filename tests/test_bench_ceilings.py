@@ -22,8 +22,13 @@ def test_quick_run_reports_both_ceilings_at_the_sizes_asked(tmp_path):
 
 
 def test_runs_are_timed_after_one_warm_up_call():
-    calls = []
-    seconds, cpu_per_wall = ceilings.timed_runs(lambda: calls.append(len(calls)) or ceilings.jnp.ones(3), 2)
+    calls: list[int] = []
+
+    def run():
+        calls.append(len(calls))
+        return ceilings.jnp.ones(3)
+
+    seconds, cpu_per_wall = ceilings.timed_runs(run, 2)
     assert calls == [0, 1, 2] and len(seconds) == 2 and cpu_per_wall >= 0
 
 

@@ -38,4 +38,5 @@ def test_bench_step_chart_stacks_the_phases_per_n(tmp_path):
     assert len(bars) == 4 * 2  # one segment per phase per N
     assert max(b.get_y() + b.get_height() for b in bars) == 2.0  # stacked up to the step's seconds
     assert [list(line.get_ydata()) for line in lines] == [[900, 1800], [450, 900]]  # MiB per token
-    assert bench_charts.write_chart(report, tmp_path / "step.png").is_file()
+    chart = bench_charts.write_chart(report, tmp_path / "step.png")
+    assert chart is not None and chart.is_file()

@@ -8,10 +8,14 @@ from experiments.bench import decode_attention
 def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
     from starpo_jax.models import decoder
 
-    seen = []
+    seen: list[tuple[int, bool]] = []
     choose = decoder._keys_lead_the_product
-    monkeypatch.setattr(decoder, "_keys_lead_the_product",
-                        lambda queries: seen.append((decoder.KEYS_LEAD_MAX_QUERIES, choose(queries))) or seen[-1][1])
+
+    def recorded(queries):
+        seen.append((decoder.KEYS_LEAD_MAX_QUERIES, choose(queries)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(decoder, "_keys_lead_the_product", recorded)
     out = tmp_path / "attention.json"
     report = decode_attention.main(["--quick", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments.bench import imitation
-from tests.helpers import TINY_MODEL_FLAGS
+from helpers import TINY_MODEL_FLAGS
 
 TINY_SOKOBAN = [*TINY_MODEL_FLAGS, "--config.envs.train.tags=('SimpleSokoban',)", "--config.envs.val.tags=('SimpleSokoban',)",
                 "--config.envs.val.n_groups=(2,)", "--config.rollout.max_turn=1", "--config.rollout.response_length=24",
@@ -29,7 +29,8 @@ def test_best_answers_open_a_shortest_solution():
 
     env = envs_jax.make("SimpleSokoban")
     state = env.reset_from_seed(1_000_000)
-    assert imitation.best_answer(env, state, 3, 2, 10) == tuple(shortest_solution(state, max_depth=10)[:2])
+    solution = shortest_solution(state, max_depth=10)
+    assert solution is not None and imitation.best_answer(env, state, 3, 2, 10) == tuple(solution[:2])
 
 
 def test_one_frozen_lake_or_sokoban_tag_only():

@@ -4,6 +4,7 @@ rollout's. The end-to-end run trains both sides (slow; needs trl, which only ``.
 import json
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -119,7 +120,7 @@ def test_prompts_are_the_rollouts_first_turn():
     texts = bench_peer.bandit_prompts(config, tokenizer)
     _, env = _plan_and_env()
     for hi_first, text in texts.items():
-        state = BanditState(hi_first=jnp.asarray(hi_first), key=None)
+        state = BanditState(hi_first=jnp.asarray(hi_first), key=jax.random.PRNGKey(0))  # the text reads no key
         messages = prompts.build_messages([{"state": env.render_text(state), "actions_left": 1}], "", 100, False)
         assert text == prompts.chat_text(tokenizer, messages, add_generation_prompt=True, enable_think=False)
         assert text.endswith("<|im_start|>assistant\n<answer>")

@@ -83,7 +83,9 @@ def test_roofline_counts_decode_steps_and_context_reads():
 
     from flax import nnx
 
+    import envs_jax
     from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan
 
     subject = rollout_timing.Subject("tiny", ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0))), None, "")
     # row 0 generates positions 3, 4, 5 (turn 1) and 8 (turn 2); row 1 generates position 3, then stops playing
@@ -96,7 +98,7 @@ def test_roofline_counts_decode_steps_and_context_reads():
         loss_mask=loss_mask,
         response_tokens=np.array([4, 1]),
     )
-    plan = SimpleNamespace(batch_size=2, max_len=10)
+    plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 1, 1),), group_size=2, max_len=10)  # 2 rows
     r = rollout_timing.decode_roofline(traj, subject, plan, wall_s=2.0, bandwidth=1e9)
     weights = subject.num_params * 4  # float32
     kv = 2 * 3 * 1 * 16 * 4  # K and V, 3 layers, 1 kv head, 16 dims, float32

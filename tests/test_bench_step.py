@@ -102,7 +102,9 @@ def _scan_of_matmuls(layers: int) -> str:
         return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
 
     args = jax.ShapeDtypeStruct((8, 256), jnp.float32), jax.ShapeDtypeStruct((layers, 256, 256), jnp.float32)
-    return jax.jit(f).lower(*args).compile().as_text()
+    text = jax.jit(f).lower(*args).compile().as_text()
+    assert text is not None
+    return text
 
 
 def test_hlo_bytes_counts_loop_bodies_by_trip_count():
@@ -237,9 +239,14 @@ def test_gpu_window_runs_the_papers_command_and_its_resume(tmp_path):
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900, env=env,
                           cwd=Path(bench_step.__file__).parents[2])
     assert proc.returncode == 0, proc.stdout[-3000:]
+    def read(tar: tarfile.TarFile, name: str) -> bytes:
+        member = tar.extractfile(name)
+        assert member is not None, f"{name} is not a file in the archive"
+        return member.read()
+
     with tarfile.open(tmp_path / "paper.tar.gz") as tar:
-        assert "first process (3 steps): rc=0" in tar.extractfile("paper/log").read().decode()
+        assert "first process (3 steps): rc=0" in read(tar, "paper/log").decode()
     with tarfile.open(tmp_path / "paper_resume.tar.gz") as tar:
-        assert "resume (1 step, validation, export): rc=0" in tar.extractfile("paper_resume/log").read().decode()
-        rows = [json.loads(line) for line in tar.extractfile("paper_resume/metrics.jsonl").read().splitlines()]
+        assert "resume (1 step, validation, export): rc=0" in read(tar, "paper_resume/log").decode()
+        rows = [json.loads(line) for line in read(tar, "paper_resume/metrics.jsonl").splitlines()]
     assert [r["step"] for r in rows if "timing_s/step" in r] == [1, 2, 3, 4]

@@ -40,7 +40,7 @@ print(json.dumps({"path": str(path) if path else None, "bytes": [a.tobytes().hex
 
 
 def run_script(cache: str, **extra: str) -> dict:
-    env = command_env(STARPO_JAX_CACHE=cache, **extra)
+    env = command_env() | {"STARPO_JAX_CACHE": cache} | extra
     env = {k: v for k, v in env.items() if not k.startswith("JAX_COMPILATION") and not k.startswith("JAX_PERSISTENT")}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

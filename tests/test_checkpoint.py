@@ -31,7 +31,7 @@ def test_restore_checks_every_array_and_falls_back_from_a_damaged_step(tmp_path)
     with open(path, "r+b") as f:  # 4 KB of random bytes into the middle of the data file
         f.seek(path.stat().st_size // 2)
         f.write(np.random.default_rng(0).bytes(4096))
-    warnings = []
+    warnings: list[str] = []
     state, host, step = checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE, warn=warnings.append)
     assert step == 1 and host == {"step": 1}
     np.testing.assert_array_equal(state["w"], STATE["w"])
@@ -64,7 +64,7 @@ def test_other_arrays_are_a_mismatch_not_damage(tmp_path):
     """A state of other shapes or structure (another model or config) is named from the metadata,
     and no older step is tried: they would not match either."""
     saved(tmp_path)
-    warnings = []
+    warnings: list[str] = []
     for like, named in (({**STATE, "w": jnp.zeros(99_999)}, "w: saved (100000,), built (99999,)"),
                         ({**STATE, "v": jnp.zeros(3)}, "missing from the checkpoint, e.g. v")):
         with pytest.raises(checkpoint.CheckpointMismatch) as err:
@@ -79,8 +79,7 @@ def test_frozen_initial_weights_are_rebuilt_not_stored(tmp_path):
     and other initial weights than the run started from are refused as a mismatch."""
     import flax
 
-    @flax.struct.dataclass
-    class State:
+    class State(flax.struct.PyTreeNode):
         actor: jnp.ndarray
         ref: jnp.ndarray | None
         base: jnp.ndarray | None
@@ -88,7 +87,7 @@ def test_frozen_initial_weights_are_rebuilt_not_stored(tmp_path):
     start = State(actor=jnp.zeros(1000), ref=jnp.arange(1000.0), base=None)
     mgr = checkpoint.manager(tmp_path / "checkpoints")
     checkpoint.save(mgr, 1, start.replace(actor=start.actor + 1), {})
-    assert list(checkpoint.stored_shapes(tmp_path / "checkpoints", 1)) == ["actor"]
+    assert list(checkpoint.stored_shapes(tmp_path / "checkpoints", 1) or {}) == ["actor"]
     state, _, _ = checkpoint.restore(mgr, start)
     np.testing.assert_array_equal(state.actor, np.ones(1000))
     assert state.ref is start.ref and state.base is None

@@ -71,7 +71,7 @@ def oracle_gigpo(steps, gamma, step_weight, mode, cross_steps=False, eps=1e-6):
     ])
 
     # build_step_group: identical anchors within one uid form a step group (a fresh uuid each)
-    step_group = [None] * n
+    step_group: list[str | None] = [None] * n
     for uid in {s["uid"] for s in steps}:
         clusters = defaultdict(list)
         for i, s in enumerate(steps):
@@ -83,7 +83,7 @@ def oracle_gigpo(steps, gamma, step_weight, mode, cross_steps=False, eps=1e-6):
                 step_group[i] = name
 
     # step_norm_reward: a singleton's mean is its own return and its std 1
-    id2ret = defaultdict(list)
+    id2ret: defaultdict[str | None, list[float]] = defaultdict(list)
     for i in range(n):
         id2ret[step_group[i]].append(returns[i])
     step_mean = {g: np.mean(v) for g, v in id2ret.items()}

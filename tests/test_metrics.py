@@ -1,13 +1,15 @@
 """RAGEN's per-tag rollout metrics; the collapse watch needs 5 steps of history, as the README says."""
 
 from types import SimpleNamespace
+from typing import cast
 
 import jax.numpy as jnp
 import pytest
 
+import envs_jax
 from starpo_jax.diagnostics.collapse import CollapseWatch
 from starpo_jax.diagnostics.metrics import rollout_metrics
-from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan
+from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, Trajectories
 
 HEALTHY = {"rollout/in_group_std": 1.0, "actor/entropy_loss": 1.0, "actor/grad_norm": 1.0}
 COLLAPSED = {"rollout/in_group_std": 0.01, "actor/entropy_loss": 0.01, "actor/grad_norm": 1.0}
@@ -41,16 +43,17 @@ def test_collapse_warning_when_the_answers_stop_reading_the_board():
 
 def test_rollout_metrics_per_tag_and_over_the_batch():
     """Two tags, 2 groups of 2 rows each: means per tag, non-zero means, pass@2 per group, totals."""
-    plan = RolloutPlan(tags=(TagPlan("A", None, 1, 5), TagPlan("B", None, 1, 5)), group_size=2)
+    bandit = envs_jax.make("Bandit")  # the tags' env is not read
+    plan = RolloutPlan(tags=(TagPlan("A", bandit, 1, 5), TagPlan("B", bandit, 1, 5)), group_size=2)
     f = lambda *v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    traj = SimpleNamespace(
+    traj = cast(Trajectories, SimpleNamespace(  # only the fields the metrics read
         success=jnp.asarray([False, True, False, False]), num_actions=jnp.asarray([2, 4, 0, 1]),
         action_is_effective=f(0.5, 1.0, 0.0, 0.0), action_is_valid=f(1.0, 1.0, 0.0, 1.0),
         response_tokens=jnp.asarray([10, 20, 30, 40]), think_tokens=jnp.asarray([1, 2, 3, 6]),
         env_reward=f(0.0, 1.0, 0.0, 0.0), format_penalty_sum=f(0.0, 0.0, -0.1, -0.1), num_turns=jnp.asarray([1, 2, 3, 2]),
         context_exhausted=jnp.asarray([False, False, True, False]),
         group_id=jnp.asarray([0, 0, 1, 1]), tag_id=jnp.asarray([0, 0, 1, 1]),
-    )
+    ))
     m = {k: float(v) for k, v in rollout_metrics(traj, plan, "val").items()}
     assert (m["val/A/success"], m["val/B/success"]) == (0.5, 0.0)
     assert (m["val/A/pass@2"], m["val/B/pass@2"]) == (1.0, 0.0)

@@ -177,8 +177,7 @@ def test_token_bytes_need_a_byte_level_tokenizer():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    word_level = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
-    word_level = PreTrainedTokenizerFast(tokenizer_object=word_level)
+    word_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))
     with pytest.raises(ValueError, match="byte-level BPE"):
         parsing.build_token_bytes_table(word_level)
 
@@ -309,7 +308,7 @@ FRAGMENTS = [
     "Phoenix", "dragon", "LIBRARIAN", "é", "日本", "—",
 ]
 # U+212A KELVIN SIGN lower-cases to ASCII "k" in Python only (documented divergence)
-CHARS = st.characters(blacklist_categories=("Cs",), blacklist_characters="\u212a")
+CHARS = st.characters(blacklist_categories=["Cs"], blacklist_characters="\u212a")
 
 
 @st.composite
@@ -324,8 +323,7 @@ def _tag_chain(draw):
     return text
 
 
-JUNK = st.lists(st.sampled_from(FRAGMENTS) | st.text(CHARS, max_size=3) | _tag_chain(), max_size=10)
-JUNK = JUNK.map("".join)
+JUNK = st.lists(st.sampled_from(FRAGMENTS) | st.text(CHARS, max_size=3) | _tag_chain(), max_size=10).map("".join)
 SHORT_JUNK = st.lists(st.sampled_from(FRAGMENTS) | st.text(CHARS, max_size=2), max_size=3).map("".join)
 SEPARATOR = st.sampled_from(["||", " || ", "|||", "||||", "|", "| |"])
 NAME_SET = st.sampled_from(range(len(NAME_SETS)))

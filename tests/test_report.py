@@ -63,7 +63,8 @@ class Page:
 
     def __init__(self, browser, url):
         self.page = browser.new_page(viewport={"width": 1400, "height": 900})
-        self.requests, self.errors = [], []
+        self.requests: list[str] = []
+        self.errors: list[str] = []
         self.page.on("request", lambda r: self.requests.append(r.url))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)

@@ -11,7 +11,7 @@ from starpo_jax.algo import rewards
 def ragen_normalize(x, group_keys, method):
     """Plain port of RAGEN's `_normalize_score_tensor` (torch semantics, unbiased std)."""
     x = np.asarray(x, np.float64)
-    groups = {}
+    groups: dict[object, list[int]] = {}
     for i, key in enumerate(group_keys):
         groups.setdefault(key, []).append(i)
     if len(groups) == len(x):

@@ -9,6 +9,7 @@ episode ends.
 """
 
 import dataclasses
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -89,14 +90,23 @@ def setup(scripted):
     return tok, env, plan, responder.script, responder.lengths, traj
 
 
-def reference_episode(tok, env, seed, responses, plan):
+class ReferenceEpisode(TypedDict):
+    turn_rewards: list[float]
+    penalties: int  # format errors
+    num_actions: int
+    success: bool
+    turns: int
+    history: list[dict]  # the messages' turns, as prompts.build_messages reads them
+
+
+def reference_episode(tok, env, seed, responses, plan) -> ReferenceEpisode:
     """RAGEN's loop for one env on the host: text parser, env.step per action, message building."""
     step = jax.jit(env.step)
     state = env.reset_from_seed(seed)
     values = env.step_reward_values
     budget = plan.tags[0].max_actions_per_traj
     history = [{"state": env.render_text(state), "actions_left": budget}]
-    out = dict(turn_rewards=[], penalties=0, num_actions=0, success=False, turns=0)
+    out = ReferenceEpisode(turn_rewards=[], penalties=0, num_actions=0, success=False, turns=0, history=history)
     for text in responses:
         out["turns"] += 1
         parsed = parse_response_text(text, env.action_names, plan.max_actions_per_turn)
@@ -115,7 +125,6 @@ def reference_episode(tok, env, seed, responses, plan):
         if done or out["num_actions"] >= budget:
             out["success"] = done and success
             break
-    out["history"] = history
     return out
 
 
@@ -413,7 +422,7 @@ def test_a_chunked_rollout_plays_the_same_rows_in_the_same_order(smollm2_tokeniz
     responder = EchoResponder(tables.tags[0].prompts.stop_token_id)
     init = initial_states_from_seeds(plan, 123)
     whole = jax.device_get(make_rollout(plan, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))
-    done = []  # the progress callback: one call per finished chunk
+    done: list[int] = []  # the progress callback: one call per finished chunk
     chunked = jax.device_get(R_.chunked_rollout(plan, 2, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0,
                                                                     done.append))
     one = jax.device_get(R_.chunked_rollout(plan, 1, responder)(None, tables, init, jax.random.PRNGKey(0), 1.0))

@@ -194,12 +194,6 @@ def test_data_parallel_decoding_stays_on_each_device():
     assert out == {"decode": [], "prefill": [], "partitioned": True}, out
 
 
-class _TwoByTwoRows:
-    """Stands in for a mesh with data=2, fsdp=2: ``check_batch`` reads only the axis sizes."""
-
-    shape = {"data": 2, "fsdp": 2, "model": 1}
-
-
 def test_mesh_errors_name_what_to_change():
     with pytest.raises(ValueError, match="needs 2 devices"):
         sharding.make_mesh(2, 1, 1)  # the test process has one CPU device
@@ -210,9 +204,10 @@ def test_mesh_errors_name_what_to_change():
     with pytest.raises(ValueError, match="mesh.fsdp=0 must be a positive size"):
         sharding.make_mesh(-1, 0, 1)
     assert dict(sharding.make_mesh(1, -1, 1).shape) == {"data": 1, "fsdp": 1, "model": 1}
-    sharding.check_batch(_TwoByTwoRows(), rollout_batch=8, micro_batch_size=4)
+    two_by_two = AbstractMesh((2, 2, 1), MESH_AXES)  # data=2, fsdp=2 without the devices: only sizes are read
+    sharding.check_batch(two_by_two, rollout_batch=8, micro_batch_size=4)
     with pytest.raises(ValueError, match=r"micro_batch_size \(2\) must be a multiple of mesh.data × mesh.fsdp \(2 × 2 = 4\)"):
-        sharding.check_batch(_TwoByTwoRows(), rollout_batch=8, micro_batch_size=2)
+        sharding.check_batch(two_by_two, rollout_batch=8, micro_batch_size=2)
 
 
 def _steps_on_meshes(meshes: dict[str, tuple[int, int, int]]) -> dict:

@@ -28,7 +28,7 @@ def ragen2_figures(cross, cross_sum, own, signatures):
 
     matched, marginal = stats(cross)
     matched_sum, marginal_sum = stats(cross_sum)
-    ids = {}
+    ids: dict[object, int] = {}
     col_sig = np.array([ids.setdefault(s, len(ids)) for s in signatures])
     predicted = cross.argmax(axis=1)
     counts = np.bincount(col_sig)
@@ -143,11 +143,13 @@ def test_a_model_that_cannot_read_its_prompt_scores_zero_mi(model):
 
 def test_collapse_metrics_per_env_tag(model):
     """The driver's figures: per tag, named ``prefix/tag/...``; a tag of one group (one prompt) has none."""
+    import envs_jax
     from starpo_jax.diagnostics.template_collapse import collapse_metrics
     from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan
 
     traj = fake_batch(4)
-    plan = RolloutPlan(tags=(TagPlan("A", None, 2, 5), TagPlan("B", None, 1, 5)), group_size=GROUP_SIZE,
+    bandit = envs_jax.make("Bandit")  # the tags' env is not read
+    plan = RolloutPlan(tags=(TagPlan("A", bandit, 2, 5), TagPlan("B", bandit, 1, 5)), group_size=GROUP_SIZE,
                        response_length=ANSWER, max_len=LENGTH)
     got = collapse_metrics(model, traj, plan, "val-env", max_prompts=8, micro_batch=4, temperature=1.0)
     expected = template_collapse_metrics(cross_scores(

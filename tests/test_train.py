@@ -76,7 +76,7 @@ def _setup(tokenizer, settings_overrides=None):
 MANY_STEPS = {"xla_backend_optimization_level": 1}
 
 
-def _train(plan, tables, responder, model, settings, hyper, steps):
+def _train(plan, tables, responder, model, settings, hyper, *, steps: int):
     step = jax.jit(make_train_step(settings, model.graphdef, plan, responder).step, compiler_options=MANY_STEPS)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     history = []
@@ -186,6 +186,7 @@ def test_lora_step_trains_critic_adapters_and_value_head(smollm2_tokenizer, esti
     assert float(metrics["actor/kl_loss"]) == pytest.approx(0.0, abs=1e-6)  # first mini-batch sees the base
     assert all(np.isfinite(float(v)) for v in metrics.values())
     assert _leaves_equal(new.base, state.base)
+    assert new.critic is not None and state.critic is not None
     assert not np.array_equal(new.critic.head_w, state.critic.head_w)
     assert not _leaves_equal(new.critic.backbone, state.critic.backbone)
     assert not _leaves_equal(new.actor, state.actor)

@@ -325,6 +325,7 @@ def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     assert not np.allclose(ref_logprobs(program, moved, kept, mask), old)
 
     values = old_values(program, state, kept, mask)
+    assert state.critic is not None  # GAE has one
     critic = token_values(ctx, state.critic, rows)
     np.testing.assert_allclose(values, critic * mask, rtol=1e-5, atol=1e-6)
     assert np.count_nonzero(values) == np.count_nonzero(mask)
@@ -475,6 +476,7 @@ def test_losses_at_the_old_policy_and_values(model):
     per_row = (adv * mask).sum(axis=1) / mask.sum(axis=1)
     assert float(loss) == pytest.approx(-float(per_row.mean()), abs=1e-5)
     assert float(metrics["actor/ppo_kl"]) == pytest.approx(0.0, abs=1e-5) and float(metrics["actor/pg_clipfrac"]) == 0.0
+    assert state.critic is not None  # GAE has one
     loss, _ = critic_loss_fn(program, None, state.critic, b, HYPER)
     assert float(loss) == pytest.approx(0.5 * 0.5**2, rel=1e-4)
 

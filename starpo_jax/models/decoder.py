@@ -430,6 +430,18 @@ REMAT_POLICIES = {
 class DecoderLayers(nnx.Module):
     """All blocks' weights, each stacked along a leading ``layers`` axis."""
 
+    # Set in __init__ from ``_layer_weights``; those every config has are declared here for the type
+    # checker (the q/k/v biases exist only with ``qkv_bias``).
+    input_norm: nnx.Param
+    q_proj: nnx.Param
+    k_proj: nnx.Param
+    v_proj: nnx.Param
+    o_proj: nnx.Param
+    post_attn_norm: nnx.Param
+    gate_proj: nnx.Param
+    up_proj: nnx.Param
+    down_proj: nnx.Param
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.param_dtype)
         for name, w in _layer_weights(config).items():

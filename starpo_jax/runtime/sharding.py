@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp", "model")
 ROWS = ("data", "fsdp")  # the mesh axes that split rows
@@ -121,7 +121,7 @@ def _names(x):
     return x.get_metadata().get("out_sharding") if isinstance(x, nnx.Variable) else None
 
 
-def shardings(tree, mesh: Mesh, rules=RULES):
+def shardings(tree, mesh: Mesh | AbstractMesh, rules=RULES):
     """The ``NamedSharding`` of every array in ``tree``: a named weight by its names, else replicated."""
 
     def one(path, x):
@@ -178,7 +178,7 @@ def scatter_rows(buffer, columns, values):
     return jax.vmap(row)(buffer, columns, values)
 
 
-def check_batch(mesh: Mesh, **batch_sizes: int) -> None:
+def check_batch(mesh: Mesh | AbstractMesh, **batch_sizes: int) -> None:
     """Every batch the step splits into rows must divide evenly over ``data × fsdp``: e.g.
     ``check_batch(mesh, rollout_batch=128, micro_batch_size=4)``."""
     rows = rows_per_mesh(mesh)

@@ -86,6 +86,7 @@ def test_solution_replays_to_success_in_the_jax_env(simple):
     env, _, _, states, _ = simple
     state = unbatch(states, 0)
     solution = shortest_solution(state)
+    assert solution is not None
     for action in solution:
         state, ts = env.step(state, action)
     assert bool(ts.extras["success"]) and ts.step_type == StepType.LAST
@@ -109,8 +110,9 @@ RAGEN_VALIDATION_LENGTHS = {1: 28, 2: 60, 3: 27, 4: 47, 5: 37, 6: 24, 7: 12, 8: 
 
 def test_validation_seed_difficulty_matches_ragen():
     env = envs_jax.make("SimpleSokoban")
-    counts = Counter(len(shortest_solution(env.reset_from_seed(s))) for s in range(123, 379))
-    assert dict(counts) == RAGEN_VALIDATION_LENGTHS
+    solutions = [shortest_solution(env.reset_from_seed(s)) for s in range(123, 379)]
+    assert all(s is not None for s in solutions)
+    assert dict(Counter(len(s) for s in solutions if s is not None)) == RAGEN_VALIDATION_LENGTHS
 
 
 def test_bfs_solution_lengths_and_limits():

@@ -189,8 +189,14 @@ def test_fused_attention_call_matches_dense_attention(segments, monkeypatch):
     gradients too, and is handed only even lengths (cuDNN's masked backward refuses odd ones)."""
     from starpo_jax.models.decoder import attend, fused_attention, sequence_mask
 
-    lengths, call = [], jax.nn.dot_product_attention
-    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, *a, **kw: lengths.append(q.shape[1]) or call(q, *a, **kw))
+    lengths: list[int] = []
+    call = jax.nn.dot_product_attention
+
+    def counted(q, *a, **kw):
+        lengths.append(q.shape[1])
+        return call(q, *a, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", counted)
     T = len(segments[0])
     keys = jax.random.split(jax.random.key(T), 4)
     q = jax.random.normal(keys[0], (2, T, 4, 16))
@@ -253,6 +259,7 @@ def test_decode_size_scores_computed_keys_first_agree_and_stay_keys_first(T, mon
 
     assert decoder._keys_lead_the_product(T * H // kv)
     program = jax.jit(run).lower(q, *cached, *new).compile().as_text()
+    assert program is not None
     keys_first = f"f32[{B},{kv},{S},{T * H // kv}]"
     assert any(keys_first in line and " dot(" in line or keys_first in line and "dot_general" in line
                for line in program.splitlines()), "the scores' product is not keys-first"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -192,11 +193,11 @@ def test_tiny_gguf_logits_match_transformers(mixed_type_file):
     hf_config, tensors = read_gguf(path)
     model = decoder_from_hf_tensors(ModelConfig.from_hf_config(hf_config), tensors)
     reference, _ = transformers_gguf(path)
-    tokens = np.random.default_rng(1).integers(0, TINY["vocab_size"], (2, 9))
+    tokens = np.random.default_rng(1).integers(0, int(TINY["vocab_size"]), (2, 9))
     with torch.no_grad():
         expected = reference(torch.as_tensor(tokens)).logits.numpy()
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-    np.testing.assert_allclose(np.asarray(model(tokens, positions)), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions))), expected, atol=1e-4, rtol=0)
 
 
 # --- bad files --------------------------------------------------------------------------------

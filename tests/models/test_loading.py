@@ -35,9 +35,10 @@ MESSAGES = [{"role": "system", "content": "You are a Sokoban solver."},
 
 def tiny_qwen2(tie: bool, dtype=torch.float32):
     torch.manual_seed(0)
+    # transformers 5 still takes rope_theta (into rope_parameters) but its signature no longer lists it; 4.x needs it
     config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)  # type: ignore[call-arg]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random norms and biases too, so a misplaced tensor shows in the logits
         for name, param in model.named_parameters():

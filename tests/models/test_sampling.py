@@ -255,7 +255,8 @@ def test_windowed_append_equals_appending_in_the_whole_cache(tiny, lengths):
 
 def _called(hlo: str) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
     """An optimised HLO module's computations (name -> instruction lines) and what each calls."""
-    computations, name = {}, None
+    computations: dict[str, list[str]] = {}
+    name = None
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
         if header:
@@ -284,7 +285,14 @@ def _reachable(start: str, called: dict[str, set[str]]) -> set[str]:
 
 def _dims(shape: str) -> tuple[int, ...]:
     """An HLO array shape's dimensions without the 1s: ``f32[1,64,128]{2,1,0}`` -> (64, 128)."""
-    return tuple(int(d) for d in re.search(r"\[([\d,]*)\]", shape).group(1).split(",") if d and d != "1")
+    return tuple(int(d) for d in _first_group(r"\[([\d,]*)\]", shape).split(",") if d and d != "1")
+
+
+def _first_group(pattern: str, text: str) -> str:
+    """``pattern``'s first group in ``text``, which must match."""
+    match = re.search(pattern, text)
+    assert match is not None, (pattern, text)
+    return match.group(1)
 
 
 def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prompts):
@@ -300,15 +308,16 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     config, _, model = tiny
     cache, logits = prefill(model, prompts)
     hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile(AS_A_RUN_COMPILES).as_text()
+    assert hlo is not None
     computations, called = _called(hlo)
     layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
     weights = model.merge().layers.per_layer()[0].values()
     layer_shapes = {layer_cache} | {tuple(d for d in w.shape if d != 1) for w in weights}
-    loops = [re.search(r"body=%([\w.-]+)", line).group(1) for lines in computations.values() for line in lines
+    loops = [_first_group(r"body=%([\w.-]+)", line) for lines in computations.values() for line in lines
              if re.search(r" while\(", line)]  # fmt: skip
     body = max(loops, key=lambda b: len(_reachable(b, called)))  # the decode loop holds any other
-    carried = next(line for lines in computations.values() for line in lines if f"body=%{body}," in line)
-    carried = [_dims(shape) for shape in re.findall(r"\w+\[[\d,]*\]", carried.split(" while(")[0])]
+    loop = next(line for lines in computations.values() for line in lines if f"body=%{body}," in line)
+    carried = [_dims(shape) for shape in re.findall(r"\w+\[[\d,]*\]", loop.split(" while(")[0])]
     assert (B, config.vocab_size) not in carried, carried
     roots = {c: next(line for line in lines if "ROOT" in line) for c, lines in computations.items()}
     writes = 0
