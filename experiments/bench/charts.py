@@ -37,7 +37,7 @@ def kind_of(report: dict) -> str | None:
 
 
 def _figure(ncols: int = 1, width: float = 5.2, height: float = 3.6):
-    import matplotlib
+    import matplotlib  # here: seconds to import (every benchmark imports this module), the backend set before pyplot
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

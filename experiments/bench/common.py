@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import jax
+from absl import flags
+from ml_collections import config_flags
+
+from experiments.bench.charts import write_chart
+from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
 
 # Peak memory bandwidth of known accelerators (vendor figures), bytes/s. Order matters: "H100 PCIe"
 # is matched before "H100" (the SXM part). A device not listed has no roofline unless declared.
@@ -48,7 +54,6 @@ def write_report(report: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"[bench] wrote {path}")
-    from experiments.bench.charts import write_chart
 
     png = write_chart(report, path.with_suffix(".png"))
     if png:
@@ -74,9 +79,6 @@ def write_markdown(text: str, json_path: str | os.PathLike) -> Path:
 
 def load_config(path: str, overrides: list[str]):
     """The config as ``experiments.run`` reads it: file[:preset] plus ``--config.KEY=VALUE`` overrides."""
-    from absl import flags
-    from ml_collections import config_flags
-
     argv = ["bench", f"--config={path}", *overrides]
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)
@@ -98,10 +100,6 @@ def parse_with_overrides(parser, argv=None):
 def build_or_exit(path: str, overrides: list[str]):
     """The experiment of a config file plus overrides, its model loaded; a bad config is one line
     on stderr and exit status 2."""
-    import sys
-
-    from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
-
     try:
         return build_experiment(check_config(load_config(path, overrides)))
     except (ConfigError, ValueError, OSError) as err:

@@ -21,8 +21,12 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
+from experiments.curves import wilson
+from starpo_jax.format_warmup import answer_pieces, format_warmup
+from starpo_jax.train import init_train_state, make_train_step
 
 
 def parse_args(argv=None):
@@ -58,8 +62,6 @@ def summed(counts: list[dict]) -> dict:
 
 
 def with_intervals(counts: dict) -> dict:
-    from experiments.curves import wilson
-
     return {tag: c | {"first_turn_rate": c["first_turn_valid"] / max(c["first_turns"], 1),
                       "first_turn_interval": wilson(c["first_turn_valid"], c["first_turns"]),
                       "turn_rate": c["turns_valid"] / max(c["turns"], 1),
@@ -69,10 +71,6 @@ def with_intervals(counts: dict) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from tqdm import tqdm
-
-    from starpo_jax.format_warmup import answer_pieces, format_warmup
-    from starpo_jax.train import init_train_state, make_train_step
 
     exp = build_or_exit(args.config, args.overrides)
     lr = args.lr if args.lr is not None else float(exp.config.actor.format_warmup_lr)

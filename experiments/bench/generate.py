@@ -36,6 +36,7 @@ from flax import nnx
 from experiments.bench.common import hbm_bandwidth, machine, write_report
 from experiments.bench.generation_timing import bench_jax, bench_transformers, hf_model, transformers_device
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
+from starpo_jax.models.loading import load_model
 from starpo_jax.runtime.planning import kv_bytes_per_token
 
 
@@ -53,8 +54,6 @@ def roofline(config: ModelConfig, num_params: int, batch: int, prompt_len: int, 
 def load_jax_model(name: str, config: ModelConfig) -> tuple[Decoder, str]:
     if name == "smollm2-135m-instruct":
         try:
-            from starpo_jax.models.loading import load_model
-
             model, _ = load_model(name, dtype=config.dtype)
             return model, "bundled SmolLM2 GGUF (Q4_1, dequantised)"
         except (ImportError, FileNotFoundError, ValueError) as err:

@@ -81,6 +81,7 @@ import envs_jax
 from experiments.bench.common import hbm_bandwidth, machine, timed, write_report
 from experiments.bench.rollout_timing import Episodes, Subject, bench_baseline, decode_roofline, summarise
 from starpo_jax.models import Decoder, ModelState, bundled, preset
+from starpo_jax.models.loading import load_model, smollm2_tokenizer
 from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
     RolloutTables,
@@ -105,16 +106,12 @@ def load_subject(name: str, dtype: str) -> Subject:
     Qwen tokenizer (ChatML); tiny-random: tiny-llama sized to SmolLM2's tokenizer (smoke tests)."""
     dtypes = dict(dtype=dtype, param_dtype=dtype)
     if name == "smollm2-135m-instruct":
-        from starpo_jax.models.loading import load_model
-
         decoder, tokenizer = load_model(name, dtype=dtype)
         return Subject(name, ModelState.split(decoder), tokenizer, "bundled SmolLM2 GGUF (Q4_1, dequantised)")
     if name == "qwen2.5-0.5b-random":
         decoder = Decoder(preset("qwen2.5-0.5b", **dtypes), rngs=nnx.Rngs(0))
         return Subject(name, ModelState.split(decoder), bundled.qwen_tokenizer(), "random")
     if name == "tiny-random":
-        from starpo_jax.models.loading import smollm2_tokenizer
-
         tokenizer = smollm2_tokenizer()
         decoder = Decoder(preset("tiny-llama", vocab_size=len(tokenizer), **dtypes), rngs=nnx.Rngs(0))
         return Subject(name, ModelState.split(decoder), tokenizer, "random")

@@ -72,12 +72,20 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
+from configs import base, sokoban
 from experiments.bench import generation_timing, rollout_timing
 from experiments.bench.common import hbm_bandwidth, machine, markdown_table, timed, write_markdown, write_report
 from experiments.bench.hlo_bytes import hlo_bytes
+from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.rollout import sampling
+from starpo_jax.rollout.multi_turn import LLMResponder, initial_states_from_seeds
+from starpo_jax.rollout.sampling import decode_windows, sampling_policy
+from starpo_jax.runtime.experiment import build_experiment
 from starpo_jax.runtime.planning import device_peak, kv_bytes_per_token, program_memory
+from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
 if TYPE_CHECKING:
     from starpo_jax.train import TrainState
@@ -99,8 +107,6 @@ TINY = {
 
 
 def experiment_config(args):
-    from configs import base, sokoban
-
     changes: dict[str, object] = {"envs.val.n_groups": (1,), "trainer.output_dir": "bench_results/bench_step_run"}
     if args.model:
         changes |= {"model.source": args.model}
@@ -143,8 +149,6 @@ def memory_sizes(compiled_fn) -> dict:
 
 
 def compile_learn(exp, state, traj) -> Programs:
-    from starpo_jax.train import make_train_step
-
     settings = exp.settings
     variants = {
         "learn": (settings, True),
@@ -213,7 +217,6 @@ HOST_LOOP_SEED = 10000  # RAGEN's seed.train: the host loop plays RAGEN's first 
 def host_loop(exp, policy, n: int, steps: int, bar) -> dict:
     """``bench.rollout``'s baseline on the same batch and device, every turn N tokens."""
     plan = dataclasses.replace(exp.train_plan, response_length=n, stop_tokens=())
-    from starpo_jax.rollout.multi_turn import initial_states_from_seeds
 
     subject = rollout_timing.Subject("policy", policy, exp.tokenizer, "")
     init = initial_states_from_seeds(plan, HOST_LOOP_SEED)
@@ -243,11 +246,6 @@ def decode_side_by_side(exp, policy, n: int, args) -> dict:
 def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     """Bytes one decode step of ``config`` accesses per generated token, batch ``batch`` in a
     cache of ``window`` slots, compiled for the CPU from abstract shapes; the ideal next to it."""
-    from flax import nnx
-
-    from starpo_jax.models import Decoder, ModelState
-    from starpo_jax.rollout import sampling
-
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     on_cpu = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)  # noqa: E731
@@ -283,9 +281,6 @@ def cost_analysis(batch: int = 128, max_len: int = 3600) -> list[dict]:
     """``decode_cost`` of Qwen2.5-0.5B in every decode window of a ``max_len`` cache, in float32
     and in bfloat16 (XLA:CPU computes bf16 in float32, converting buffers around each dot, so the
     float32 program shows the structure a GPU's bf16 program has, at twice the bytes)."""
-    from starpo_jax.models import preset
-    from starpo_jax.rollout.sampling import decode_windows
-
     windows = decode_windows(max_len)
     out = []
     for dtype in tqdm(("float32", "bfloat16"), desc="cost analysis", leave=False):
@@ -329,10 +324,6 @@ def parse_args(argv=None):
 
 
 def run_n(exp, state: TrainState, programs, n: int, args, bandwidth, bar) -> tuple[TrainState, dict]:
-    from starpo_jax.rollout.multi_turn import LLMResponder
-    from starpo_jax.rollout.sampling import sampling_policy
-    from starpo_jax.train import make_train_step, policy_weights
-
     responder = LLMResponder(exp.train_plan, fixed_length=n)
     collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan, responder).collect)
     collect, collect_s = compiled(collect, state, exp.train_tables, jax.random.PRNGKey(0))
@@ -380,8 +371,6 @@ def _now() -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from starpo_jax.runtime.experiment import build_experiment
-    from starpo_jax.train import init_train_state
 
     device = jax.devices()[0]
     bandwidth = args.bandwidth or hbm_bandwidth(device.device_kind)
@@ -394,8 +383,6 @@ def main(argv=None) -> dict:
         # per N: the iterations, three learn variants, and the host loop's first run and repeats
         runs = len(args.response_tokens) * (4 * args.steps + (0 if args.no_baseline else 1 + args.steps))
         with tqdm(total=runs, desc="bench_step", unit="run") as bar:
-            from starpo_jax.train import make_train_step
-
             collect = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).collect
             traj = jax.eval_shape(collect, state, exp.train_tables, jax.random.PRNGKey(0))  # shapes only
             programs = compile_learn(exp, state, traj)

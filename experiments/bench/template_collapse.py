@@ -19,6 +19,9 @@ import time
 import jax
 
 from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
+from starpo_jax.diagnostics.template_collapse import collapse_metrics
+from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
 
 def parse_args(argv=None):
@@ -35,9 +38,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from starpo_jax.diagnostics.template_collapse import collapse_metrics
-    from starpo_jax.rollout.sampling import sampling_policy
-    from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
     exp = build_or_exit(args.config, args.overrides)
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(exp.config.trainer.seed))

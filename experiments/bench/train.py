@@ -28,7 +28,12 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from configs import bandit, base
 from experiments.bench.common import machine, write_report
+from starpo_jax.forward import share_rows, update_layout
+from starpo_jax.runtime.experiment import build_experiment
+from starpo_jax.runtime.planning import program_memory
+from starpo_jax.train import init_train_state, make_train_step
 
 
 def tree_bytes(tree) -> int:
@@ -45,8 +50,6 @@ def state_bytes(state) -> dict[str, int]:
 
 
 def experiment_config(args):
-    from configs import bandit, base
-
     return base.with_overrides(bandit.get_config(), {
         "model.source": "smollm2-135m-instruct",  # its tokenizer; the weights are random
         "model.random_init_preset": args.model,
@@ -68,9 +71,6 @@ def experiment_config(args):
 
 def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
     """``layout``: the update's ``UpdateLayout`` (None: every position of every row)."""
-    from starpo_jax.runtime.planning import program_memory
-    from starpo_jax.train import init_train_state, make_train_step
-
     settings = dataclasses.replace(exp.settings, lora_rank=lora_rank)
     state = init_train_state(settings, exp.model, jax.random.PRNGKey(0))
     learn = jax.jit(make_train_step(settings, exp.model.graphdef, exp.train_plan).learn, static_argnums=3)
@@ -118,9 +118,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from starpo_jax.forward import share_rows, update_layout
-    from starpo_jax.runtime.experiment import build_experiment
-    from starpo_jax.train import init_train_state, make_train_step
 
     exp = build_experiment(experiment_config(args))
     state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))
