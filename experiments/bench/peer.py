@@ -35,6 +35,32 @@ import time
 from pathlib import Path
 from typing import Protocol, cast
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from configs.base import saved_config
+from envs_jax.bandit import Bandit
+from experiments.bench import common
+from experiments.evaluate import evaluate_tags
+from starpo_jax.models.loading import save_model
+from starpo_jax.rollout.multi_turn import first_prompts
+from starpo_jax.rollout.parsing import parse_response_text
+from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.runtime import checkpoint, sharding
+from starpo_jax.runtime.caches import setup_compilation_cache
+from starpo_jax.runtime.experiment import (
+    ConfigError,
+    check_config,
+    device_mesh,
+    load_policy,
+    rollout_plan,
+    tokenized_plan,
+    train_settings,
+)
+from starpo_jax.train import init_train_state, policy_weights
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/learn_bandit.py"  # the learning preset
 EVAL_BATCH = 64  # levels per compiled validation rollout (experiments.evaluate's --batch default)
@@ -102,8 +128,6 @@ def trl_settings(config) -> tuple[dict, list[str]]:
 
     One line per setting. Raises ``ConfigError`` where TRL has no counterpart.
     """
-    from starpo_jax.runtime.experiment import ConfigError
-
     r, a, alg, rw = config.rollout, config.actor, config.algorithm, config.reward
     batch, group = iteration_batch(config), int(config.envs.train.group_size)
     mini, micro = int(a.ppo_mini_batch_size), int(a.micro_batch_size)
@@ -207,11 +231,6 @@ def filter_note(config, keep_filter: bool) -> str:
 def bandit_prompts(config, tokenizer) -> dict[bool, str]:
     """``{hi_first: prompt text}``: starpo-jax's first-turn prompt tokens, from the rollout's
     tables and its ``first_prompts``, for both arm orders, decoded as they are."""
-    import jax.numpy as jnp
-
-    from starpo_jax.rollout.multi_turn import first_prompts
-    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
-
     plan = rollout_plan(config, "train")
     tag = _bandit_tag(plan)
     plan, tables = tokenized_plan(config, "train", dataclasses.replace(plan, tags=(tag,)), tokenizer, None)
@@ -224,9 +243,6 @@ def bandit_prompts(config, tokenizer) -> dict[bool, str]:
 
 
 def _bandit_tag(plan):
-    from envs_jax.bandit import Bandit
-    from starpo_jax.runtime.experiment import ConfigError
-
     if len(plan.tags) != 1 or not isinstance(plan.tags[0].env, Bandit):
         raise ConfigError(f"bench_peer trains one Bandit tag; envs.train.tags is {tuple(t.name for t in plan.tags)}.")
     return plan.tags[0]
@@ -240,8 +256,6 @@ def score_completion(text: str, hi_first: bool, env, plan, u: float) -> tuple[fl
     ``payout`` for the uniform draw ``u``; an answer that is no arm (or names an unknown one) adds
     ``rollout.format_penalty``.
     """
-    from starpo_jax.rollout.parsing import parse_response_text
-
     lo, hi = env.lo_hi_names
     names = (hi, lo) if hi_first else (lo, hi)
     parsed = parse_response_text(text, names, plan.max_actions_per_turn, plan.enable_think)
@@ -268,10 +282,6 @@ class BanditReward(Protocol):
 
 def reward_function(config, seed: int) -> BanditReward:
     """TRL reward function: the env rule on each completion; its draws from ``seed``."""
-    import numpy as np
-
-    from starpo_jax.runtime.experiment import rollout_plan
-
     plan = rollout_plan(config, "train")
     env = _bandit_tag(plan).env
     rng = np.random.default_rng(seed)
@@ -298,9 +308,6 @@ def reward_function(config, seed: int) -> BanditReward:
 def export_base(config, folder: Path):
     """(folder, tokenizer): the config's starting model as a Hugging Face folder (the project's
     exporter) and its tokenizer."""
-    from starpo_jax.models.loading import save_model
-    from starpo_jax.runtime.experiment import load_policy
-
     model, tokenizer = load_policy(config)
     return save_model(model.merge(), tokenizer, folder), tokenizer
 
@@ -326,15 +333,7 @@ def per_step_means(values: list, batch: int) -> list[float]:
 
 def export_starpo_checkpoints(run_dir: Path) -> dict[int, Path]:
     """{step: HF folder} for every checkpoint run.py kept (the final one is its ``hf_policy/``)."""
-    import jax
-
-    from configs import base
-    from starpo_jax.models.loading import save_model
-    from starpo_jax.runtime import checkpoint
-    from starpo_jax.runtime.experiment import load_policy, rollout_plan, train_settings
-    from starpo_jax.train import init_train_state, policy_weights
-
-    config = base.saved_config(run_dir / "config.json")
+    config = saved_config(run_dir / "config.json")
     steps = checkpoint.saved_steps(run_dir / "checkpoints")
     folders = {}
     model = tokenizer = None
@@ -356,7 +355,7 @@ class _StepTimer:
     """A TrainerCallback timing each optimizer step (generation, scoring and update; no saving)."""
 
     def __init__(self):
-        from transformers import TrainerCallback
+        from transformers import TrainerCallback  # the TRL side's, imported with it
 
         timer = self
 
@@ -374,13 +373,10 @@ class _StepTimer:
 
 def run_trl(config, base: Path, prompts: dict[bool, str], steps: int, out: Path, log) -> dict:
     """Train with TRL's GRPOTrainer; returns step times and {step: checkpoint folder}."""
-    import numpy as np
-    import torch
+    import torch  # these four, the peer extra, are imported where they are used: not in the default install
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
-
-    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
 
     kwargs, _ = trl_settings(config)
     per_iteration = iteration_batch(config) // int(config.actor.ppo_mini_batch_size) * kwargs["num_iterations"]
@@ -435,11 +431,6 @@ def evaluate_folder(config, folder: Path, levels: int) -> dict:
     """``experiments.evaluate``'s evaluator on one HF folder, with the config's validation tags,
     levels (``envs.val.seed``), prompt and sampling settings (``rollout.val_temperature``): the
     same for every policy scored."""
-    from experiments.evaluate import evaluate_tags
-    from starpo_jax.rollout.sampling import sampling_policy
-    from starpo_jax.runtime import sharding
-    from starpo_jax.runtime.experiment import device_mesh, load_policy
-
     config = copy.deepcopy(config)
     config.model.source, config.model.random_init_preset = str(folder), ""
     model, tokenizer = load_policy(config)
@@ -477,7 +468,7 @@ def curve(seconds: list[float], successes: dict[int, dict]) -> list[dict]:
 
 
 def write_chart(report: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # here: seconds to import, and the backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -509,10 +500,6 @@ def main(argv=None) -> int:
     except ImportError:
         print(f"error: {NO_TRL}", file=sys.stderr)
         return 2
-    from tqdm import tqdm
-
-    from experiments.bench import common
-    from starpo_jax.runtime.experiment import ConfigError, check_config
 
     log = tqdm.write
     out = Path(args.out)
@@ -526,9 +513,6 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, KeyError, AttributeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import jax
-
-    from starpo_jax.runtime.caches import setup_compilation_cache
 
     setup_compilation_cache()  # the checkpoints' evaluations reuse one compilation
     steps = int(config.trainer.total_steps)
@@ -554,7 +538,7 @@ def main(argv=None) -> int:
         for s in ([side] if side != "base" else list(scored)):
             scored[s][step] = success
     trl_kwargs, _ = trl_settings(config)
-    import trl as trl_module
+    import trl as trl_module  # the peer extra (checked above)
 
     report = {
         "benchmark": "bench_peer",
