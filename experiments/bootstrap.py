@@ -13,7 +13,9 @@ its processes (``jax.distributed.initialize`` refuses once the backend has start
 above its other imports. Run as ``python -m experiments.run``, the guard does the early step from the
 command line alone (no config file is read: loading one imports the envs), then imports the command's
 module under its own name, whose imports sit at the top as in any module, and calls its ``run()``.
-Imported as a library, the module skips the guard. This module imports nothing that starts the backend.
+Imported as a library, the module skips the guard. Commands with nothing to do first (``evaluate``,
+``report``, ``curves``, the benchmarks) keep the usual guard at their end. This module imports nothing
+that starts the backend.
 """
 
 from __future__ import annotations
