@@ -32,6 +32,32 @@ import re
 import sys
 from pathlib import Path
 
+import jax
+from tqdm import tqdm
+
+import envs_jax
+from configs import base
+from experiments.curves import wilson
+from starpo_jax.diagnostics import fixed_levels
+from starpo_jax.format_warmup import RandomAnswers, answer_pieces, check_named_actions
+from starpo_jax.models.loading import ModelLoadError
+from starpo_jax.rollout.multi_turn import chunk_plan
+from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.runtime import checkpoint, sharding
+from starpo_jax.runtime.caches import setup_compilation_cache
+from starpo_jax.runtime.checkpoint import CheckpointError
+from starpo_jax.runtime.experiment import (
+    ConfigError,
+    device_mesh,
+    load_policy,
+    model_compute,
+    rollout_plan,
+    tokenized_plan,
+    train_settings,
+)
+from starpo_jax.runtime.settings import check_settings
+from starpo_jax.train import init_train_state, policy_weights
+
 SUITES = {
     "sokoban": ("SimpleSokoban",),
     "frozen_lake": ("FrozenLake",),
@@ -88,8 +114,6 @@ def out_note(out: Path) -> str:
 
 
 def suite_tags(name: str) -> tuple[str, ...]:
-    import envs_jax
-
     if name in SUITES:
         return SUITES[name]
     if envs_jax.is_known(name):
@@ -100,9 +124,6 @@ def suite_tags(name: str) -> tuple[str, ...]:
 def evaluated_config(args):
     """The config an evaluation plays by: a run folder's own, else the base config with ``--model``
     and a dtype for this device; then the rollout flags given. A copy: the run's is not changed."""
-
-    from configs import base
-
     if is_run_folder(args.model):
         config = base.saved_config(Path(args.model) / "config.json")
     else:
@@ -116,8 +137,6 @@ def evaluated_config(args):
 
 def tag_config(config, tag: str, levels: int):
     """``config`` with its validation side set to ``levels`` levels of ``tag``, one row each (a copy)."""
-    from configs import base
-
     side = {"envs.val.tags": (tag,), "envs.val.n_groups": (levels,), "envs.val.group_size": 1}
     return base.with_overrides(config, side)
 
@@ -127,9 +146,6 @@ def check_evaluation(config, tags, batch: int):
     plan (its env and budgets), and the mesh against the batch of levels. Not ``check_config``,
     which checks the training side too (its batch split and mesh): an evaluation does not train,
     and a run trained on other devices must still evaluate here. Returns the mesh."""
-    from starpo_jax.runtime.experiment import device_mesh, model_compute, rollout_plan
-    from starpo_jax.runtime.settings import check_settings
-
     check_settings(config)
     model_compute(config)
     for tag in tags:
@@ -140,12 +156,6 @@ def check_evaluation(config, tags, batch: int):
 def load_evaluated_policy(config, source: str, trained: bool = True):
     """``(model, tokenizer)``: a run folder's trained policy (its latest checkpoint; not read unless
     ``trained``), else the model ``config`` names."""
-    import jax
-
-    from starpo_jax.runtime import checkpoint
-    from starpo_jax.runtime.experiment import load_policy, rollout_plan, train_settings
-    from starpo_jax.train import init_train_state, policy_weights
-
     model, tokenizer = load_policy(config)
     if trained and is_run_folder(source):
         run_dir = Path(source)
@@ -158,21 +168,12 @@ def load_evaluated_policy(config, source: str, trained: bool = True):
 
 
 def _on_gpu() -> bool:
-    import jax
-
     return jax.default_backend() == "gpu"
 
 
 def evaluate(args, checked=lambda: None) -> dict:
     """The report of ``args``' evaluation; ``checked()`` is called once the inputs are checked and
     the policy loaded, before the rollouts."""
-    import jax
-
-    from starpo_jax.format_warmup import check_named_actions
-    from starpo_jax.rollout.sampling import sampling_policy
-    from starpo_jax.runtime import sharding
-    from starpo_jax.runtime.experiment import ConfigError, rollout_plan
-
     tags = suite_tags(args.suite)
     batch = min(args.batch, args.levels)
     if args.levels % batch:
@@ -197,11 +198,6 @@ def evaluate_tags(config, tags, policy, tokenizer, levels: int, batch: int, rand
     """Success and friends per env tag, over ``levels`` fixed levels each, ``batch`` a call: the
     levels of seeds ``envs.val.seed`` on, continuing from tag to tag, at ``rollout.val_temperature``.
     ``random_valid``: uniformly random valid answers (``RandomAnswers``) instead of the policy's."""
-    import jax
-    from tqdm import tqdm
-
-    from starpo_jax.diagnostics.fixed_levels import evaluate_levels
-
     results, seed = {}, int(config.envs.val.seed)
     bar = tqdm(total=levels * len(tags), desc="evaluate", unit="level")
     for tag in tags:
@@ -209,8 +205,9 @@ def evaluate_tags(config, tags, policy, tokenizer, levels: int, batch: int, rand
         played = tag_levels(config, tag, levels, batch, tokenizer, policy.merge().config.vocab_size, seed, random_valid)
         seed += levels
         # Every tag from key 0: each plays its levels apart from the others'.
-        result = evaluate_levels(played, policy, jax.random.PRNGKey(0), float(config.rollout.val_temperature), "val",
-                                 progress=lambda chunks: bar.update(chunks * batch))
+        result = fixed_levels.evaluate_levels(played, policy, jax.random.PRNGKey(0),
+                                              float(config.rollout.val_temperature), "val",
+                                              progress=lambda chunks: bar.update(chunks * batch))
         results[tag] = tag_results(result.metrics, tag, levels) | {"seconds": result.seconds}
     bar.close()
     return results
@@ -220,22 +217,15 @@ def tag_levels(config, tag: str, levels: int, batch: int, tokenizer, vocab_size:
                random_valid: bool):
     """``levels`` levels of ``tag`` from seed ``first_seed`` on, one row each, ``batch`` a call
     (``diagnostics.fixed_levels``); answered by ``RandomAnswers`` when ``random_valid``."""
-    from starpo_jax.diagnostics.fixed_levels import fixed_levels
-    from starpo_jax.format_warmup import RandomAnswers, answer_pieces
-    from starpo_jax.rollout.multi_turn import chunk_plan
-    from starpo_jax.runtime.experiment import rollout_plan, tokenized_plan
-
     one_tag = tag_config(config, tag, levels)
     plan, tables = tokenized_plan(one_tag, "val", rollout_plan(one_tag, "val"), tokenizer, vocab_size)
     chunks = levels // batch
     responder = RandomAnswers(chunk_plan(plan, chunks), answer_pieces(tokenizer, plan, tables)) if random_valid else None
-    return fixed_levels(plan, tables, first_seed, chunks, responder)
+    return fixed_levels.fixed_levels(plan, tables, first_seed, chunks, responder)
 
 
 def tag_results(metrics: dict, tag: str, levels: int) -> dict:
     """One tag's row of the report, from its ``val/`` metrics over ``levels`` levels."""
-    from experiments.curves import wilson
-
     success = metrics[f"val/{tag}/success"]
     return {
         "success": success,
@@ -262,10 +252,6 @@ def format_table(report: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out) if args.out else default_out(args.model, args.suite, args.levels, args.policy)
-    from starpo_jax.models.loading import ModelLoadError
-    from starpo_jax.runtime.caches import setup_compilation_cache
-    from starpo_jax.runtime.checkpoint import CheckpointError
-    from starpo_jax.runtime.experiment import ConfigError
 
     setup_compilation_cache()  # before the first compile
     try:
