@@ -60,7 +60,7 @@ def bench_jax(model: ModelState, config: ModelConfig, prompts: np.ndarray, new_t
 
 
 def hf_model(config: ModelConfig, device: str):
-    import torch
+    import torch  # torch, here and below, only for the transformers baseline: not in the default install
     import transformers
 
     torch.manual_seed(0)
