@@ -10,7 +10,7 @@ benchmark that imports another.
 
 Libraries, without a ``main``: common (the machine, the clock, writing the JSON report and its chart
 through charts), generation_timing (for generate, step, append_window), rollout_timing (for rollout
-and step), hlo_bytes (for step).
+and step), hlo_bytes (for step and ceilings: the bytes and the products' FLOPs of a compiled program).
 
 GPU lease scripts (bash, not Python): gpu_window.sh (a whole lease in priority order),
 gpu_decode_check.sh (its decode checks alone), and gpu_lib.sh, which both source."""

@@ -12,20 +12,59 @@ compile and a warm-up run; ``cpu_per_wall`` is the process's CPU time over wall 
 busy). Other work on the machine lowers both: the report records the load average, and a figure
 taken under load is not this machine's ceiling.
 
+``--config PATH`` (repeatable; ``--config.KEY=VALUE`` overrides apply to each) adds the account of
+one training iteration of that config, as ``experiments.run`` runs it (its bundled weights, its
+compiled ``collect`` and ``learn``), phase by phase: the first turn's prefill, the later turns'
+appends, the decode, and the update (forward, backward and rematerialisation in one program).
+``--steps`` warm iterations are timed (median); ``collect`` is one program, so its phases are timed
+as programs of their own on the last iteration's shapes (``sampling.append``, ``sampling.decode``
+for as many steps as that turn's longest answer, ``LLMResponder.prefill_first_prompts``), and what
+the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per phase:
+
+- FLOPs from the shapes (``phase_flops``: the products of the real tokens, prompts counted once
+  per group where the program shares them; an update's backward twice its forward, and the
+  rematerialised products once more), and from XLA: the matrix products of the compiled program
+  (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed, padding and
+  masked cache slots included), and ``compiled.cost_analysis()`` as XLA reports it (a loop's body
+  counted once);
+- bytes: weights and KV cache read and written (the least the phase must move) and what the
+  compiled program accesses (``hlo_bytes.hlo_bytes``);
+- the ceiling that binds: the time the least work would take at the measured peak FLOP/s or copy
+  bandwidth, whichever is longer, as a fraction of the measured time ("of ceiling"); and the same
+  for what XLA computes ("XLA work").
+
     python -m experiments.bench.ceilings                   # writes bench_results/bench_ceilings.json
     python -m experiments.bench.ceilings --quick           # smoke run
+    python -m experiments.bench.ceilings --config configs/learn_bandit.py --config configs/learn_frozen_lake.py
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
 
-from experiments.bench.common import machine, markdown_table, write_markdown, write_report
+from experiments.bench.common import (
+    build_or_exit,
+    machine,
+    markdown_table,
+    parse_with_overrides,
+    write_markdown,
+    write_report,
+)
+from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
+from starpo_jax.forward import policy_tokens_per_row, share_rows
+from starpo_jax.rollout import sampling
+from starpo_jax.rollout.multi_turn import LLMResponder
+from starpo_jax.runtime.planning import iteration_program, kv_bytes_per_token
+from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,14 +74,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, help="MiB of the array copied in place (default 512; --quick 16)")
     p.add_argument("--repeats", type=int, help="timed runs of each, median reported (default 5; --quick 2)")
     p.add_argument("--quick", action="store_true", help="smoke run: smaller sizes, fewer repeats")
+    p.add_argument("--config", action="append", default=[],
+                   help="also account one iteration of this config (file[:preset]) phase by phase; repeatable")
+    p.add_argument("--steps", type=int, default=3, help="warm iterations timed per --config (median)")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else ran)")
     p.add_argument("--out", default="bench_results/bench_ceilings.json")
-    args = p.parse_args(argv)
+    args = parse_with_overrides(p, argv)
     defaults = {"size": 256, "copy_mib": 16, "repeats": 2} if args.quick else {"size": 2048, "copy_mib": 512, "repeats": 5}
     for name, default in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    for name in ("size", "copy_mib", "repeats"):
+    for name in ("size", "copy_mib", "repeats", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive whole number, not {getattr(args, name)}")
     return args
@@ -86,6 +128,185 @@ def copy_ceiling(mib: int, repeats: int) -> dict:
             "gb_per_s": moved / statistics.median(seconds) / 1e9, "cpu_per_wall": cpu_per_wall}
 
 
+# ---- one iteration of a config, phase by phase -----------------------------------------------------
+
+
+def linear_params(config) -> int:
+    """Weights of one token's products through the blocks (attention and MLP projections)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return c.num_layers * (2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size)
+
+
+def phase_flops(config, tokens: int, attended: int, logits: int) -> int:
+    """FLOPs of ``tokens`` positions through the model, ``attended`` (query, key) pairs summed over
+    them (scores and the weighted sum of values, every head and layer), and ``logits`` vocabulary
+    projections."""
+    c = config
+    return (2 * linear_params(c) * tokens + 4 * c.num_layers * c.num_heads * c.head_dim * attended
+            + 2 * c.hidden_size * c.vocab_size * logits)
+
+
+def _triangle(start, count):
+    """Sum of ``start + 1 .. start + count`` per element: the slots attended by ``count`` tokens
+    appended after ``start`` held ones."""
+    start, count = np.asarray(start, np.int64), np.asarray(count, np.int64)
+    return int(np.sum(count * start + count * (count + 1) // 2))
+
+
+def xla_counts(compiled, unknown_trips: int = 1) -> dict:
+    """What XLA says a compiled program does: its products' FLOPs and the bytes it accesses, loops
+    counted by their trip counts (``unknown_trips`` for the decode loop), and ``cost_analysis()``."""
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    return {"flops": hlo_flops(text, unknown_trips), "bytes": hlo_bytes(text, unknown_trips)[0],
+            "cost_analysis_flops": float(cost.get("flops", 0.0)),
+            "cost_analysis_bytes": float(cost.get("bytes accessed", 0.0))}
+
+
+def _timed_median(run, repeats: int) -> list[float]:
+    return timed_runs(run, repeats)[0]
+
+
+def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
+    """The rollout's prefill, appends and decode as programs of their own on ``traj``'s shapes:
+    their FLOPs and bytes from the shapes and from XLA, and their seconds (median of ``repeats``)."""
+    plan, settings = exp.train_plan, exp.settings
+    policy = sampling.sampling_policy(exp.model.graphdef, policy_weights(settings, state))
+    config = policy.merge().config
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(policy.params))
+    kv = kv_bytes_per_token(config)
+    B, G = plan.batch_size, plan.num_groups
+    start, end, played = (np.asarray(x) for x in jax.device_get((traj.turn_start, traj.turn_end, traj.turn_played)))
+    held = np.concatenate([np.zeros((B, 1), np.int32), end[:, :-1]], axis=1)  # tokens before each turn's prompt
+    prompt = np.where(played, start - held, 0)
+    answer = np.where(played, end - start, 0)
+    rng = np.random.default_rng(0)
+    vocab = config.vocab_size
+    empty = sampling.init_cache(config, B, plan.max_len)
+    phases: list[dict] = []
+
+    def add(name, turn, compiled, args, flops, least_bytes, trips=1):
+        phases.append({"phase": name, "turn": turn, "flops": flops, "least_bytes": least_bytes,
+                       "xla": xla_counts(compiled, trips), "runs_s": _timed_median(lambda: compiled(*args), repeats)})
+
+    # The first turn: each group's prompt computed once (LLMResponder.prefill_first_prompts).
+    first_width = max(t.prompts.first_len for t in exp.train_tables.tags)
+    ids = np.repeat(rng.integers(0, vocab, (G, first_width), np.int32), plan.group_size, axis=0)
+    n0 = prompt[:, 0]
+    prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
+    args: tuple = (policy, ids, n0, empty)
+    leaders = n0[:: plan.group_size]
+    add("prefill", 1, prefill.lower(*args).compile(), args,
+        phase_flops(config, int(leaders.sum()), _triangle(0, leaders), G),
+        weights + int(leaders.sum()) * kv)
+    next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
+    for t in range(start.shape[1]):
+        active = played[:, t]
+        if not active.any():
+            break
+        if t:  # a later turn's prompt appended to every row still playing
+            cache = empty.replace(lengths=held[:, t].astype(np.int32))
+            args = (policy, cache, rng.integers(0, vocab, (B, next_width), np.int32), prompt[:, t].astype(np.int32))
+            n = prompt[:, t]
+            add("appends", t + 1, sampling.append.lower(*args).compile(), args,
+                phase_flops(config, int(n.sum()), _triangle(held[:, t], n), int(active.sum())),
+                weights + int((held[:, t] * active).sum() + n.sum()) * kv)
+        steps = int(answer[:, t].max())
+        if steps == 0:
+            continue
+        cache = empty.replace(lengths=start[:, t].astype(np.int32))
+        logits = np.zeros((B, vocab), np.float32)
+
+        def decode(model, cache, logits, key, active, steps=steps):
+            return sampling.decode(model, cache, logits, key, max_new_tokens=steps, temperature=settings.rollout_temperature,
+                                   top_k=plan.top_k, top_p=plan.top_p, stop_tokens=jnp.asarray([-1], jnp.int32),
+                                   active=active, pad_id=plan.pad_id)
+
+        args = (policy, cache, logits, jax.random.key(t), jnp.asarray(answer[:, t] > 0))
+        a = answer[:, t]  # the real loop runs until its longest answer ends: every row decodes that many steps
+        add("decode", t + 1, jax.jit(decode).lower(*args).compile(), args,
+            phase_flops(config, int(a.sum()), _triangle(start[:, t], a), int(a.sum())),
+            steps * weights + _triangle(start[:, t], a) * kv, trips=steps)
+    return phases
+
+
+def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
+    """The update (``learn``, compiled for ``layout``): its FLOPs from the shapes, forward,
+    backward and rematerialisation apart, and from XLA; the least bytes (weights, gradients and
+    the optimiser's moments)."""
+    plan, settings = exp.train_plan, exp.settings
+    config = exp.model.merge().config
+    M = settings.kept_groups * plan.group_size
+    length, split = (np.asarray(x) for x in jax.device_get((traj.length, traj.turn_start[:, 0])))
+    # The kept rows are the filter's; every row of the batch stands in for them at its mean size.
+    first = float(split.mean())  # each group's first prompt, once per group
+    rest = float((length - split).mean())  # the rest of a row
+    answers = float(np.asarray(traj.response_tokens).mean())
+    groups = settings.kept_groups
+    tokens = groups * first + M * rest
+    attended = groups * first * (first + 1) / 2 + M * (rest * first + rest * (rest + 1) / 2)
+    forward = phase_flops(config, int(tokens), int(attended), int(M * answers))
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * int(attended)
+    logits = 2 * config.hidden_size * config.vocab_size * int(M * answers)
+    remat = {"none": logits, "dots": logits + attention, "layer": forward}[config.remat]
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(exp.model.params))
+    micro = M // settings.micro_batch_size * settings.ppo_epochs
+    steps = M // settings.ppo_mini_batch_size * settings.ppo_epochs
+    return {"phase": "update", "turn": None, "flops": 3 * forward + remat,
+            "flops_parts": {"forward": forward, "backward": 2 * forward, "remat": remat},
+            "least_bytes": micro * 3 * weights + steps * 7 * weights,
+            "layout": {"prefix": layout.prefix, "width": layout.width, "share": share_rows(settings, plan.group_size),
+                       "rows": M, "logit_positions": policy_tokens_per_row(plan)},
+            "xla": xla_counts(learn), "runs_s": seconds}
+
+
+def account(path: str, overrides: list[str], steps: int, peak_flops: float, bandwidth: float, bar) -> dict:
+    """One iteration of a config as ``experiments.run`` runs it, phase by phase (the docstring)."""
+    exp = build_or_exit(path, overrides)
+    plan, settings = exp.train_plan, exp.settings
+    iteration = jit_iteration(make_train_step(*iteration_program(exp)), settings, plan)
+    state = init_train_state(settings, exp.model, jax.random.PRNGKey(0))
+    jitted_learn: Any = iteration.learn
+    collect = jax.jit(iteration.collect).lower(state, exp.train_tables, jax.random.PRNGKey(0)).compile()
+    learns: dict = {}
+    times: dict[str, list[float]] = {"rollout": [], "update": []}
+    for i in range(steps + 1):  # the first iteration warms up
+        t0 = time.perf_counter()
+        traj = jax.block_until_ready(collect(state, exp.train_tables, jax.random.PRNGKey(i)))
+        rollout_s = time.perf_counter() - t0
+        layout = iteration.layout(traj)
+        if layout not in learns:  # the run compiles the update once per layout too
+            learns[layout] = jitted_learn.lower(state, traj, exp.hyper, layout).compile()
+        kept = traj  # learn donates the state, not the trajectories
+        t0 = time.perf_counter()
+        state, _ = jax.block_until_ready(learns[layout](state, traj, exp.hyper))
+        if i:
+            times["rollout"].append(rollout_s)
+            times["update"].append(time.perf_counter() - t0)
+        bar.update()
+    phases = rollout_phases(exp, state, kept, steps)
+    phases.append(update_phase(exp, learns[layout], kept, layout, times["update"]))
+    bar.update()
+    measured = sum(statistics.median(p["runs_s"]) for p in phases if p["phase"] != "update")
+    for p in phases:
+        seconds = statistics.median(p["runs_s"])
+        least = max(p["flops"] / peak_flops, p["least_bytes"] / bandwidth)
+        xla = max(p["xla"]["flops"] / peak_flops, p["xla"]["bytes"] / bandwidth)
+        p |= {"seconds": seconds, "bound": "FLOPs" if p["flops"] / peak_flops >= p["least_bytes"] / bandwidth else "bytes",
+              "of_ceiling": least / seconds, "xla_of_ceiling": xla / seconds}
+    config = exp.model.merge().config
+    return {
+        "config": path, "overrides": overrides, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
+        "rows": plan.batch_size, "max_turn": plan.max_turn, "response_length": plan.response_length,
+        "max_len": plan.max_len, "remat": config.remat, "steps": steps,
+        "iteration_s": {k: statistics.median(v) for k, v in times.items()}, "runs_s": times,
+        "rollout_rest_s": statistics.median(times["rollout"]) - measured,
+        "generated_tokens": int(np.asarray(kept.response_tokens).sum()), "phases": phases,
+    }  # fmt: skip
+
+
 def markdown(report: dict) -> str:
     m, mm, cp = report["machine"], report["matmul"], report["copy"]
     head = (f"bench_ceilings, {m['device_kind']} ({m['jax_platform']}, {m['cpu_count']} cores, jax {m['jax']}), "
@@ -96,14 +317,32 @@ def markdown(report: dict) -> str:
         [f"in-place pass over {cp['bytes'] / 2**20:.0f} MiB", f"{cp['gb_per_s']:.1f} GB/s",
          f"{min(cp['runs_s']):.4f}-{max(cp['runs_s']):.4f}", f"{cp['cpu_per_wall']:.2f}"],
     ]
-    return head + "\n\n" + markdown_table(["ceiling", "median", "runs (s)", "cores busy"], rows)
+    parts = [head, markdown_table(["ceiling", "median", "runs (s)", "cores busy"], rows)]
+    for a in report.get("accounts", []):
+        it = a["iteration_s"]
+        parts.append(f"{a['config']}: {a['rows']} rows x {a['max_turn']} turns, answers <= {a['response_length']}, "
+                     f"context {a['max_len']}, {a['model']}, remat {a['remat']}; iteration {it['rollout']:.1f} s "
+                     f"rollout + {it['update']:.1f} s update (median of {a['steps']}), rollout besides its phases "
+                     f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated")
+        rows = [[p["phase"], p["turn"] or "", f"{p['flops'] / 1e9:.1f}", f"{p['xla']['flops'] / 1e9:.1f}",
+                 f"{p['xla']['cost_analysis_flops'] / 1e9:.1f}", f"{p['least_bytes'] / 1e9:.2f}",
+                 f"{p['xla']['bytes'] / 1e9:.2f}", f"{p['seconds']:.2f}", p["bound"], f"{100 * p['of_ceiling']:.0f}%",
+                 f"{100 * p['xla_of_ceiling']:.0f}%"] for p in a["phases"]]  # fmt: skip
+        parts.append(markdown_table(["phase", "turn", "GFLOP (shapes)", "GFLOP (XLA)", "GFLOP (cost_analysis)",
+                                     "GB least", "GB (XLA)", "s", "bound", "of ceiling", "XLA work"], rows))
+    return "\n\n".join(parts)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    report = {"machine": machine(args.note), "matmul": matmul_ceiling(args.size, args.repeats),
+    report: dict[str, Any] = {"machine": machine(args.note), "matmul": matmul_ceiling(args.size, args.repeats),
               "copy": copy_ceiling(args.copy_mib, args.repeats)}
     report["machine_balance_flop_per_byte"] = report["matmul"]["gflop_per_s"] / report["copy"]["gb_per_s"]
+    if args.config:
+        peak, bandwidth = report["matmul"]["gflop_per_s"] * 1e9, report["copy"]["gb_per_s"] * 1e9
+        with tqdm(total=len(args.config) * (args.steps + 2), desc="iterations", unit="it") as bar:
+            report["accounts"] = [account(path, args.overrides, args.steps, peak, bandwidth, bar) for path in args.config]
+        report["load_average_after"] = list(os.getloadavg())
     text = markdown(report)
     print(text, flush=True)
     write_report(report, args.out)

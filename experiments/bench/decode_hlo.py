@@ -52,10 +52,10 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     count_bytes, name = step.hlo_bytes, [""]
 
-    def saving_hlo_bytes(text):
+    def saving_hlo_bytes(text, *rest):
         with open(os.path.join(args.out, f"{name[0]}.hlo.txt"), "w") as f:
             f.write(text)
-        return count_bytes(text)
+        return count_bytes(text, *rest)
 
     step.hlo_bytes = saving_hlo_bytes
     records = []

@@ -56,7 +56,62 @@ def _sliced_parameters(parsed) -> dict[int, int]:
     }
 
 
-def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """The module's computations (name -> instruction lines) and the entry computation's name."""
+    computations: dict[str, list[str]] = {}
+    name, entry = None, ""
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name and line.strip() and line.strip() != "}":
+            computations[name].append(line)
+    return computations, entry
+
+
+def _trips(attrs: str, unknown_trips: int) -> int:
+    """A while loop's known trip count, else ``unknown_trips`` (a loop that ends on its data)."""
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+    return int(trips.group(1)) if trips else unknown_trips
+
+
+def hlo_flops(hlo_text: str, unknown_trips: int = 1) -> int:
+    """FLOPs of an optimised HLO module's matrix products (``dot``: 2 × result elements × the
+    contracted size), fused ones included, loops counted by their trip counts (``unknown_trips``
+    for a loop without a known one, such as a decode loop that ends when every row has stopped).
+    Elementwise work is left out: in a transformer it is a few per cent of the products'."""
+    computations, entry = _computations(hlo_text)
+
+    def walk(comp: str, times: int) -> int:
+        shapes, total = {}, 0
+        for line in computations[comp]:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            inst, shape, op, operands, attrs = m.groups()
+            shapes[inst] = shape
+            if op == "while":
+                total += walk(_group(r"body=%(\S+?)[,\s]", attrs + " "), times * _trips(attrs, unknown_trips))
+                continue
+            if op == "dot":
+                lhs = _group(r"%([\w.-]+)", operands)
+                dims = [int(d) for d in _group(r"\[([\d,]*)\]", shapes.get(lhs, "[]")).split(",") if d]
+                contracted = [int(i) for i in _group(r"lhs_contracting_dims=\{([\d,]*)\}", attrs).split(",") if i]
+                out = [int(d) for d in _group(r"\[([\d,]*)\]", shape).split(",") if d]
+                total += 2 * int(np.prod(out or [1])) * int(np.prod([dims[i] for i in contracted] or [1])) * times
+            calls = r"(?:to_apply=|calls=|branch_computations=\{|, )" if op == "call" else r"(?:calls=|branch_computations=\{|, )"
+            for called in re.findall(calls + r"%([\w.-]+)", attrs):
+                if called in computations:  # a fusion's computation, or every branch (an upper bound)
+                    total += walk(called, times)
+        return total
+
+    return walk(entry, 1)
+
+
+def hlo_bytes(hlo_text: str, unknown_trips: int = 1) -> tuple[int, list[tuple[int, str]]]:
     """Bytes an optimised HLO module reads and writes, loops counted by their trip counts.
 
     XLA's own ``cost_analysis`` counts a while loop's body once, and a decode step is a loop over
@@ -67,19 +122,10 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
     in-place update (``dynamic-update-slice``, or a fusion
     whose result aliases its first operand and whose root is one) counts the bytes it writes twice
     (read and write) instead of the whole buffer. Returns the total and the biggest items
-    (bytes, instruction name and ``op_name``).
+    (bytes, instruction name and ``op_name``). ``unknown_trips``: the trips counted for a loop
+    without a known trip count (a decode loop that ends when every row has stopped).
     """
-    computations: dict[str, list[str]] = {}
-    name = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
-        if header:
-            name = header.group(1)
-            computations[name] = []
-            if line.startswith("ENTRY"):
-                entry = name
-        elif name and line.strip() and line.strip() != "}":
-            computations[name].append(line)
+    computations, entry = _computations(hlo_text)
     fused_roots, sliced, wrapped = {}, {}, {}
     for comp, lines in computations.items():
         parsed = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
@@ -109,9 +155,8 @@ def hlo_bytes(hlo_text: str) -> tuple[int, list[tuple[int, str]]]:
                 operands, attrs = starts[_group(r"%([\w.-]+)", operands)]
                 op = "copy" if op == "copy-done" else "fusion"
             if op == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
                 body = _group(r"body=%(\S+?)[,\s]", attrs + " ")
-                total += walk(body, times * (int(trips.group(1)) if trips else 1))
+                total += walk(body, times * _trips(attrs, unknown_trips))
                 continue
             if op in ("call", "conditional"):  # conditional: every branch counted (an upper bound)
                 for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.-]+)", attrs):

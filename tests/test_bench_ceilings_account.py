@@ -1,0 +1,69 @@
+"""``experiments.bench.ceilings --config``: one iteration's phases, counted from the shapes and by
+XLA, timed, and read against the machine's ceilings; and ``hlo_bytes.hlo_flops``, which counts a
+compiled program's products with its loops' trip counts."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments.bench import ceilings
+from experiments.bench.hlo_bytes import hlo_flops
+from helpers import TINY_MODEL_FLAGS
+from starpo_jax.models import preset
+
+
+def _compiled_scan(layers: int, rows: int = 8, width: int = 128):
+    def f(x, ws):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
+
+    args = jax.ShapeDtypeStruct((rows, width), jnp.float32), jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
+    return jax.jit(f).lower(*args).compile()
+
+
+def test_hlo_flops_counts_every_trip_of_a_loop_where_cost_analysis_counts_one():
+    compiled = _compiled_scan(6)
+    one_product = 2 * 8 * 128 * 128
+    assert hlo_flops(compiled.as_text()) == 6 * one_product
+    counts = ceilings.xla_counts(compiled)
+    assert counts["flops"] == 6 * one_product and counts["cost_analysis_flops"] == pytest.approx(one_product, rel=0.05)
+
+
+def test_a_loop_without_a_known_trip_count_counts_as_told():
+    def f(x, w):
+        return jax.lax.while_loop(lambda c: jnp.sum(c[0]) < 1e9, lambda c: (jnp.tanh(c[0] @ w) + 1, c[1]), (x, w))[0]
+
+    args = jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    text = jax.jit(f).lower(*args).compile().as_text()
+    assert hlo_flops(text, unknown_trips=5) == 5 * hlo_flops(text) == 5 * 2 * 8 * 128 * 128
+
+
+def test_phase_flops_of_one_token_is_two_per_weight_of_its_products():
+    config = preset("tiny-llama")
+    c = config
+    per_layer = (2 * c.hidden_size * c.num_heads * c.head_dim + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+                 + 3 * c.hidden_size * c.intermediate_size)
+    assert ceilings.phase_flops(config, 1, 0, 0) == 2 * c.num_layers * per_layer
+    assert ceilings.phase_flops(config, 0, 0, 1) == 2 * c.hidden_size * c.vocab_size
+    assert ceilings._triangle([0, 10], [3, 1]) == (1 + 2 + 3) + 11
+
+
+def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
+    """Two FrozenLake turns of a tiny model: every phase counted, timed and read against a ceiling."""
+    report = ceilings.main([
+        "--quick", "--size", "64", "--copy-mib", "4", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "c.json"),
+        "--config", "configs/learn_frozen_lake.py", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)",
+        "--config.filter.ratio=0.5", "--config.actor.ppo_mini_batch_size=8", "--config.rollout.max_turn=2",
+        "--config.rollout.response_length=4", "--config.rollout.max_model_len=512",
+    ])  # fmt: skip
+    (account,) = report["accounts"]
+    phases = [(p["phase"], p["turn"]) for p in account["phases"]]
+    assert phases[:2] == [("prefill", 1), ("decode", 1)] and phases[-1] == ("update", None)
+    assert set(phases) <= {("prefill", 1), ("decode", 1), ("appends", 2), ("decode", 2), ("update", None)}
+    for p in account["phases"]:
+        assert p["seconds"] > 0 and 0 < p["of_ceiling"] and 0 < p["xla_of_ceiling"]
+        assert p["xla"]["flops"] >= p["xla"]["cost_analysis_flops"] * 0.9  # loops counted in full
+        assert 0.3 < p["flops"] / p["xla"]["flops"] < 1.5  # the shapes' count against what XLA computes
+    update = account["phases"][-1]
+    parts = update["flops_parts"]
+    assert parts["backward"] == 2 * parts["forward"] and update["flops"] == sum(parts.values())
+    assert "of ceiling" in (tmp_path / "c.md").read_text()
