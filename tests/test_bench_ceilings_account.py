@@ -34,6 +34,7 @@ def test_a_loop_without_a_known_trip_count_counts_as_told():
 
     args = jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((128, 128), jnp.float32)
     text = jax.jit(f).lower(*args).compile().as_text()
+    assert text is not None
     assert hlo_flops(text, unknown_trips=5) == 5 * hlo_flops(text) == 5 * 2 * 8 * 128 * 128
 
 
