@@ -72,6 +72,16 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
+def _instructions(lines: list[str], shapes: dict[str, str]):
+    """Each instruction of a computation's ``lines`` as ``(name, shape, op, operands, attributes)``,
+    its result shape recorded in ``shapes`` (what later operands are looked up in)."""
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if m:
+            shapes[m.group(1)] = m.group(2)
+            yield m.groups()
+
+
 def _trips(attrs: str, unknown_trips: int) -> int:
     """A while loop's known trip count, else ``unknown_trips`` (a loop that ends on its data)."""
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
@@ -86,13 +96,9 @@ def hlo_flops(hlo_text: str, unknown_trips: int = 1) -> int:
     computations, entry = _computations(hlo_text)
 
     def walk(comp: str, times: int) -> int:
-        shapes, total = {}, 0
-        for line in computations[comp]:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            inst, shape, op, operands, attrs = m.groups()
-            shapes[inst] = shape
+        shapes: dict[str, str] = {}
+        total = 0
+        for inst, shape, op, operands, attrs in _instructions(computations[comp], shapes):
             if op == "while":
                 total += walk(_group(r"body=%(\S+?)[,\s]", attrs + " "), times * _trips(attrs, unknown_trips))
                 continue
@@ -139,13 +145,9 @@ def hlo_bytes(hlo_text: str, unknown_trips: int = 1) -> tuple[int, list[tuple[in
     items: list[tuple[int, str]] = []
 
     def walk(comp: str, times: int) -> int:
-        shapes, starts, total = {}, {}, 0
-        for line in computations[comp]:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            inst, shape, op, operands, attrs = m.groups()
-            shapes[inst] = shape
+        shapes: dict[str, str] = {}
+        starts, total = {}, 0
+        for inst, shape, op, operands, attrs in _instructions(computations[comp], shapes):
             # An asynchronous pair (XLA:GPU's fusion-start/-done, copy-start/-done) counts once, at its
             # end, as the fusion or copy it runs: the start's result only echoes its operands.
             if op.endswith("-start"):
