@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import re
 import sys
@@ -56,6 +55,7 @@ from envs_jax.solvers.frozen_lake_dp import (
     turn_limited_success,
 )
 from envs_jax.solvers.sokoban_bfs import shortest_solution
+from experiments.bench.common import load_config as bench_config
 from experiments.curves import wilson
 from starpo_jax.runtime.experiment import ConfigError, rollout_plan
 
@@ -71,18 +71,15 @@ def parse_args(argv=None):
 
 
 def load_config(source: str) -> ConfigDict:
-    """A run folder's saved config, or a config file's ``get_config()``."""
+    """A run folder's saved config, or a config file[:preset] read as ``experiments.run`` reads it."""
     path = Path(source)
     if (path / "config.json").is_file():
         return base.saved_config(path / "config.json")
-    if path.suffix != ".py" or not path.is_file():
+    file = Path(source.split(":", 1)[0])
+    if file.suffix != ".py" or not file.is_file():
         raise ConfigError(f"--config {source!r} is neither a config file (configs/*.py) nor a run folder "
                           "with a config.json.")
-    spec = importlib.util.spec_from_file_location(f"_baselines_config_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return bench_config(source, [])
 
 
 def validated_tag(config: ConfigDict, levels: int | None):
