@@ -192,20 +192,9 @@ def frozen_lake_figures(env: FrozenLake, states: list, limits: dict, progress) -
         same.append(same_answer_success(state, **limits))
         share.append(first_answer_share(state, **limits))
         progress(1)
-    same_mean = np.mean(same, axis=0)
-    blind = int(np.argmax(same_mean))
-    answer_text = lambda row: " || ".join(env.action_names[a] for a in ids[row, :lengths[row]])  # noqa: E731
-    best_blind = max(float(same_mean[blind]), float(np.mean(random)))
-    return {
-        "exact": True, "is_slippery": env.is_slippery,
-        "closed_loop": float(np.mean(closed)),
-        "turn_limited": float(np.mean(best)),
-        "best_same_answer": float(same_mean[blind]), "best_same_answer_text": answer_text(blind),
-        "example_answer": float(same_mean[example]), "example_answer_text": answer_text(example),
-        "random_valid": float(np.mean(random)),
-        "levels_to_beat_blind": levels_to_clear(best_blind, len(states)),
-        "first_answer_share": float(np.nanmean(share)) if not np.isnan(share).all() else None,
-    }
+    return {"exact": True, "is_slippery": env.is_slippery,
+            "closed_loop": float(np.mean(closed)), "turn_limited": float(np.mean(best)),
+            **blind_figures(env, ids, lengths, example, same, random, share)}
 
 
 def sokoban_figures(env: Sokoban, states: list, limits: dict, progress) -> dict:
@@ -226,16 +215,23 @@ def sokoban_figures(env: Sokoban, states: list, limits: dict, progress) -> dict:
         random.append(success.mean())
         share.append(explained_share(reward))
         progress(1)
+    return {"exact": False, "closed_loop": float(np.mean(solvable)), "turn_limited": float(np.mean(solvable)),
+            **blind_figures(env, ids, lengths, example, same, random, share)}
+
+
+def blind_figures(env, ids: np.ndarray, lengths: np.ndarray, example: int, same: list, random: list,
+                  share: list) -> dict:
+    """The board-blind rows and what they imply, from each level's success of every answer of
+    ``all_answers`` given every turn (``same``), of random answers, and the first answer's share."""
     same_mean = np.mean(same, axis=0)
     blind = int(np.argmax(same_mean))
     answer_text = lambda row: " || ".join(env.action_names[a] for a in ids[row, :lengths[row]])  # noqa: E731
+    random_valid = float(np.mean(random))
     return {
-        "exact": False,
-        "closed_loop": float(np.mean(solvable)), "turn_limited": float(np.mean(solvable)),
         "best_same_answer": float(same_mean[blind]), "best_same_answer_text": answer_text(blind),
         "example_answer": float(same_mean[example]), "example_answer_text": answer_text(example),
-        "random_valid": float(np.mean(random)),
-        "levels_to_beat_blind": levels_to_clear(max(float(same_mean[blind]), float(np.mean(random))), len(states)),
+        "random_valid": random_valid,
+        "levels_to_beat_blind": levels_to_clear(max(float(same_mean[blind]), random_valid), len(same)),
         "first_answer_share": float(np.nanmean(share)) if not np.isnan(share).all() else None,
     }
 
