@@ -250,7 +250,7 @@ def test_kv_cache_bytes_are_those_of_the_cache_the_sampler_allocates():
     for name, dtype in (("tiny-llama", "float32"), ("tiny-qwen2", "bfloat16")):
         config = preset(name, dtype=dtype)
         cache = jax.eval_shape(lambda: KVCache.init(config, 3, 40))
-        allocated = sum(x.size * x.dtype.itemsize for x in (cache.k, cache.v))
+        allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
         assert planner.kv_cache_bytes(config, rows=3, length=40) == allocated, name
         assert planner.kv_bytes_per_token(config) * 3 * 40 == allocated, name
 

@@ -161,11 +161,11 @@ def placed(tree, spec):
 by_rows = lambda x: P() if x.ndim == 0 else P(sharding.ROWS)  # batch first; scalars replicated
 with sharding.use_mesh(mesh):
     model = ModelState(graphdef, placed(params, lambda x: P()))
-    cache = placed(sampling.init_cache(config, B, 32), lambda x: P(None, sharding.ROWS) if x.ndim == 5 else by_rows(x))
-    # The decode loop's state: the cache as one buffer per layer [B, kv_heads, 32, d], rows split.
+    # The cache is one buffer per layer [B, kv_heads, 32, d], rows split.
+    cache = placed(sampling.init_cache(config, B, 32), by_rows)
     first = (jnp.zeros((B,), jnp.int32), jnp.zeros((B,)))  # the first sampled tokens, log-probs
     hidden = jnp.zeros((B, config.hidden_size))
-    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c.unstack(), first, hidden, 4, None), cache)
+    state = jax.eval_shape(lambda c: sampling.initial_decode_state(c, first, hidden, 4, None), cache)
     state = placed(state, by_rows)
     weights = placed(jax.eval_shape(lambda m: m.merge().layers.per_layer(), model), lambda x: P())
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
@@ -178,7 +178,7 @@ with sharding.use_mesh(mesh):
 collective = r"= ([^=]+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
 local = f"{B // 2},{config.num_kv_heads},32,{config.head_dim}]"  # a device's half of a layer's cache
 print(json.dumps({"decode": re.findall(collective, decode), "prefill": re.findall(collective, prefill),
-                  "partitioned": f"[{local}" in decode and f"[{config.num_layers},{local}" in prefill}))
+                  "partitioned": f"[{local}" in decode and f"[{local}" in prefill}))
 """
 
 

@@ -253,7 +253,7 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
     # The blocks' weights split per layer, as the decode loop takes them (once per call).
     weights = jax.tree.map(on_cpu, jax.eval_shape(lambda m: m.merge().layers.per_layer(), model))
     state = jax.tree.map(on_cpu, jax.eval_shape(lambda: sampling.initial_decode_state(
-        sampling.init_cache(config, batch, window).unstack(), (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,))),
+        sampling.init_cache(config, batch, window), (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,))),
         jnp.zeros((batch, config.hidden_size), jnp.dtype(config.dtype)), 1, None)))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=cpu)
 

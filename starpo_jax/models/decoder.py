@@ -12,9 +12,10 @@ Layout choices:
   ``heads`` because 2 kv heads rarely divide a tensor-parallel axis), ``kv`` (the per-head feature
   axis, MaxText's name), ``mlp``. Activations carry the same names through
   ``with_logical_constraint``, a no-op until a rules table is set.
-- The KV cache is ``[layers, batch, kv_heads, max_len, head_dim]``: each head's keys are contiguous,
-  so the decode-time score and value products are plain batched matrix products (docs/benchmarks.md,
-  "Decode attention on CPU", has what the ``[.., max_len, kv_heads, ..]`` layout cost).
+- The KV cache holds one buffer per layer, each ``[batch, kv_heads, max_len, head_dim]``: each
+  head's keys are contiguous, so the decode-time score and value products are plain batched matrix
+  products (docs/benchmarks.md, "Decode attention on CPU", has what the ``[.., max_len, kv_heads, ..]``
+  layout cost).
 - Rows of a cache are ragged: each has its own length. ``extend`` writes each row's new tokens at
   that row's offset, continues its positions from there, and attends to the cached prefix
   (``slot < length``) plus the new block (causal); only the real tokens of the block are written.
@@ -30,19 +31,20 @@ Layout choices:
   XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T runs
   several times slower once the keys are large (``_keys_lead_the_product``).
 
-Decoding does not scan. The scan hands each block its weights and its slice of the stacked cache
-through dynamic slices, which XLA materialises at every decoded token: a copy of every weight and of
-the whole live cache per step, a large share of a decode step's bytes
-(``python -m experiments.bench.step --cost-only`` counts them, docs/benchmarks.md). The decode step
-(``extend_layers``) instead takes the blocks' weights split once per decode call
-(``DecoderLayers.per_layer``) and the cache as one buffer per layer (``LayerCache``, split from the
-stacked ``KVCache`` and stacked back once per call), with the blocks unrolled: each writes its
-token's keys and values into its own buffer, then attends to that buffer, so XLA reads and updates
-it in place. (A read the write does not wait for makes XLA copy the buffer first.) The price is a
-second copy of the weights and of the cache window while a call runs, and compile time that grows
-with depth in the decode loop only; prefill (``extend``) and the training passes keep the scan.
-Attention reads every slot of the cache it is given; ``sampling.decode`` therefore decodes in a
-window of the cache (``KVCache.head``) just large enough for the live rows.
+The KV-cached path does not scan. The scan hands each block its weights and its slice of a stacked
+cache through dynamic slices, which XLA materialises at every decoded token: a copy of every weight
+and of the whole live cache per step, a large share of a decode step's bytes
+(``python -m experiments.bench.step --cost-only`` counts them, docs/benchmarks.md). ``extend`` (prefill,
+each turn's append and the decode step alike) instead takes the blocks' weights split once per call
+(``DecoderLayers.per_layer``) and a cache that is one buffer per layer for its whole life
+(``KVCache``), with the blocks unrolled: each writes its tokens' keys and values into its own buffer,
+then attends to that buffer, so XLA reads and updates it in place. (A read the write does not wait
+for makes XLA copy the buffer first.) Holding the cache stacked between calls and splitting it per
+layer around each decode call copied the whole cache twice per turn, at a few GB/s on the CPU
+(docs/benchmarks.md). The price is a second copy of the weights while a call runs, and compile time
+that grows with depth in the cached path; the training passes keep the scan. Attention reads every
+slot of the cache it is given; ``sampling.decode`` and ``sampling.append`` therefore run in a window
+of the cache (``KVCache.head``) just large enough for the live rows.
 """
 
 from __future__ import annotations
@@ -132,65 +134,42 @@ def _new_param(w: _Weight, key: Array, dtype, num_layers: int | None = None) -> 
 
 
 class KVCache(struct.PyTreeNode):
-    """Keys and values of every layer for a batch of ragged rows; slot s of a row holds position s."""
+    """Keys and values of every layer for a batch of ragged rows; slot s of a row holds position s.
 
-    k: Array  # [layers, batch, kv_heads, max_len, head_dim]
-    v: Array  # [layers, batch, kv_heads, max_len, head_dim]
+    One buffer per layer, not one stacked ``[layers, ...]`` array: each block reads and writes its
+    own buffer in place (``Decoder.extend``). Slicing a layer out of a stacked cache made XLA copy
+    that layer's whole cache at every decoded token, and converting between the two layouts around
+    each call copied the whole cache twice (module docstring)."""
+
+    k: tuple[Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
+    v: tuple[Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
     lengths: Array  # [batch] int32: slots [0, length) are valid
 
     @classmethod
     def init(cls, config: ModelConfig, batch_size: int, max_len: int) -> "KVCache":
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        zeros = jnp.zeros(shape, jnp.dtype(config.dtype))
-        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def head(self, size: int) -> "KVCache":
-        """The first ``size`` slots of every row, as a smaller cache (a copy)."""
-        return KVCache(k=self.k[:, :, :, :size], v=self.v[:, :, :, :size], lengths=self.lengths)
-
-    def with_head(self, head: "KVCache") -> "KVCache":
-        """This cache with its first slots taken from ``head`` (the inverse of ``head``)."""
-        size = head.max_len
-        return KVCache(k=self.k.at[:, :, :, :size].set(head.k), v=self.v.at[:, :, :, :size].set(head.v),
-                       lengths=head.lengths)
-
-    def write(self, k_new: Array, v_new: Array, positions: Array, num_new: Array) -> "KVCache":
-        """Write the real part of k/v_new [layers, batch, T, kv_heads, head_dim] at `positions` [batch, T].
-
-        Row b's first ``num_new[b]`` tokens are real. Padding, and anything past ``max_len``, is sent
-        to an out-of-range slot and dropped, so rows with nothing new are left exactly as they were.
-        (Writing past ``max_len`` is a caller error that cannot raise inside jit: those tokens are
-        lost; ``decode`` stops a row when its cache row is full.)
-        """
-        slots = _write_slots(positions, num_new, self.max_len)
-        return KVCache(k=_write_rows(self.k, k_new, slots), v=_write_rows(self.v, v_new, slots),
-                       lengths=self.lengths + num_new)
-
-    def unstack(self) -> "LayerCache":
-        """The same cache as one buffer per layer (a copy): the decode loop's layout."""
-        return LayerCache(k=tuple(self.k), v=tuple(self.v), lengths=self.lengths)
-
-
-class LayerCache(struct.PyTreeNode):
-    """A ``KVCache`` as one buffer per layer, the layout the decode loop carries: each block reads
-    and writes its own buffer in place, where slicing one layer out of the stacked ``[layers, ...]``
-    cache made XLA copy that layer's whole cache at every token."""
-
-    k: tuple[Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
-    v: tuple[Array, ...]
-    lengths: Array  # [batch] int32: slots [0, length) are valid
+        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+        zeros = [jnp.zeros(shape, jnp.dtype(config.dtype)) for _ in range(2 * config.num_layers)]
+        return cls(k=tuple(zeros[0::2]), v=tuple(zeros[1::2]), lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
-    def stack(self) -> KVCache:
-        """The inverse of ``KVCache.unstack`` (a copy)."""
-        return KVCache(k=jnp.stack(self.k), v=jnp.stack(self.v), lengths=self.lengths)
+    def head(self, size: int) -> "KVCache":
+        """The first ``size`` slots of every row, as a smaller cache (a copy)."""
+        return KVCache(k=tuple(k[:, :, :size] for k in self.k), v=tuple(v[:, :, :size] for v in self.v),
+                       lengths=self.lengths)
+
+    def with_head(self, head: "KVCache") -> "KVCache":
+        """This cache with its first slots taken from ``head`` (the inverse of ``head``)."""
+        size = head.max_len
+        return KVCache(k=tuple(k.at[:, :, :size].set(h) for k, h in zip(self.k, head.k)),
+                       v=tuple(v.at[:, :, :size].set(h) for v, h in zip(self.v, head.v)), lengths=head.lengths)
+
+    def rows(self, index: Array) -> "KVCache":
+        """The cache of rows ``index`` [N] (a gather: rows may repeat)."""
+        return KVCache(k=tuple(k[index] for k in self.k), v=tuple(v[index] for v in self.v),
+                       lengths=self.lengths[index])
 
 
 def _appended(lengths: Array, T: int, max_len: int) -> tuple[Array, Array]:
@@ -208,8 +187,8 @@ def _write_slots(positions: Array, num_new: Array, max_len: int) -> Array:
 
 
 def _write_rows(cache: Array, new: Array, slots: Array) -> Array:
-    """Row b's new keys or values ([layers...,] batch, T, kv_heads, head_dim) written at ``slots[b]`` of
-    its row of ``cache`` ([layers...,] batch, kv_heads, max_len, head_dim); out-of-range slots dropped.
+    """Row b's new keys or values (batch, T, kv_heads, head_dim) written at ``slots[b]`` of its row
+    of a layer's ``cache`` (batch, kv_heads, max_len, head_dim); out-of-range slots dropped.
 
     One scatter over every row, with the batch a *batching* dimension of the scatter (row b's
     update goes to row b), not a scattered index: XLA's SPMD partitioner then keeps each row's
@@ -218,12 +197,11 @@ def _write_rows(cache: Array, new: Array, slots: Array) -> Array:
     data- or fsdp-split batch; docs/scaling.md). ``jax.vmap`` over rows builds the same scatter but
     moves the batch axis first, copying the whole cache twice per step.
     """
-    lead = cache.ndim - 4  # a leading layers axis, or none
     dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(lead)) + (lead + 2, lead + 3),  # new's layers, kv_heads, head_dim
-        inserted_window_dims=(lead + 2,),  # one slot per update
-        scatter_dims_to_operand_dims=(lead + 2,),
-        operand_batching_dims=(lead,),
+        update_window_dims=(2, 3),  # new's kv_heads, head_dim
+        inserted_window_dims=(2,),  # one slot per update
+        scatter_dims_to_operand_dims=(2,),
+        operand_batching_dims=(0,),
         scatter_indices_batching_dims=(0,),
     )
     return jax.lax.scatter(cache, slots[..., None], new.astype(cache.dtype), dims,
@@ -460,8 +438,8 @@ class DecoderLayers(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training; ``extend`` (prefill) and
-    ``extend_layers`` (the decode step) for the KV-cached sampler."""
+    """Decoder-only LM. ``__call__`` / ``hidden_states`` for training; ``extend`` (prefill, appends
+    and the decode step) for the KV-cached sampler."""
 
     # The weights outside the blocks, set in __init__ from ``_top_weights`` (lm_head only without
     # tied embeddings); declared here for the type checker.
@@ -557,26 +535,21 @@ class Decoder(nnx.Module):
         x, _ = self._continue(tokens, positions, prefix_k, prefix_v, visible, self.config.remat)
         return x
 
-    def extend(self, tokens: Array, num_new: Array, cache: KVCache) -> tuple[Array, KVCache]:
+    def extend(self, tokens: Array, num_new: Array, cache: KVCache,
+               weights: Sequence[Mapping[str, Array]] | None = None) -> tuple[Array, KVCache]:
         """Append a block of tokens [B, T] to each row of the cache; row b's real tokens are the first
-        ``num_new[b]`` (right padding). Returns the block's hidden states [B, T, D] and the cache with
-        the block written at each row's offset and lengths advanced by ``num_new``.
-        """
-        positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
-        x, (k_new, v_new) = self._continue(tokens, positions, cache.k, cache.v, cached, remat="none")
-        return x, cache.write(k_new, v_new, positions, num_new.astype(jnp.int32))
+        ``num_new[b]`` (right padding). Returns the block's final-normed hidden states [B, T, D] and the
+        cache with the block written at each row's offset and lengths advanced by ``num_new``.
 
-    def extend_layers(self, tokens: Array, num_new: Array, cache: LayerCache,
-                      weights: Sequence[Mapping[str, Array]]) -> tuple[Array, LayerCache]:
-        """``extend`` on a cache held as one buffer per layer, with each block's weights apart
-        (``DecoderLayers.per_layer``): the decode step. The blocks are unrolled, so each reads its
-        own weights and cache buffer in place, and the same values as ``extend``.
-
-        Each block writes its new keys and values into its buffer first and then attends to the
-        written buffer (the new slots stay masked: the new block is attended to apart, as in
-        ``extend``). Reading after the write orders the two, so XLA updates the buffer in place;
-        a read that the write does not wait for makes it copy the buffer first."""
+        ``weights``: the blocks' weights split per layer (``DecoderLayers.per_layer``, a copy of the
+        weights): a caller that extends in a loop (the decode loop, prefill chunks) splits them once
+        outside it; None splits them here. The blocks are unrolled, so each reads its own weights and
+        cache buffer in place. Each writes its new keys and values into its buffer first and then
+        attends to the written buffer (the new slots stay masked: the new block is attended to apart).
+        Reading after the write orders the two, so XLA updates the buffer in place; a read that the
+        write does not wait for makes it copy the buffer first."""
         c = self.config
+        weights = self.layers.per_layer() if weights is None else weights
         num_new = num_new.astype(jnp.int32)
         positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
         slots = _write_slots(positions, num_new, cache.max_len)
@@ -587,7 +560,7 @@ class Decoder(nnx.Module):
             vs.append(_write_rows(v_cache, v, slots))
             x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached)))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        return x, LayerCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
+        return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
 
 
 class ModelState(struct.PyTreeNode):

@@ -547,8 +547,7 @@ class LLMResponder:
         inverse = inverse.reshape(-1)
         distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
                                   prompt_ids[leaders], num_new[leaders])
-        cache = distinct.replace(k=distinct.k[:, inverse], v=distinct.v[:, inverse], lengths=distinct.lengths[inverse])
-        return cache, logits[inverse]
+        return distinct.rows(inverse), logits[inverse]
 
 
 def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:

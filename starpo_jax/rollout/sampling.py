@@ -22,18 +22,16 @@ the same tokens bit for bit. The Gumbel noise over the vocabulary is jax's three
 with the hash unrolled (``_threefry_bits_unrolled``, the same bits): jax's CPU lowering is a rolled
 loop that made the noise a fifth of a decode step's bytes.
 
-The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights
-per layer once per call and carries the cache as one buffer per layer (``LayerCache``), split from
-the stacked ``KVCache`` on entry and stacked back on exit; each step runs the blocks unrolled
-(``Decoder.extend_layers``). ``append`` and the callers hold the stacked ``KVCache``
-(models/decoder.py says why, and what it costs).
+The decode loop reads the weights and the cache in place: ``decode`` and ``append`` split the
+blocks' weights per layer once per call, and the cache is one buffer per layer (``KVCache``) from
+its creation to the rollout's end; each step runs the blocks unrolled (``Decoder.extend``;
+models/decoder.py says why, and what it costs).
 
 Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
 of it. ``decode`` and ``append`` therefore run in the smallest of a few static windows (``decode_windows``: the
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
-budget: the window's slots are copied out once per call (into the per-layer buffers), decoded in,
-and copied back, so each step reads only the window. One ``lax.switch`` per call picks it; the
+budget: the window's slots are copied out once per call, decoded in, and copied back, so each step reads only the window. One ``lax.switch`` per call picks it; the
 results are the same as decoding in the whole cache, since no live row can reach the window's end.
 """
 
@@ -49,13 +47,13 @@ import numpy as np
 from flax import nnx, struct
 
 from starpo_jax.models.config import ModelConfig
-from starpo_jax.models.decoder import KVCache, LayerCache, ModelState
+from starpo_jax.models.decoder import KVCache, ModelState
 from starpo_jax.runtime import sharding
 
 Array = jax.Array
 
 __all__ = [
-    "KVCache", "LayerCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode",
+    "KVCache", "ModelState", "DecodeOutput", "DecodeState", "init_cache", "append", "decode",
     "decode_step", "initial_decode_state", "generate", "sample_logits", "sampling_policy",
 ]
 
@@ -89,6 +87,7 @@ def append(
     whole cache).
     """
     decoder = model.merge()
+    weights = decoder.layers.per_layer()  # once per call, not per chunk
     B, T = tokens.shape
     num_chunks = -(-T // chunk_size)
     size = min(T, chunk_size)
@@ -99,7 +98,7 @@ def append(
             cache, last_hidden = carry
             index, chunk = xs
             real = jnp.clip(num_new - index * size, 0, size)
-            hidden, cache = decoder.extend(chunk, real, cache)
+            hidden, cache = decoder.extend(chunk, real, cache, weights)
             at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
             return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
 
@@ -261,7 +260,7 @@ class DecodeState(struct.PyTreeNode):
     of a step and rewritten at its end, and XLA copies it once per token to keep the two apart."""
 
     step: Array
-    cache: LayerCache
+    cache: KVCache
     next_token: Array  # [B] int32 sampled after each row's latest token (stale rows' are never read)
     next_logprob: Array  # [B] float32, its log-prob
     last_hidden: Array  # [B, hidden] after each row's last real token: finished rows keep theirs
@@ -271,7 +270,7 @@ class DecodeState(struct.PyTreeNode):
     done: Array
 
 
-def initial_decode_state(cache: LayerCache, first: tuple[Array, Array], hidden_like: Array, max_new_tokens: int,
+def initial_decode_state(cache: KVCache, first: tuple[Array, Array], hidden_like: Array, max_new_tokens: int,
                          active: Array | None, pad_id: int = 0) -> DecodeState:
     """``first``: (tokens [B], log-probs [B]) sampled from the logits decoding starts from (step 0's
     draw); ``hidden_like``: [B, hidden] in the compute dtype (its values are not read)."""
@@ -299,7 +298,7 @@ def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k
     live = ~s.done
     token = jnp.where(live, s.next_token, pad_id)
     logprob = jnp.where(live, s.next_logprob, 0.0)
-    hidden, cache = decoder.extend_layers(token[:, None], live.astype(jnp.int32), s.cache, weights)
+    hidden, cache = decoder.extend(token[:, None], live.astype(jnp.int32), s.cache, weights)
     hidden = hidden[:, 0]
     stopped = jnp.any(token[:, None] == stops, axis=-1)
     # Every row samples, finished or not: a finished row's draw is never recorded, and ``decode``
@@ -357,11 +356,10 @@ def decode(
         return decode_step(decoder, weights, s, key, temperature, top_k, top_p, stops, pad_id)
 
     def decode_in(cache: KVCache) -> tuple[KVCache, DecodeState]:
-        # The loop carries the cache as one buffer per layer, split once here and stacked back after.
         hidden_like = jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype))
-        init = initial_decode_state(cache.unstack(), first, hidden_like, max_new_tokens, active, pad_id)
+        init = initial_decode_state(cache, first, hidden_like, max_new_tokens, active, pad_id)
         s = jax.lax.while_loop(cond, body, init)
-        return s.cache.stack(), s.replace(cache=None)
+        return s.cache, s.replace(cache=None)
 
     needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
     cache, s = in_smallest_window(decode_in, cache, needed, windowed)

@@ -132,7 +132,7 @@ def test_stop_tokens_end_rows_and_inactive_rows_do_not_change(tiny, prompts):
     assert (np.asarray(out.tokens[2]) == 7).all()
     # The stop token is in the cache; the inactive row's cache is untouched.
     np.testing.assert_array_equal(out.cache.lengths, np.asarray(cache.lengths) + [first_stop, NEW, 0])
-    np.testing.assert_array_equal(out.cache.k[:, 2], cache.k[:, 2])
+    np.testing.assert_array_equal(np.stack(out.cache.k)[:, 2], np.stack(cache.k)[:, 2])
     np.testing.assert_array_equal(out.last_logits[2], logits[2])
 
 
@@ -184,7 +184,7 @@ def test_chunked_prefill_equals_one_block(tiny):
     np.testing.assert_array_equal(chunked_cache.lengths, lengths)
     np.testing.assert_allclose(chunked, whole, atol=1e-5)
     for b, n in enumerate(lengths):
-        np.testing.assert_allclose(chunked_cache.k[:, b, :, :n], whole_cache.k[:, b, :, :n], atol=1e-5)
+        np.testing.assert_allclose(np.stack(chunked_cache.k)[:, b, :, :n], np.stack(whole_cache.k)[:, b, :, :n], atol=1e-5)
 
 
 def test_bfloat16_sampling_runs_and_follows_fp32(tiny, prompts):
@@ -195,7 +195,7 @@ def test_bfloat16_sampling_runs_and_follows_fp32(tiny, prompts):
     )
     tokens, lengths = right_padded(prompts, 8)
     cache, logits = sampling.append(bf16, sampling.init_cache(bf16.merge().config, B, CACHE), tokens, lengths)
-    assert cache.k.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    assert cache.k[0].dtype == jnp.bfloat16 and logits.dtype == jnp.float32
     out = sampling.decode(bf16, cache, logits, jax.random.key(0), max_new_tokens=NEW, temperature=0.0)
     reference = run(model, prompts, temperature=0.0)
     np.testing.assert_array_equal(out.lengths, [NEW] * B)
@@ -229,7 +229,7 @@ def test_windowed_decode_equals_decoding_in_the_whole_cache(tiny, lengths):
     np.testing.assert_allclose(windowed.last_logits, whole.last_logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(windowed.cache.lengths, whole.cache.lengths)
     np.testing.assert_allclose(windowed.cache.k, whole.cache.k, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(windowed.cache.k[:, 2], cache.k[:, 2])
+    np.testing.assert_array_equal(np.stack(windowed.cache.k)[:, 2], np.stack(cache.k)[:, 2])
 
 
 @pytest.mark.parametrize("lengths", [(8, 5), (300, 5), (600, 5)], ids=["window 128", "window 512", "whole"])
@@ -250,7 +250,7 @@ def test_windowed_append_equals_appending_in_the_whole_cache(tiny, lengths):
     np.testing.assert_allclose(windowed.k, whole.k, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(windowed.v, whole.v, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(windowed_logits[:2], whole_logits[:2], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(windowed.k[:, 2], cache.k[:, 2])
+    np.testing.assert_array_equal(np.stack(windowed.k)[:, 2], np.stack(cache.k)[:, 2])
 
 
 def _called(hlo: str) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
@@ -333,3 +333,30 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
                 assert " scatter(" in (roots[fused.group(1)] if fused else line), line
                 writes += 1
     assert writes >= 2 * config.num_layers  # each layer's keys and values written in place
+
+
+def test_a_turn_moves_no_layers_cache(tiny):
+    """A turn as the rollout runs it, an append then a decode on a cache the caller gives up
+    (donated, as inside the rollout's program): nowhere in the compiled program is a layer's cache
+    copied, sliced, gathered or concatenated. The cache is one buffer per layer for its whole life;
+    when it was held stacked between calls, each decode split it into per-layer buffers and stacked
+    it back, copying the whole cache twice per turn."""
+    config, _, model = tiny
+
+    def turn(model, cache, tokens, num_new, key):
+        cache, logits = sampling.append(model, cache, tokens, num_new)
+        return sampling.decode(model, cache, logits, key, max_new_tokens=NEW)
+
+    tokens, lengths = right_padded([np.arange(1, 9), np.arange(1, 6), np.arange(1, 4)], 8)
+    cache = sampling.init_cache(config, B, CACHE)
+    hlo = jax.jit(turn, donate_argnums=1).lower(model, cache, tokens, lengths, jax.random.key(0)).compile(
+        AS_A_RUN_COMPILES).as_text()
+    assert hlo is not None
+    layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
+    moved = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
+        if m and m.group(2) in ("copy", "slice", "dynamic-slice", "gather", "concatenate"):
+            if _dims(m.group(1)) in (layer_cache, (config.num_layers,) + layer_cache):
+                moved.append(line.strip())
+    assert not moved, moved[:4]
