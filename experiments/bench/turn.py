@@ -1,0 +1,152 @@
+"""One turn of a multi-turn rollout, an append then a decode, timed in this source tree and in
+another checkout (``--tree``), alternating (A B B A per round), each side in a process of its own:
+a before/after measurement of a change to the KV-cached path, side by side in one run.
+
+    python experiments/bench/turn.py --tree ../old                 # FrozenLake's later turns, 2 rounds
+    python experiments/bench/turn.py --tree ../old --quick         # tiny-llama, seconds: a smoke run
+
+Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows
+that hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append`` tokens (the next
+turn's prompt), then decode ``--new`` tokens (stop tokens off, temperature 1; random float32 weights
+of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
+the next. Each side reports the median over ``--repeats`` warm calls of the append, the decode and
+their sum, and its compile times; the report gives every side's figures and the ratio of the
+medians (``--tree`` over this tree: > 1 means this tree is faster).
+
+Run it as a file, not a module, so that each side imports its own tree's packages (only their public
+API: ``models.preset``, ``Decoder``, ``ModelState``, ``sampling.init_cache``, ``append``, ``decode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+THIS_TREE = os.path.abspath(os.path.join(HERE, "..", ".."))
+QUICK = {"model": "tiny-llama", "rows": 4, "cache": 64, "held": 16, "append": 8, "new": 8, "repeats": 1, "rounds": 1}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", default=THIS_TREE, help="the other checkout's root (default: this one, A against A)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model preset (random weights)")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--cache", type=int, default=640, help="cache slots per row")
+    p.add_argument("--held", type=int, default=300, help="tokens each row holds before the turn")
+    p.add_argument("--append", type=int, default=90, help="tokens each row appends (the turn's prompt)")
+    p.add_argument("--new", type=int, default=48, help="tokens each row decodes")
+    p.add_argument("--repeats", type=int, default=3, help="warm calls timed per side and process (median)")
+    p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs both sides twice)")
+    p.add_argument("--quick", action="store_true", help="tiny-llama, one round, one repeat: a smoke run")
+    p.add_argument("--note", default="", help="free text for the report (machine load, ...)")
+    p.add_argument("--out", default="bench_results/turn.json")
+    p.add_argument("--side", help=argparse.SUPPRESS)  # set in the processes the rounds start
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)  # flags given beside --quick still win
+    args = p.parse_args(argv)
+    if args.held + args.append + args.new > args.cache:
+        p.error(f"--held {args.held} + --append {args.append} + --new {args.new} tokens do not fit "
+                f"a cache of {args.cache} slots")
+    if not os.path.isdir(os.path.join(args.tree, "starpo_jax")):
+        p.error(f"--tree {args.tree} has no starpo_jax package: give the root of a starpo-jax checkout")
+    return args
+
+
+def time_side(args) -> dict:
+    """In a process of its own: time the turn with ``args.side``'s packages."""
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+    sys.path.insert(0, args.side)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout import sampling
+
+    config = preset(args.model)
+    model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, config.vocab_size, (args.rows, args.append)).astype(np.int32)
+    num_new = np.full((args.rows,), args.append, np.int32)
+
+    def held_cache():
+        cache = sampling.init_cache(config, args.rows, args.cache)
+        # Keys and values apart: a cache may start them as one zeros array, which cannot be donated twice.
+        return cache.replace(v=jax.tree.map(lambda x: jnp.array(x, copy=True), cache.v),
+                             lengths=np.full((args.rows,), args.held, np.int32))
+
+    append = jax.jit(lambda m, c, t, n: sampling.append(m, c, t, n), donate_argnums=1)
+    decode = jax.jit(lambda m, c, logits, k: sampling.decode(m, c, logits, k, max_new_tokens=args.new),
+                     donate_argnums=1)
+    start = time.perf_counter()
+    append_program = append.lower(model, held_cache(), tokens, num_new).compile()
+    append_compile_s = time.perf_counter() - start
+    cache, logits = jax.block_until_ready(append_program(model, held_cache(), tokens, num_new))
+    start = time.perf_counter()
+    decode_program = decode.lower(model, cache, logits, jax.random.key(0)).compile()
+    decode_compile_s = time.perf_counter() - start
+    jax.block_until_ready(decode_program(model, cache, logits, jax.random.key(0)))  # warm
+    append_s, decode_s = [], []
+    for r in range(args.repeats):
+        cache = jax.block_until_ready(held_cache())
+        start = time.perf_counter()
+        cache, logits = jax.block_until_ready(append_program(model, cache, tokens, num_new))
+        append_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        out = jax.block_until_ready(decode_program(model, cache, logits, jax.random.key(r + 1)))
+        decode_s.append(time.perf_counter() - start)
+        assert int(out.lengths.min()) == args.new  # stop tokens off: every row decoded the whole budget
+    return {"tree": args.side, "append_s": append_s, "decode_s": decode_s,
+            "turn_s": [a + d for a, d in zip(append_s, decode_s)],
+            "append_compile_s": append_compile_s, "decode_compile_s": decode_compile_s}
+
+
+def run_side(args, tree: str, argv: list[str]) -> dict:
+    """One side, timed in a fresh process (its own imports, its own compile caches)."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--side", tree],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"turn.py: the side of {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.side:
+        record = time_side(args)
+        print(json.dumps(record))
+        return record
+    sides = {"this": THIS_TREE, "other": os.path.abspath(args.tree)}
+    runs: dict[str, list[dict]] = {"this": [], "other": []}
+    order = ["other", "this", "this", "other"] * args.rounds
+    for i, side in enumerate(order):
+        record = run_side(args, sides[side], argv)
+        runs[side].append(record)
+        print(f"[{i + 1}/{len(order)}] {side:5} append {statistics.median(record['append_s']):.2f} s, "
+              f"decode {statistics.median(record['decode_s']):.2f} s", flush=True)
+    medians = {side: {part: statistics.median(t for r in records for t in r[part])
+                      for part in ("append_s", "decode_s", "turn_s")} for side, records in runs.items()}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "workload": {k: getattr(args, k) for k in ("model", "rows", "cache", "held", "append", "new", "repeats", "rounds")},
+        "machine": {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "note": args.note},
+        "trees": sides, "order": order, "runs": runs, "medians": medians,
+        "other_over_this": {part: medians["other"][part] / medians["this"][part] for part in medians["this"]},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({"medians": medians, "other_over_this": report["other_over_this"]}, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

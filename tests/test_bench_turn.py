@@ -1,0 +1,44 @@
+"""experiments/bench/turn.py: one rollout turn (append, decode) timed in two source trees, ABBA."""
+
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("bench_turn", os.path.join(REPO, "experiments", "bench", "turn.py"))
+assert spec is not None and spec.loader is not None
+turn = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(turn)
+
+
+def test_one_side_times_an_append_and_a_whole_decode():
+    record = turn.main(["--quick", "--repeats", "2", "--side", REPO])
+    assert record["tree"] == REPO and len(record["append_s"]) == len(record["decode_s"]) == 2
+    assert all(t > 0 for t in record["append_s"] + record["decode_s"])
+    assert record["turn_s"] == [a + d for a, d in zip(record["append_s"], record["decode_s"])]
+
+
+def test_the_sides_alternate_and_the_ratio_is_other_over_this(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_side(args, tree, argv):
+        seen.append(tree)
+        slow = 3.0 if tree == "/elsewhere" else 1.0
+        return {"tree": tree, "append_s": [slow], "decode_s": [2 * slow], "turn_s": [3 * slow]}
+
+    monkeypatch.setattr(turn, "run_side", fake_side)
+    monkeypatch.setattr(turn.os.path, "isdir", lambda path: True)
+    report = turn.main(["--tree", "/elsewhere", "--rounds", "2", "--out", str(tmp_path / "turn.json")])
+    assert seen == ["/elsewhere", REPO, REPO, "/elsewhere"] * 2
+    assert report["other_over_this"] == {"append_s": 3.0, "decode_s": 3.0, "turn_s": 3.0}
+    assert (tmp_path / "turn.json").exists()
+
+
+def test_bad_input_is_one_sentence_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        turn.main(["--held", "600", "--append", "90", "--new", "48"])
+    assert "do not fit a cache of 640 slots" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        turn.main(["--tree", str(tmp_path)])
+    assert "has no starpo_jax package" in capsys.readouterr().err
