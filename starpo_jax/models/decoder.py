@@ -539,7 +539,9 @@ class Decoder(nnx.Module):
                weights: Sequence[Mapping[str, Array]] | None = None) -> tuple[Array, KVCache]:
         """Append a block of tokens [B, T] to each row of the cache; row b's real tokens are the first
         ``num_new[b]`` (right padding). Returns the block's final-normed hidden states [B, T, D] and the
-        cache with the block written at each row's offset and lengths advanced by ``num_new``.
+        cache with the block written at each row's offset and lengths advanced by ``num_new``. Padding,
+        and anything past ``max_len``, is dropped, so a row with nothing new is left exactly as it was
+        (writing past ``max_len`` cannot raise inside jit: ``decode`` stops a row whose cache is full).
 
         ``weights``: the blocks' weights split per layer (``DecoderLayers.per_layer``, a copy of the
         weights): a caller that extends in a loop (the decode loop, prefill chunks) splits them once
