@@ -31,8 +31,9 @@ Cache window: a decode step's attention reads every slot of the cache it is give
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
 of it. ``decode`` and ``append`` therefore run in the smallest of a few static windows (``decode_windows``: the
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
-budget: the window's slots are copied out once per call, decoded in, and copied back, so each step reads only the window. One ``lax.switch`` per call picks it; the
-results are the same as decoding in the whole cache, since no live row can reach the window's end.
+budget: the window's slots are copied out once per call, decoded in, and copied back, so each step
+reads only the window. One ``lax.switch`` per call picks it; the results are the same as decoding
+in the whole cache, since no live row can reach the window's end.
 """
 
 from __future__ import annotations

@@ -288,6 +288,13 @@ def _dims(shape: str) -> tuple[int, ...]:
     return tuple(int(d) for d in _first_group(r"\[([\d,]*)\]", shape).split(",") if d and d != "1")
 
 
+def _instruction(line: str) -> tuple[tuple[int, ...], str] | None:
+    """An optimised HLO instruction line's result dimensions (``_dims``) and opcode, or None for
+    any other line (a tuple-shaped result included)."""
+    m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
+    return (_dims(m.group(1)), m.group(2)) if m else None
+
+
 def _first_group(pattern: str, text: str) -> str:
     """``pattern``'s first group in ``text``, which must match."""
     match = re.search(pattern, text)
@@ -323,10 +330,10 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     writes = 0
     for comp in _reachable(body, called):
         for line in computations[comp]:
-            m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
-            if not m or m.group(2) in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            instruction = _instruction(line)
+            if not instruction or instruction[1] in ("parameter", "get-tuple-element", "bitcast", "tuple"):
                 continue
-            shape, op = _dims(m.group(1)), m.group(2)
+            shape, op = instruction
             assert not (op in ("dynamic-slice", "slice", "gather", "copy") and shape in layer_shapes), line
             if shape == layer_cache:
                 fused = re.search(r"calls=%([\w.-]+)", line)
@@ -353,10 +360,7 @@ def test_a_turn_moves_no_layers_cache(tiny):
         AS_A_RUN_COMPILES).as_text()
     assert hlo is not None
     layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
-    moved = []
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
-        if m and m.group(2) in ("copy", "slice", "dynamic-slice", "gather", "concatenate"):
-            if _dims(m.group(1)) in (layer_cache, (config.num_layers,) + layer_cache):
-                moved.append(line.strip())
+    moved = [line.strip() for line in hlo.splitlines() if (instruction := _instruction(line))
+             and instruction[1] in ("copy", "slice", "dynamic-slice", "gather", "concatenate")
+             and instruction[0] in (layer_cache, (config.num_layers,) + layer_cache)]
     assert not moved, moved[:4]
