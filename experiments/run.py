@@ -55,7 +55,7 @@ from starpo_jax.format_warmup import answer_pieces, format_warmup
 from starpo_jax.models.loading import ModelLoadError, hf_name, save_model, source_dtype
 from starpo_jax.models.lora import save_adapter
 from starpo_jax.rollout.sampling import sampling_policy
-from starpo_jax.runtime import checkpoint, distributed, sharding, unraisable
+from starpo_jax.runtime import batches, checkpoint, distributed, sharding, unraisable
 from starpo_jax.runtime.caches import setup_compilation_cache
 from starpo_jax.runtime.checkpoint import CheckpointError
 from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
@@ -423,7 +423,8 @@ def train(exp, iteration, stopping: Stopping) -> int:
 
     # Rollout and update jitted apart (timed apart); the update computes only the positions the
     # batch holds (forward.update_layout), a static argument picked per batch on the host.
-    if iteration is None:
+    staleness = cfg.trainer.staleness
+    if iteration is None or staleness:  # the planned rollout reads a whole state on the trainer's mesh
         iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
                                   exp.train_plan)
     val_levels = fixed_levels(exp.val_plan, exp.val_tables, cfg.envs.val.seed, cfg.trainer.val_chunks)
@@ -459,29 +460,43 @@ def train(exp, iteration, stopping: Stopping) -> int:
         record(0, validation(exp, policy_of, val_levels, state, 0, out, log))
         stopping.check_before_training()
 
+    if staleness and start:
+        log(f"note: resumed with trainer.staleness=1, the first batch is sampled by step {start}'s restored weights "
+            "(fresh), where the stopped run would have sampled it one update earlier.")
+    # Staleness 1: each batch is dispatched a step ahead, on the sampler's mesh (batches.OneStepOff).
+    ahead = batches.OneStepOff(iteration.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh) if staleness else None
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     stopping.bar = bar
     save_every, mi_freq = cfg.trainer.save_every_minutes * 60, cfg.trainer.mi_freq
     cut_warned = False  # turns cut short by the context are said once a run
     for step in bar:
         t0 = time.perf_counter()
-        traj = jax.block_until_ready(iteration.collect(state, exp.train_tables, key))
+        # With staleness 1, waits for the batch dispatched a step ago and dispatches the next one.
+        batch = ahead.next(state, more=step + 1 < stop) if ahead else batches.sample_now(
+            iteration.collect, state, exp.train_tables, key)
+        traj = batch.traj
         t1 = time.perf_counter()
         if cfg.trainer.log_trajectories > 0:
             dump_training(exp, traj, step + 1, out)
         # Scored by the weights that sampled the batch, before the update replaces (donates) them.
-        collapse = template_collapse(exp, policy_of(state), traj, exp.train_plan, "train") if (
-            mi_freq and (step + 1) % mi_freq == 0) else {}
+        if mi_freq and (step + 1) % mi_freq == 0:
+            with batch.on_sampler():
+                collapse = template_collapse(exp, policy_of(batch.sampler), batch.sampled, exp.train_plan, "train")
+        else:
+            collapse = {}
         t_update = time.perf_counter()
         state, metrics = iteration.learn(state, traj, exp.hyper, iteration.layout(traj))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | collapse
         t2 = time.perf_counter()
+        # A stale batch was sampled while the last update ran: gen is only the wait for it, and the
+        # rollout's throughput is over the whole step, which it overlapped.
+        rollout_s = t2 - t0 if staleness else t1 - t0
         metrics |= {
             "timing_s/gen": t1 - t0,
             "timing_s/update": t2 - t_update,
             "timing_s/step": t2 - t0,
-            "perf/generated_tokens_per_s": metrics["train/generated_tokens"] / (t1 - t0),
-            "perf/env_steps_per_s": metrics["train/env_steps"] / (t1 - t0),
+            "perf/generated_tokens_per_s": metrics["train/generated_tokens"] / rollout_s,
+            "perf/env_steps_per_s": metrics["train/env_steps"] / rollout_s,
         }
         peak = device_peak(jax.local_devices())
         if peak is not None:  # accelerators count it; a CPU's memory is the host's

@@ -12,6 +12,7 @@ import dataclasses
 import weakref
 from typing import Any
 
+import jax
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -54,18 +55,49 @@ class Experiment:
     val_tables: RolloutTables
     settings: TrainSettings
     hyper: Hyperparams
-    mesh: Any  # jax.sharding.Mesh the run shards over (starpo_jax.runtime.sharding)
+    mesh: Any  # jax.sharding.Mesh the run trains over (starpo_jax.runtime.sharding)
+    rollout_mesh: Any = None  # the sampler's own Mesh with mesh.rollout_devices > 0; None: ``mesh`` samples too
 
 
 def device_mesh(config: ConfigDict, **batch_sizes: int):
-    """``config.mesh`` as a device mesh, checked against the batches it splits into rows over
-    ``data × fsdp`` (named as the user sets them)."""
+    """``config.mesh`` as a mesh of every device, checked against the batches it splits into rows
+    over ``data × fsdp`` (named as the user sets them)."""
+    return _mesh_of(config, None, "", batch_sizes)
+
+
+def _mesh_of(config: ConfigDict, devices, part: str, batch_sizes: dict[str, int]):
+    """``device_mesh`` over ``devices`` (None: all); ``part`` opens an error with the devices it is about."""
     try:
-        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.model))
+        mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.model), devices)
         sharding.check_batch(mesh, **batch_sizes)
     except ValueError as err:
-        raise ConfigError(str(err)) from err
+        raise ConfigError(f"{part}{err}") from err
     return mesh
+
+
+def device_meshes(config: ConfigDict, trainer_batches: dict[str, int], sampler_batches: dict[str, int]):
+    """(the trainer's mesh, the sampler's). ``mesh.rollout_devices=k``: the first k devices sample
+    and the rest train, each part a mesh of ``config.mesh``'s sizes checked against the batches it
+    splits; 0: one mesh of every device does both (the sampler's is None)."""
+    k = int(config.mesh.rollout_devices)
+    if not k:
+        return _mesh_of(config, None, "", trainer_batches), None
+    devices = jax.devices()
+    if jax.process_count() > 1:
+        raise ConfigError(f"mesh.rollout_devices={k} splits the devices of one process; a run of "
+                          f"{jax.process_count()} processes takes 0 (every device samples and trains).")
+    if k >= len(devices):
+        raise ConfigError(f"mesh.rollout_devices={k} leaves no device to train on: {_devices(len(devices))} "
+                          f"visible; set it below {len(devices)}, or to 0 for every device to sample and train.")
+    sampler = _mesh_of(config, devices[:k], f"The {_devices(k)} that sample (mesh.rollout_devices={k}): ",
+                       sampler_batches)
+    trainer = _mesh_of(config, devices[k:], f"The {_devices(len(devices) - k)} that train (mesh.rollout_devices="
+                       f"{k} of {len(devices)}): ", trainer_batches)
+    return trainer, sampler
+
+
+def _devices(n: int) -> str:
+    return f"{n} device{'s' * (n != 1)}"
 
 
 def model_compute(config: ConfigDict) -> dict[str, Any]:
@@ -177,6 +209,7 @@ class CheckedConfig:
     settings: TrainSettings
     hyper: Hyperparams
     mesh: Any
+    rollout_mesh: Any = None
 
 
 def check_config(config: ConfigDict) -> CheckedConfig:
@@ -189,14 +222,11 @@ def check_config(config: ConfigDict) -> CheckedConfig:
     check_val_chunks(config.trainer.val_chunks, val_plan)
     if config.actor.format_warmup_steps:
         check_named_actions(train_plan)
-    return CheckedConfig(
-        config=config,
-        train_plan=train_plan,
-        val_plan=val_plan,
-        settings=train_settings(config, train_plan),
-        hyper=hyperparams(config),
-        mesh=device_mesh(config, **_mesh_batches(config, train_plan, val_plan)),
-    )
+    settings = train_settings(config, train_plan)
+    hyper = hyperparams(config)
+    mesh, rollout_mesh = device_meshes(config, _mesh_batches(config, train_plan, val_plan), _sampler_batches(train_plan))
+    return CheckedConfig(config=config, train_plan=train_plan, val_plan=val_plan, settings=settings, hyper=hyper,
+                         mesh=mesh, rollout_mesh=rollout_mesh)
 
 
 def check_val_chunks(chunks, val_plan: RolloutPlan) -> None:
@@ -216,6 +246,12 @@ def _mesh_batches(config: ConfigDict, train_plan: RolloutPlan, val_plan: Rollout
         "the validation batch (n_groups × group_size / trainer.val_chunks)": val_plan.batch_size // config.trainer.val_chunks,
         "actor.micro_batch_size": config.actor.micro_batch_size,
     }
+
+
+def _sampler_batches(train_plan: RolloutPlan) -> dict[str, int]:
+    """The batch split over the sampler's rows when it has devices of its own (validation stays
+    on the trainer's)."""
+    return {"the training batch (n_groups × group_size)": train_plan.batch_size}
 
 
 def build_experiment(config: ConfigDict | CheckedConfig, load=load_policy) -> Experiment:
@@ -241,6 +277,7 @@ def build_experiment(config: ConfigDict | CheckedConfig, load=load_policy) -> Ex
         settings=checked.settings,
         hyper=checked.hyper,
         mesh=checked.mesh,
+        rollout_mesh=checked.rollout_mesh,
     )
 
 

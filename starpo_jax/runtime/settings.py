@@ -191,6 +191,12 @@ SETTINGS: tuple[Setting, ...] = (
     S("mesh.data", -1, "run.data"),
     S("mesh.fsdp", 1, "run.fsdp"),
     S("mesh.model", 1, "run.model"),
+    # Split devices (docs/scaling.md, "Rollout and update at once"): the first k devices sample, the
+    # others train, each part a mesh of the sizes above (-1 taking that part's devices); 0: every
+    # device does both. Needs trainer.staleness=1 (check_settings); checked against the devices by
+    # experiment.device_meshes.
+    S("mesh.rollout_devices", 0, "run.rollout_devices",
+      rule=(lambda v: isinstance(v, int) and v >= 0, "must be a whole number >= 0 (0: every device samples and trains)")),
     # Many hosts (starpo_jax/runtime/distributed.py): the coordinator's host:port, the number of processes and
     # this one's index. Unset (""/-1): detected from SLURM, Open MPI or a TPU pod, else one process.
     # Checked together by distributed.initialize, which runs before anything else touches the devices.
@@ -208,6 +214,12 @@ SETTINGS: tuple[Setting, ...] = (
     # schedule may call a save; the checkpoint manager keeps the last 3 (runtime/checkpoint.py)
     S("trainer.save_every_minutes", 10.0, "run.save_every_minutes", rule=(lambda v: v >= 0, "must be >= 0 (0: off)")),
     S("trainer.seed", 0, "run.seed"),
+    # 0: each step samples its batch, then updates on it (RAGEN). 1: the rollout of step t+1 runs
+    # while update t does, with the weights update t starts from, so every batch is at most one
+    # update old (an addition; docs/scaling.md). Needs rollout.use_sampler_logprobs=True (check_settings).
+    S("trainer.staleness", 0, "run.staleness",
+      rule=(lambda v: v in (0, 1) and not isinstance(v, bool), "must be 0 (rollout, then update) or 1 (the next "
+            "rollout runs during the update, one update behind)")),
     S("trainer.output_dir", "runs/default", "run.output_dir"),
     S("trainer.resume", False, "run.resume"),  # excludes overwrite (experiments.run.check_output_dir)
     # a fresh run refuses a folder that holds an earlier run; True deletes that run's files first
@@ -268,6 +280,23 @@ def check_settings(config: ConfigDict) -> None:
         s.check(_value(config, s.key))
     if config.lora.rank and not config.lora.alpha > 0:  # alpha only matters with LoRA
         raise ConfigError(f"lora.alpha must be positive, not {config.lora.alpha!r}.")
+    check_staleness(config.trainer.staleness, config.rollout.use_sampler_logprobs, config.mesh.rollout_devices)
+
+
+def check_staleness(staleness: int, use_sampler_logprobs: bool, rollout_devices: int) -> None:
+    """A stale batch's PPO ratio must be taken against the policy that sampled it, whose log-probs
+    only the sampler has (the trainer's weights have moved on: docs/design.md, "One step off");
+    and devices split apart sample while the update runs, which only a stale batch allows."""
+    if staleness and not use_sampler_logprobs:
+        raise ConfigError(
+            "trainer.staleness=1 needs rollout.use_sampler_logprobs=True: a batch sampled one update ago must "
+            "be scored by the log-probs of the weights that sampled it, which only the sampler has."
+        )
+    if rollout_devices and not staleness:
+        raise ConfigError(
+            f"mesh.rollout_devices={rollout_devices} splits the devices so that the rollout runs while the "
+            "update does, which needs trainer.staleness=1 (with 0 each part would wait for the other)."
+        )
 
 
 def read_settings(config: ConfigDict, owner: str) -> dict[str, Any]:

@@ -133,9 +133,17 @@ def shardings(tree, mesh: Mesh | AbstractMesh, rules=RULES):
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard(tree, mesh: Mesh):
-    """``tree`` placed on ``mesh`` by ``shardings``."""
-    return jax.device_put(tree, shardings(tree, mesh))
+def shard(tree, mesh: Mesh, copy: bool = False):
+    """``tree`` placed on ``mesh`` by ``shardings``; ``copy``: in buffers of its own even where it
+    already lies so (a program that donates ``tree`` then leaves the copy alone)."""
+    return jax.device_put(tree, shardings(tree, mesh), may_alias=False if copy else None)
+
+
+def row_shardings(batch, mesh: Mesh):
+    """The ``NamedSharding`` of every array of ``batch`` (a pytree of arrays whose leading axis is
+    its rows, such as a rollout's ``Trajectories``) with its rows split over ``data × fsdp``."""
+    rows = _without_unit_axes(ROWS, mesh)
+    return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec(rows) if x.ndim else PartitionSpec()), batch)
 
 
 def for_decoding(params):

@@ -1,0 +1,86 @@
+"""Where each training step's rollout batch comes from (``trainer.staleness``; docs/scaling.md,
+"Rollout and update at once").
+
+- 0, ``sample_now``: step t samples batch t with the weights update t then starts from, and waits
+  for it (RAGEN's loop).
+- 1, ``OneStepOff``: batch t+1 is dispatched before update t, sampled by the weights update t
+  starts from; JAX's asynchronous dispatch then runs that rollout and update t at once where the
+  devices allow (devices of their own: ``mesh.rollout_devices``). Every batch is at most one update
+  old, and the first is fresh.
+
+The rollout reads only the policy's weights and the step (its keys) of a train state. The update
+donates its state, so the sampler works on a copy of those, in buffers of its own on its own mesh
+(``jax.device_put``, asynchronous, device to device); its batch moves to the trainer's mesh the
+same way. A batch's step index, not its weights, picks its levels and sampling keys, so batch t
+plays the levels of a synchronous run's batch t.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, NamedTuple
+
+import jax
+from jax.sharding import Mesh
+
+from starpo_jax.rollout.multi_turn import Trajectories
+from starpo_jax.runtime import sharding
+from starpo_jax.train import TrainState
+
+
+class Batch(NamedTuple):
+    """A rollout batch and what sampled it."""
+
+    traj: Trajectories  # on the trainer's mesh: what the update takes
+    sampled: Trajectories  # where it was sampled (the same arrays when the trainer sampled it)
+    sampler: TrainState  # the weights that sampled it (of a stale batch, only what the rollout reads)
+    mesh: Mesh | None  # the sampler's mesh; None: the current one
+
+    def on_sampler(self):
+        """A context in which a program reading ``sampled`` and ``sampler`` runs on their mesh."""
+        return sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+
+def sample_now(collect: Callable, state: TrainState, tables, key) -> Batch:
+    """Staleness 0: batch ``state.step`` sampled by ``state``'s weights, waited for."""
+    traj = jax.block_until_ready(collect(state, tables, key))
+    return Batch(traj, traj, state, None)
+
+
+def sampler_view(state: TrainState, step) -> TrainState:
+    """What the rollout reads of ``state`` (``train.collect``: the policy's weights, and the step
+    that seeds its levels and keys, here ``step``); the rest is left out, so nothing else is copied."""
+    return state.replace(step=step, actor_opt=None, critic=None, critic_opt=None, ref=None, skipped_steps=None,
+                         critic_skipped_steps=None, base=None)
+
+
+class OneStepOff:
+    """Staleness 1: ``next(state)`` returns batch ``state.step``, dispatched by the call before
+    (the first call samples its own), and first dispatches batch ``state.step + 1`` with
+    ``state``'s weights, which the update of this batch starts from."""
+
+    def __init__(self, collect: Callable, tables, key, trainer_mesh: Mesh, sampler_mesh: Mesh | None = None):
+        self.collect = collect
+        self.trainer_mesh = trainer_mesh
+        self.sampler_mesh = sampler_mesh or trainer_mesh
+        # whole on each of the sampler's devices, wherever the caller made them
+        whole = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
+        self.tables, self.key = jax.device_put((tables, key), whole)
+        self.base = None  # LoRA's frozen base on the sampler's mesh, copied once
+        self.pending: tuple[Trajectories, TrainState] | None = None
+
+    def next(self, state: TrainState, more: bool = True) -> Batch:
+        """Batch ``state.step``; ``more``: a later step follows, so dispatch its batch now."""
+        sampled, sampler = self.pending or self._dispatch(state, state.step)
+        self.pending = self._dispatch(state, state.step + 1) if more else None
+        traj = jax.block_until_ready(jax.device_put(sampled, sharding.row_shardings(sampled, self.trainer_mesh)))
+        return Batch(traj, sampled, sampler, self.sampler_mesh)
+
+    def _dispatch(self, state: TrainState, step) -> tuple[Trajectories, TrainState]:
+        """Batch ``step`` sampled by ``state``'s weights on the sampler's mesh, not waited for."""
+        weights = sharding.shard(sampler_view(state, step), self.sampler_mesh, copy=True)
+        if state.base is not None and self.base is None:
+            self.base = sharding.shard(state.base, self.sampler_mesh, copy=True)
+        weights = weights.replace(base=self.base)
+        with sharding.use_mesh(self.sampler_mesh):
+            return self.collect(weights, self.tables, self.key), weights

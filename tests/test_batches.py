@@ -1,0 +1,104 @@
+"""One step off (``trainer.staleness=1``, ``starpo_jax.runtime.batches``): the first batch is fresh,
+every later one is sampled by the weights the update before it started from, on the sampler's own
+devices when ``mesh.rollout_devices`` gives it some; bad settings are refused in one sentence."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import REPO, TINY_BANDIT, command_env, config_flags, run
+
+# The tiny Bandit, one step off; a learning rate that moves every weight, so that a batch sampled
+# by the updated weights cannot pass for one sampled by the initial ones.
+STALE = {**TINY_BANDIT, "rollout.enable_think": False, "rollout.use_sampler_logprobs": True, "trainer.staleness": 1,
+         "algorithm.adv_estimator": "grpo", "actor.lr": 1e-2}
+
+
+def check_one_step_off(rollout_devices: int) -> None:
+    """Two synchronous steps against two steps one step off, from the same initial state and key:
+    batch 1 is the same, batch 2 is what the initial weights sample for step 2 and not what the
+    once-updated weights sample. With ``rollout_devices`` the batches are sampled on those devices
+    and trained on the others."""
+    import jax
+
+    from configs import base
+    from starpo_jax.runtime import batches, sharding
+    from starpo_jax.runtime.experiment import build_experiment
+    from starpo_jax.train import init_train_state, jit_iteration, make_train_step
+
+    exp = build_experiment(base.with_overrides(base.get_config(), {**STALE, "mesh.rollout_devices": rollout_devices}))
+    key = jax.random.PRNGKey(0)
+    with sharding.use_mesh(exp.mesh):
+        iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
+                                  exp.train_plan)
+
+        def initial_state():  # a copy each: the update donates it, and the actor would be the model's own weights
+            return sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(1)), exp.mesh, copy=True)
+
+        def learn(state, traj):
+            return iteration.learn(state, traj, exp.hyper, iteration.layout(traj))[0]
+
+        state, synchronous = initial_state(), []
+        for _ in range(2):
+            batch = batches.sample_now(iteration.collect, state, exp.train_tables, key)
+            synchronous.append(jax.device_get(batch.traj))
+            state = learn(state, batch.traj)
+        # What the initial weights sample for step 2 (its levels and keys): a synchronous batch at step 1.
+        initial_weights_step_2 = jax.device_get(iteration.collect(initial_state().replace(step=1), exp.train_tables, key))
+
+        ahead = batches.OneStepOff(iteration.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh)
+        state, stale = initial_state(), []
+        for more in (True, False):
+            batch = ahead.next(state, more)
+            stale.append(jax.device_get(batch.traj))
+            if rollout_devices:  # sampled on the first devices, trained on the rest
+                sampler_devices, trainer_devices = set(exp.rollout_mesh.devices.flat), set(exp.mesh.devices.flat)
+                assert sampler_devices.isdisjoint(trainer_devices)
+                assert batch.sampled.tokens.sharding.device_set == sampler_devices
+                assert all(w.sharding.device_set == sampler_devices for w in jax.tree.leaves(batch.sampler))
+                assert batch.traj.tokens.sharding.device_set == trainer_devices
+            state = learn(state, batch.traj)
+        assert ahead.pending is None  # nothing is sampled past the last step
+
+    def same(a, b) -> bool:
+        return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "length", "sampler_logprobs"))
+
+    assert same(stale[0], synchronous[0])  # the first batch is fresh
+    assert same(stale[1], initial_weights_step_2)  # the second was sampled before the first update
+    assert not np.array_equal(stale[1].sampler_logprobs, synchronous[1].sampler_logprobs)  # which moved the weights
+
+
+def test_second_batch_is_sampled_by_the_initial_weights():
+    check_one_step_off(rollout_devices=0)
+
+
+def test_split_devices_sample_apart_and_one_step_off():
+    """Two simulated devices, the first sampling, the second training."""
+    script = "import test_batches; test_batches.check_one_step_off(rollout_devices=1)"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO / "tests", capture_output=True, text=True,
+                          timeout=600, env=command_env(devices=2, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, devices, says", [
+    ({"trainer.staleness": 2}, 1, "trainer.staleness must be 0 (rollout, then update) or 1"),
+    ({"trainer.staleness": 1}, 1, "trainer.staleness=1 needs rollout.use_sampler_logprobs=True"),
+    ({"mesh.rollout_devices": 1}, 2, "mesh.rollout_devices=1 splits the devices so that the rollout runs while"),
+    ({**STALE, "mesh.rollout_devices": 2}, 2, "mesh.rollout_devices=2 leaves no device to train on: 2 devices visible"),
+    ({**STALE, "mesh.rollout_devices": 1, "mesh.data": 2}, 3,
+     "The 1 device that sample (mesh.rollout_devices=1): mesh.data × mesh.fsdp × mesh.model = 2 × 1 × 1 needs 2"),
+])
+def test_bad_staleness_settings_are_refused_in_one_sentence(flags, devices, says, tmp_path):
+    """Before the model loads: the source named here does not exist."""
+    proc = run(*config_flags(flags), "--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={tmp_path}",
+               check=False, devices=devices)
+    assert says in one_line_error(proc)
