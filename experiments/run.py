@@ -465,6 +465,8 @@ def train(exp, iteration, stopping: Stopping) -> int:
             "(fresh), where the stopped run would have sampled it one update earlier.")
     # Staleness 1: each batch is dispatched a step ahead, on the sampler's mesh (batches.OneStepOff).
     ahead = batches.OneStepOff(iteration.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh) if staleness else None
+    if ahead is not None:
+        log(batches.describe(ahead))
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     stopping.bar = bar
     save_every, mi_freq = cfg.trainer.save_every_minutes * 60, cfg.trainer.mi_freq

@@ -43,6 +43,9 @@ TINY_LEARN = (*TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.
               "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=2", "--config.trainer.test_freq=2")
 LEARN = ".venv/bin/python -m experiments.run --config configs/learn_bandit.py"
 CURVES = ".venv/bin/python -m experiments.curves runs/learn_bandit --out runs/learn_bandit/curves.png"
+ONE_STEP_OFF = ("JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.run --config configs/quickstart.py "
+                "--config.trainer.staleness=1 --config.rollout.use_sampler_logprobs=True --config.mesh.rollout_devices=1 "
+                "--config.trainer.output_dir=runs/quickstart_one_step_off")
 # configs/learn_frozen_lake.py: 2 groups of 8 (one kept), 2 validation levels, 1 step.
 TINY_LEARN_FL = (*TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(2,)",
                  "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1")
@@ -97,6 +100,9 @@ COMMANDS = {
     ".venv/bin/python -m experiments.bench.peer":
         (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
     LEARN: (TINY_LEARN, "tiny model, 2 groups, 2 steps", False),
+    ONE_STEP_OFF: ((*TINY_MODEL_FLAGS, "--config.trainer.total_steps=2", "--config.trainer.test_freq=0",
+                    "--config.trainer.mi_freq=1", "--config.trainer.export_hf=False"),
+                   "tiny model, 2 steps, template collapse scored on the sampler's device", False),
     CURVES: ((), "on the tiny learning run's folder", False),
     ".venv/bin/python -m experiments.run --config configs/learn_frozen_lake.py":
         (TINY_LEARN_FL, "tiny model, 2 groups, 1 step", True),
@@ -122,7 +128,8 @@ def test_every_readme_command_is_listed():
     # The default-run commands each have a test of their own below (the slow ones run shrunk by
     # test_readme_command_slow); a new one needs its test.
     default = {c for c, (how, _, slow) in COMMANDS.items() if how is not SKIP and not slow}
-    assert default == {QUICKSTART, EVAL_QUICKSTART, RANDOM_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES, SWEEP}
+    assert default == {QUICKSTART, EVAL_QUICKSTART, RANDOM_QUICKSTART, REPORT_QUICKSTART, LEARN, CURVES, SWEEP,
+                       ONE_STEP_OFF}
 
 
 def test_readme_commands_run_as_written_after_setup():
@@ -217,6 +224,17 @@ def test_the_sweep_trains_its_grid_in_one_program(tmp_path):
     ]
     assert [r["actor/lr"] for r in rows] == pytest.approx([1e-6, 1e-6, 3e-6, 3e-6])
     assert [r["rollout/filter_kept_groups"] for r in rows] == [1, 2, 1, 2]
+
+
+def test_one_step_off_on_split_devices(tmp_path):
+    """The README's one-step-off command on two simulated devices: the first samples, the second
+    trains, for two steps (tests/test_batches.py checks which weights sampled each batch)."""
+    proc = run_command(ONE_STEP_OFF, tmp_path, shrunk(ONE_STEP_OFF))
+    assert "one step off (trainer.staleness=1): each batch is sampled while the update before it runs, sampling on " \
+           "devices [0], training on [1]" in proc.stdout
+    train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if "train/reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2] and all("train/Bandit/mi" in r for r in train)
 
 
 @pytest.mark.parametrize("command", [c for c in cases(slow=True) if c.values[0] != RESUME])

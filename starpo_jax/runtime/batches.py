@@ -84,3 +84,10 @@ class OneStepOff:
         weights = weights.replace(base=self.base)
         with sharding.use_mesh(self.sampler_mesh):
             return self.collect(weights, self.tables, self.key), weights
+
+
+def describe(ahead: OneStepOff) -> str:
+    """One line saying where a one-step-off run samples and trains."""
+    sampler, trainer = (sorted(d.id for d in mesh.devices.flat) for mesh in (ahead.sampler_mesh, ahead.trainer_mesh))
+    where = "on the same devices" if sampler == trainer else f"sampling on devices {sampler}, training on {trainer}"
+    return f"one step off (trainer.staleness=1): each batch is sampled while the update before it runs, {where}"
