@@ -106,6 +106,9 @@ def main(argv) -> int:
     try:  # the run's checks before loading (experiments.run): a mistake costs a second, not a model load
         sweeps = parse_sweeps(FLAGS.sweep)
         check_lora_keys(sweeps, cfg.lora.rank)
+        if cfg.trainer.staleness:  # its loop samples and updates in turn, every setting at once
+            raise ConfigError("experiments.sweep samples each batch before its update: trainer.staleness=1 (and "
+                              "mesh.rollout_devices) are for experiments.run; set trainer.staleness=0 to sweep.")
         settings_grid = grid(sweeps)
         if "filter.ratio" in settings_grid[0]:  # room for the largest kept batch
             cfg.filter.ratio = max(s["filter.ratio"] for s in settings_grid)

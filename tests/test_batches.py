@@ -104,10 +104,19 @@ def one_line_error(proc) -> str:
     ({"mesh.rollout_devices": 1}, 2, "mesh.rollout_devices=1 splits the devices so that the rollout runs while"),
     ({**STALE, "mesh.rollout_devices": 2}, 2, "mesh.rollout_devices=2 leaves no device to train on: 2 devices visible"),
     ({**STALE, "mesh.rollout_devices": 1, "mesh.data": 2}, 3,
-     "The 1 device that sample (mesh.rollout_devices=1): mesh.data × mesh.fsdp × mesh.model = 2 × 1 × 1 needs 2"),
+     "Sampling on 1 device (mesh.rollout_devices=1): mesh.data × mesh.fsdp × mesh.model = 2 × 1 × 1 needs 2"),
+    ({**STALE, "mesh.rollout_devices": 1, "envs.train.n_groups": (3,), "envs.train.group_size": 1,
+      "actor.ppo_mini_batch_size": 3, "actor.micro_batch_size": 1}, 3,
+     "Training on the other 2 devices (mesh.rollout_devices=1 of 3): the training batch (n_groups × group_size) (3)"),
 ])
 def test_bad_staleness_settings_are_refused_in_one_sentence(flags, devices, says, tmp_path):
     """Before the model loads: the source named here does not exist."""
     proc = run(*config_flags(flags), "--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={tmp_path}",
                check=False, devices=devices)
     assert says in one_line_error(proc)
+
+
+def test_a_sweep_is_not_one_step_off(tmp_path):
+    proc = run(*config_flags(STALE), "--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={tmp_path}",
+               "--sweep", "actor.lr=0,1e-3", check=False, module="experiments.sweep")
+    assert "experiments.sweep samples each batch before its update" in one_line_error(proc)

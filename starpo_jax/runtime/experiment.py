@@ -89,9 +89,9 @@ def device_meshes(config: ConfigDict, trainer_batches: dict[str, int], sampler_b
     if k >= len(devices):
         raise ConfigError(f"mesh.rollout_devices={k} leaves no device to train on: {_devices(len(devices))} "
                           f"visible; set it below {len(devices)}, or to 0 for every device to sample and train.")
-    sampler = _mesh_of(config, devices[:k], f"The {_devices(k)} that sample (mesh.rollout_devices={k}): ",
+    sampler = _mesh_of(config, devices[:k], f"Sampling on {_devices(k)} (mesh.rollout_devices={k}): ",
                        sampler_batches)
-    trainer = _mesh_of(config, devices[k:], f"The {_devices(len(devices) - k)} that train (mesh.rollout_devices="
+    trainer = _mesh_of(config, devices[k:], f"Training on the other {_devices(len(devices) - k)} (mesh.rollout_devices="
                        f"{k} of {len(devices)}): ", trainer_batches)
     return trainer, sampler
 
