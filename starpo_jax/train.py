@@ -25,7 +25,9 @@ over a stacked ``Hyperparams`` (and a stacked ``TrainState``) trains several con
 program.
 ``jit_iteration`` is how the drivers run it: ``collect`` and ``learn`` jitted apart, and between
 them, on the host, the smallest ``update_layout`` that holds the batch (vmapped over the settings
-for a sweep).
+for a sweep). ``experiments.run`` may dispatch ``collect`` a step ahead, on a copy of the policy's
+weights and on devices of its own, so that it runs during the update before
+(``trainer.staleness=1``: ``starpo_jax.runtime.batches``).
 
 Choices (each a departure from, or a decision about, the original; see docs/design.md):
 
