@@ -31,18 +31,20 @@ Layout choices:
   XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T runs
   several times slower once the keys are large (``_keys_lead_the_product``).
 
-The KV-cached path does not scan. The scan hands each block its weights and its slice of a stacked
+The decode step does not scan. The scan hands each block its weights and its slice of a stacked
 cache through dynamic slices, which XLA materialises at every decoded token: a copy of every weight
 and of the whole live cache per step, a large share of a decode step's bytes
-(``python -m experiments.bench.step --cost-only`` counts them, docs/benchmarks.md). ``extend`` (prefill,
-each turn's append and the decode step alike) instead takes the blocks' weights split once per call
-(``DecoderLayers.per_layer``) and a cache that is one buffer per layer for its whole life
-(``KVCache``), with the blocks unrolled: each writes its tokens' keys and values into its own buffer,
-then attends to that buffer, so XLA reads and updates it in place. (A read the write does not wait
-for makes XLA copy the buffer first.) Holding the cache stacked between calls and splitting it per
-layer around each decode call copied the whole cache twice per turn, at a few GB/s on the CPU
-(docs/benchmarks.md). The price is a second copy of the weights while a call runs, and compile time
-that grows with depth in the cached path; the training passes keep the scan. Attention reads every
+(``python -m experiments.bench.step --cost-only`` counts them, docs/benchmarks.md). ``extend`` (the
+decode step) instead takes the blocks' weights split once per call (``DecoderLayers.per_layer``) and
+a cache that is one buffer per layer for its whole life (``KVCache``), with the blocks unrolled: each
+writes its tokens' keys and values into its own buffer, then attends to that buffer, so XLA reads
+and updates it in place. (A read the write does not wait for makes XLA copy the buffer first.)
+Holding the cache stacked between calls and splitting it per layer around each decode call copied
+the whole cache twice per turn, at a few GB/s on the CPU (docs/benchmarks.md). The price is a second
+copy of the weights while a call runs, and compile time that grows with depth. A block of prompt
+tokens (``extend_stacked``: prefill and each turn's append) keeps the layer scan, over the cache
+stacked once per call: those copies are a few % of a block's work, where unrolling 30 blocks made its
+program compile ~2.5x longer. The training passes keep the scan too. Attention reads every
 slot of the cache it is given; ``sampling.decode`` and ``sampling.append`` therefore run in a window
 of the cache (``KVCache.head``) just large enough for the live rows.
 """
@@ -171,6 +173,16 @@ class KVCache(struct.PyTreeNode):
         return KVCache(k=tuple(k[index] for k in self.k), v=tuple(v[index] for v in self.v),
                        lengths=self.lengths[index])
 
+    def stacked(self) -> tuple[Array, Array]:
+        """Keys and values as ``[layers, batch, kv_heads, max_len, head_dim]`` arrays (a copy): the
+        operands of ``Decoder.extend_stacked``."""
+        return jnp.stack(self.k), jnp.stack(self.v)
+
+    @classmethod
+    def from_stacked(cls, k: Array, v: Array, lengths: Array) -> "KVCache":
+        """The inverse of ``stacked`` (a copy)."""
+        return cls(k=tuple(k), v=tuple(v), lengths=lengths)
+
 
 def _appended(lengths: Array, T: int, max_len: int) -> tuple[Array, Array]:
     """The positions [B, T] of T tokens appended to cache rows of ``lengths``, and which of the
@@ -187,8 +199,8 @@ def _write_slots(positions: Array, num_new: Array, max_len: int) -> Array:
 
 
 def _write_rows(cache: Array, new: Array, slots: Array) -> Array:
-    """Row b's new keys or values (batch, T, kv_heads, head_dim) written at ``slots[b]`` of its row
-    of a layer's ``cache`` (batch, kv_heads, max_len, head_dim); out-of-range slots dropped.
+    """Row b's new keys or values ([layers,] batch, T, kv_heads, head_dim) written at ``slots[b]`` of
+    its row of ``cache`` ([layers,] batch, kv_heads, max_len, head_dim); out-of-range slots dropped.
 
     One scatter over every row, with the batch a *batching* dimension of the scatter (row b's
     update goes to row b), not a scattered index: XLA's SPMD partitioner then keeps each row's
@@ -197,11 +209,12 @@ def _write_rows(cache: Array, new: Array, slots: Array) -> Array:
     data- or fsdp-split batch; docs/scaling.md). ``jax.vmap`` over rows builds the same scatter but
     moves the batch axis first, copying the whole cache twice per step.
     """
+    lead = cache.ndim - 4  # a leading layers axis, or none
     dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(2, 3),  # new's kv_heads, head_dim
-        inserted_window_dims=(2,),  # one slot per update
-        scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(0,),
+        update_window_dims=tuple(range(lead)) + (lead + 2, lead + 3),  # new's layers, kv_heads, head_dim
+        inserted_window_dims=(lead + 2,),  # one slot per update
+        scatter_dims_to_operand_dims=(lead + 2,),
+        operand_batching_dims=(lead,),
         scatter_indices_batching_dims=(0,),
     )
     return jax.lax.scatter(cache, slots[..., None], new.astype(cache.dtype), dims,
@@ -537,7 +550,8 @@ class Decoder(nnx.Module):
 
     def extend(self, tokens: Array, num_new: Array, cache: KVCache,
                weights: Sequence[Mapping[str, Array]] | None = None) -> tuple[Array, KVCache]:
-        """Append a block of tokens [B, T] to each row of the cache; row b's real tokens are the first
+        """Append a block of tokens [B, T] (the decode step: T = 1) to each row of the cache, the blocks
+        unrolled; row b's real tokens are the first
         ``num_new[b]`` (right padding). Returns the block's final-normed hidden states [B, T, D] and the
         cache with the block written at each row's offset and lengths advanced by ``num_new``. Padding,
         and anything past ``max_len``, is dropped, so a row with nothing new is left exactly as it was
@@ -563,6 +577,20 @@ class Decoder(nnx.Module):
             x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached)))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
+
+
+    def extend_stacked(self, tokens: Array, num_new: Array, k: Array, v: Array,
+                       lengths: Array) -> tuple[Array, Array, Array]:
+        """``extend`` on a cache stacked ``[layers, B, kv_heads, S, d]`` (``KVCache.stacked``), the
+        blocks in one lax.scan: the same values, compiled once for every layer. Returns (hidden
+        states [B, T, D], k, v). The scan slices (copies) each layer's cache out of the stack once per
+        call: for a block of prompt tokens (``sampling.append``) that is a few % of its work, and the
+        program compiles once for every layer (module docstring)."""
+        num_new = num_new.astype(jnp.int32)
+        positions, cached = _appended(lengths, tokens.shape[1], k.shape[3])
+        x, (k_new, v_new) = self._continue(tokens, positions, k, v, cached, remat="none")
+        slots = _write_slots(positions, num_new, k.shape[3])
+        return x, _write_rows(k, k_new, slots), _write_rows(v, v_new, slots)
 
 
 class ModelState(struct.PyTreeNode):

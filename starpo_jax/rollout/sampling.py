@@ -22,10 +22,11 @@ the same tokens bit for bit. The Gumbel noise over the vocabulary is jax's three
 with the hash unrolled (``_threefry_bits_unrolled``, the same bits): jax's CPU lowering is a rolled
 loop that made the noise a fifth of a decode step's bytes.
 
-The decode loop reads the weights and the cache in place: ``decode`` and ``append`` split the
-blocks' weights per layer once per call, and the cache is one buffer per layer (``KVCache``) from
-its creation to the rollout's end; each step runs the blocks unrolled (``Decoder.extend``;
-models/decoder.py says why, and what it costs).
+The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights per
+layer once per call, and the cache is one buffer per layer (``KVCache``) from its creation to the
+rollout's end; each step runs the blocks unrolled (``Decoder.extend``). ``append`` stacks the cache
+once per call and runs its prompt chunks through the layer scan (``Decoder.extend_stacked``), which
+compiles once for every layer (models/decoder.py says why, and what each costs).
 
 Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
@@ -88,7 +89,6 @@ def append(
     whole cache).
     """
     decoder = model.merge()
-    weights = decoder.layers.per_layer()  # once per call, not per chunk
     B, T = tokens.shape
     num_chunks = -(-T // chunk_size)
     size = min(T, chunk_size)
@@ -96,16 +96,17 @@ def append(
 
     def append_in(cache: KVCache) -> tuple[KVCache, Array]:
         def step(carry, xs):
-            cache, last_hidden = carry
+            k, v, lengths, last_hidden = carry
             index, chunk = xs
             real = jnp.clip(num_new - index * size, 0, size)
-            hidden, cache = decoder.extend(chunk, real, cache, weights)
+            hidden, k, v = decoder.extend_stacked(chunk, real, k, v, lengths)
             at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
-            return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
+            return (k, v, lengths + real, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
 
-        init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
-        (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
-        return cache, last_hidden
+        init = (*cache.stacked(), cache.lengths,
+                jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
+        (k, v, lengths, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+        return KVCache.from_stacked(k, v, lengths), last_hidden
 
     needed = jnp.max(jnp.where(num_new > 0, cache.lengths + num_new, 0))
     cache, last_hidden = in_smallest_window(append_in, cache, needed, windowed)
