@@ -551,19 +551,19 @@ class Decoder(nnx.Module):
     def extend(self, tokens: Array, num_new: Array, cache: KVCache,
                weights: Sequence[Mapping[str, Array]] | None = None) -> tuple[Array, KVCache]:
         """Append a block of tokens [B, T] (the decode step: T = 1) to each row of the cache, the blocks
-        unrolled; row b's real tokens are the first
-        ``num_new[b]`` (right padding). Returns the block's final-normed hidden states [B, T, D] and the
-        cache with the block written at each row's offset and lengths advanced by ``num_new``. Padding,
-        and anything past ``max_len``, is dropped, so a row with nothing new is left exactly as it was
-        (writing past ``max_len`` cannot raise inside jit: ``decode`` stops a row whose cache is full).
+        unrolled; row b's real tokens are the first ``num_new[b]`` (right padding). Returns the block's
+        final-normed hidden states [B, T, D] and the cache with the block written at each row's offset
+        and lengths advanced by ``num_new``. Padding, and anything past ``max_len``, is dropped, so a row
+        with nothing new is left exactly as it was (writing past ``max_len`` cannot raise inside jit:
+        ``decode`` stops a row whose cache is full).
 
         ``weights``: the blocks' weights split per layer (``DecoderLayers.per_layer``, a copy of the
-        weights): a caller that extends in a loop (the decode loop, prefill chunks) splits them once
-        outside it; None splits them here. The blocks are unrolled, so each reads its own weights and
-        cache buffer in place. Each writes its new keys and values into its buffer first and then
-        attends to the written buffer (the new slots stay masked: the new block is attended to apart).
-        Reading after the write orders the two, so XLA updates the buffer in place; a read that the
-        write does not wait for makes it copy the buffer first."""
+        weights): a caller that extends in a loop (the decode loop) splits them once outside it; None
+        splits them here. The blocks are unrolled, so each reads its own weights and cache buffer in
+        place. Each writes its new keys and values into its buffer first and then attends to the
+        written buffer (the new slots stay masked: the new block is attended to apart). Reading after
+        the write orders the two, so XLA updates the buffer in place; a read that the write does not
+        wait for makes it copy the buffer first."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
         num_new = num_new.astype(jnp.int32)
@@ -577,7 +577,6 @@ class Decoder(nnx.Module):
             x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached)))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
-
 
     def extend_stacked(self, tokens: Array, num_new: Array, k: Array, v: Array,
                        lengths: Array) -> tuple[Array, Array, Array]:
