@@ -161,7 +161,7 @@ def load_evaluated_policy(config, source: str, trained: bool = True):
         run_dir = Path(source)
         settings = train_settings(config, rollout_plan(config, "train"))
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
-        state, _, step = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), state)
+        state, _, step, _ = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), state)
         model = dataclasses.replace(model, params=policy_weights(settings, state))
         print(f"loaded {run_dir} at step {step}")
     return model, tokenizer

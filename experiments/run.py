@@ -434,7 +434,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
     last_save = time.monotonic()  # trainer.save_every_minutes counts from here
 
     try:
-        state, watch, start, mgr = open_run(exp, state, log)
+        state, watch, start, mgr, in_flight = open_run(exp, state, log)
     except checkpoint.CheckpointError as err:
         print(f"{distributed.tag()}error: {err}", file=sys.stderr)
         return 2
@@ -460,13 +460,15 @@ def train(exp, iteration, stopping: Stopping) -> int:
         record(0, validation(exp, policy_of, val_levels, state, 0, out, log))
         stopping.check_before_training()
 
-    if staleness and start:
-        log(f"note: resumed with trainer.staleness=1, the first batch is sampled by step {start}'s restored weights "
-            "(fresh), where the stopped run would have sampled it one update earlier.")
     # Staleness 1: each batch is dispatched a step ahead, on the sampler's mesh (batches.OneStepOff).
     ahead = batches.OneStepOff(iteration.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh) if staleness else None
     if ahead is not None:
         log(batches.describe(ahead))
+        if in_flight is not None:  # the batch the stopped run had in flight, sampled again by its weights
+            ahead.resume(state, in_flight)
+        elif start:
+            log(f"note: step {start}'s checkpoint holds no batch in flight (a run with trainer.staleness=0 saved "
+                "it), so the first batch is sampled by its restored weights (fresh).")
     bar = tqdm(range(start, stop), initial=start, total=total, desc=f"{distributed.tag()}train", unit="step")
     stopping.bar = bar
     save_every, mi_freq = cfg.trainer.save_every_minutes * 60, cfg.trainer.mi_freq
@@ -526,7 +528,9 @@ def train(exp, iteration, stopping: Stopping) -> int:
             save_every > 0 and time.monotonic() - last_save >= save_every)
         due, terminated = _agreed(due, stopping.terminated)
         if due or terminated:
-            stopping.save(checkpoint.save, mgr, done, state, {"collapse_watch": watch.state()})
+            # One step off: with the weights of the batch in flight, unless no step follows it.
+            in_flight = ahead.pending_actor if ahead and done < total else None
+            stopping.save(checkpoint.save, mgr, done, state, {"collapse_watch": watch.state()}, in_flight)
             last_save = time.monotonic()
         if terminated:
             return stopping.report("terminated (SIGTERM)", 143)
@@ -541,7 +545,8 @@ def train(exp, iteration, stopping: Stopping) -> int:
 
 
 def open_run(exp, state, log):
-    """Where the run starts: (state, collapse watch, first step, checkpoint manager). A resume first
+    """Where the run starts: (state, collapse watch, first step, checkpoint manager, the weights of
+    the batch a one-step-off run had in flight or None). A resume first
     restores the newest intact checkpoint, so a failed one (``checkpoint.CheckpointError``; a
     mismatch names the settings that changed) leaves the folder as it was; then ``config.json`` is
     written, and a resume cuts the metrics log back to the step restored and sets aside the damaged
@@ -551,10 +556,13 @@ def open_run(exp, state, log):
     if not cfg.trainer.resume:
         out.mkdir(parents=True, exist_ok=True)
     mgr = checkpoint.manager(out / "checkpoints")
-    host, start = {}, 0
+    host: dict = {}
+    start, in_flight = 0, None
     if cfg.trainer.resume:
+        like_in_flight = state.actor if cfg.trainer.staleness else None
         try:
-            state, host, start = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"))
+            state, host, start, in_flight = checkpoint.restore(mgr, state, warn=lambda w: log(f"warning: {w}"),
+                                                               like_pending=like_in_flight)
         except checkpoint.CheckpointMismatch as err:  # another model or config: name what changed
             raise checkpoint.CheckpointMismatch(f"{err}; {config_changes(out / 'config.json', cfg)}.") from None
     if distributed.is_writer():
@@ -566,7 +574,7 @@ def open_run(exp, state, log):
         if damaged:
             log(f"damaged steps {damaged} moved to {checkpoint.set_aside(mgr, damaged)}")
         log(f"resumed from step {start} in {out}")
-    return state, CollapseWatch.from_state(host.get("collapse_watch", {})), start, mgr
+    return state, CollapseWatch.from_state(host.get("collapse_watch", {})), start, mgr, in_flight
 
 
 def export_policy(exp, state, log) -> None:

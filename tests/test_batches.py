@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, TINY_BANDIT, command_env, config_flags, run
+from helpers import REPO, TINY_BANDIT, command_env, config_flags, read_metrics, run, train_lines
 
 # The tiny Bandit, one step off; a learning rate that moves every weight, so that a batch sampled
 # by the updated weights cannot pass for one sampled by the initial ones.
@@ -80,6 +80,22 @@ def test_split_devices_sample_apart_and_one_step_off():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO / "tests", capture_output=True, text=True,
                           timeout=600, env=command_env(devices=2, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_a_resumed_run_samples_the_batch_in_flight_again(tmp_path):
+    """Stopped after step 1 of 2, a one-step-off run's checkpoint holds the weights that sampled batch
+    2 before update 1; the resumed run samples batch 2 again with them, so its step 2 is the
+    uninterrupted run's, exactly: the same programs on the same machine, fed the same bits. (Sampled
+    by the restored, once-updated weights instead, batch 2 and its update differ: the first test.)"""
+    flags = config_flags({**STALE, "trainer.test_freq": 0, "trainer.export_hf": False, "trainer.log_trajectories": 0})
+    run(*flags, f"--config.trainer.output_dir={tmp_path / 'whole'}")
+    run(*flags, f"--config.trainer.output_dir={tmp_path / 'stopped'}", "--max_steps=1")
+    proc = run(*flags, f"--config.trainer.output_dir={tmp_path / 'stopped'}", "--config.trainer.resume=True")
+    assert "holds no batch in flight" not in proc.stderr
+    whole, resumed = (train_lines(read_metrics(tmp_path / name)) for name in ("whole", "stopped"))
+    assert [r["step"] for r in resumed] == [1, 2]
+    for key in ("train/reward/mean", "train/response_length", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"):
+        assert whole[1][key] == resumed[1][key], key
 
 
 def one_line_error(proc) -> str:

@@ -32,7 +32,7 @@ def test_restore_checks_every_array_and_falls_back_from_a_damaged_step(tmp_path)
         f.seek(path.stat().st_size // 2)
         f.write(np.random.default_rng(0).bytes(4096))
     warnings: list[str] = []
-    state, host, step = checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE, warn=warnings.append)
+    state, host, step, _ = checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE, warn=warnings.append)
     assert step == 1 and host == {"step": 1}
     np.testing.assert_array_equal(state["w"], STATE["w"])
     assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
@@ -88,8 +88,36 @@ def test_frozen_initial_weights_are_rebuilt_not_stored(tmp_path):
     mgr = checkpoint.manager(tmp_path / "checkpoints")
     checkpoint.save(mgr, 1, start.replace(actor=start.actor + 1), {})
     assert list(checkpoint.stored_shapes(tmp_path / "checkpoints", 1) or {}) == ["actor"]
-    state, _, _ = checkpoint.restore(mgr, start)
+    state = checkpoint.restore(mgr, start).state
     np.testing.assert_array_equal(state.actor, np.ones(1000))
     assert state.ref is start.ref and state.base is None
     with pytest.raises(checkpoint.CheckpointMismatch, match="other initial weights"):
         checkpoint.restore(mgr, start.replace(ref=start.ref.at[7].set(0.5)))
+
+
+def test_the_weights_of_a_batch_in_flight_are_a_checked_item_of_their_own(tmp_path):
+    """A one-step-off run saves the weights that sample its next batch beside the state: restored
+    when asked for, checked like the state (damage falls back to an older step), and absent from a
+    step saved without them."""
+    mgr = checkpoint.manager(tmp_path / "checkpoints")
+    pending = {"w": jnp.full(1000, 3.0)}
+    checkpoint.save(mgr, 1, STATE, {"step": 1}, {"w": jnp.full(1000, 1.0)})
+    checkpoint.save(mgr, 2, STATE, {"step": 2}, pending)
+    checkpoint.save(mgr, 3, STATE, {"step": 3})
+    like = {"w": jnp.zeros(1000)}
+    restored = checkpoint.restore(mgr, STATE, step=2, like_pending=like)
+    assert restored.step == 2 and restored.host == {"step": 2}
+    np.testing.assert_array_equal(restored.pending["w"], pending["w"])
+    assert checkpoint.restore(mgr, STATE, step=2).pending is None  # not asked for
+    assert checkpoint.restore(mgr, STATE, like_pending=like).pending is None  # step 3 holds none
+    files = [p for p in (tmp_path / "checkpoints" / "2" / "pending").rglob("*") if p.is_file()]
+    path = max(files, key=lambda p: p.stat().st_size)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(np.random.default_rng(0).bytes(512))
+    checkpoint.set_aside(mgr, [3])
+    warnings: list[str] = []
+    restored = checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE, like_pending=like,
+                                  warn=warnings.append)
+    assert restored.step == 1 and "step 2" in warnings[0] and "Falling back to step 1" in warnings[0]
+    np.testing.assert_array_equal(restored.pending["w"], np.ones(1000))

@@ -345,7 +345,7 @@ def export_starpo_checkpoints(run_dir: Path) -> dict[int, Path]:
             model, tokenizer = load_policy(config)
             settings = train_settings(config, rollout_plan(config, "train"))
             like = init_train_state(settings, model, jax.random.PRNGKey(0))
-        state, _, _ = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), like, step=step)
+        state = checkpoint.restore(checkpoint.manager(run_dir / "checkpoints"), like, step=step).state
         policy = dataclasses.replace(model, params=policy_weights(settings, state))
         folders[step] = save_model(policy.merge(), tokenizer, run_dir / f"hf_step_{step}")
     return folders

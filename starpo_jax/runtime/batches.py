@@ -57,7 +57,12 @@ def sampler_view(state: TrainState, step) -> TrainState:
 class OneStepOff:
     """Staleness 1: ``next(state)`` returns batch ``state.step``, dispatched by the call before
     (the first call samples its own), and first dispatches batch ``state.step + 1`` with
-    ``state``'s weights, which the update of this batch starts from."""
+    ``state``'s weights, which the update of this batch starts from.
+
+    ``pending_actor`` are the weights of the next batch, in flight or not yet dispatched: a
+    checkpoint taken after the update holds them, and a run resumed from it passes them to
+    ``resume``, which samples that batch again exactly (a rollout is a function of its weights, step
+    and key)."""
 
     def __init__(self, collect: Callable, tables, key, trainer_mesh: Mesh, sampler_mesh: Mesh | None = None):
         self.collect = collect
@@ -67,21 +72,35 @@ class OneStepOff:
         whole = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
         self.tables, self.key = jax.device_put((tables, key), whole)
         self.base = None  # LoRA's frozen base on the sampler's mesh, copied once
-        self.pending: tuple[Trajectories, TrainState] | None = None
+        self.pending: tuple[Trajectories, TrainState] | None = None  # the next batch, dispatched
+        self.next_sampler: TrainState | None = None  # the weights of the next batch (on the sampler's mesh)
+
+    @property
+    def pending_actor(self):
+        return None if self.next_sampler is None else self.next_sampler.actor
+
+    def resume(self, state: TrainState, actor) -> None:
+        """Dispatch batch ``state.step`` with ``actor``, the weights a stopped run had sampled it with."""
+        self.next_sampler = self._sampler(state.replace(actor=actor), state.step)
+        self.pending = self._dispatch(self.next_sampler)
 
     def next(self, state: TrainState, more: bool = True) -> Batch:
         """Batch ``state.step``; ``more``: a later step follows, so dispatch its batch now."""
-        sampled, sampler = self.pending or self._dispatch(state, state.step)
-        self.pending = self._dispatch(state, state.step + 1) if more else None
+        sampled, sampler = self.pending or self._dispatch(self._sampler(state, state.step))
+        self.next_sampler = self._sampler(state, state.step + 1)
+        self.pending = self._dispatch(self.next_sampler) if more else None
         traj = jax.block_until_ready(jax.device_put(sampled, sharding.row_shardings(sampled, self.trainer_mesh)))
         return Batch(traj, sampled, sampler, self.sampler_mesh)
 
-    def _dispatch(self, state: TrainState, step) -> tuple[Trajectories, TrainState]:
-        """Batch ``step`` sampled by ``state``'s weights on the sampler's mesh, not waited for."""
+    def _sampler(self, state: TrainState, step) -> TrainState:
+        """What the rollout of batch ``step`` reads of ``state``, copied to the sampler's mesh."""
         weights = sharding.shard(sampler_view(state, step), self.sampler_mesh, copy=True)
         if state.base is not None and self.base is None:
             self.base = sharding.shard(state.base, self.sampler_mesh, copy=True)
-        weights = weights.replace(base=self.base)
+        return weights.replace(base=self.base)
+
+    def _dispatch(self, weights: TrainState) -> tuple[Trajectories, TrainState]:
+        """The batch ``weights`` sample on the sampler's mesh, not waited for."""
         with sharding.use_mesh(self.sampler_mesh):
             return self.collect(weights, self.tables, self.key), weights
 

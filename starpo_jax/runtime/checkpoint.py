@@ -13,6 +13,11 @@ A ``TrainState``'s frozen copies of the initial weights (``FROZEN``: the KL refe
 are not written: every start rebuilds them from ``model.source``, and a checkpoint holds only
 their checksums, so that a resume whose ``model.source`` now holds other weights is refused as a
 mismatch instead of continuing from the wrong reference or base.
+
+A one-step-off run (``trainer.staleness=1``) has a batch in flight when it saves: dispatched before
+the last update, by the weights that update started from. Those weights (the sampler's ``actor``)
+are a third item, ``pending``, so that a resume samples that batch again exactly (a rollout is a
+function of its weights, step and key); they are checked like the state.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -44,7 +50,17 @@ class CheckpointMismatch(CheckpointError):
 
 def manager(directory: str | Path, max_to_keep: int = 3) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(Path(directory).absolute(), item_names=("state", "host"), options=options)
+    return ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS, options=options)
+
+
+ITEMS = ("state", "host", "pending")  # pending: only in a one-step-off run's steps
+
+
+class Restored(NamedTuple):
+    state: Any
+    host: dict
+    step: int
+    pending: Any = None  # the weights of the batch in flight, when asked for and saved
 
 
 def saved_steps(directory: str | Path) -> list[int]:
@@ -94,12 +110,18 @@ def checksums(state) -> dict[str, str]:
     return sums
 
 
-def save(mgr: ocp.CheckpointManager, step: int, state, host: dict) -> None:
+def save(mgr: ocp.CheckpointManager, step: int, state, host: dict, pending=None) -> None:
+    """Step ``step``: ``state`` (less its frozen weights), the JSON ``host``, and ``pending``, the
+    weights of a batch in flight (None: there is none)."""
     stored, frozen = _split(state)
     host = {**host, "checksums": checksums(stored)}
     if frozen is not None:
         host["frozen_checksums"] = checksums(frozen)
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(stored), host=ocp.args.JsonSave(host)))
+    items = {"state": ocp.args.StandardSave(stored)}
+    if pending is not None:
+        host["pending_checksums"] = checksums(pending)
+        items["pending"] = ocp.args.StandardSave(pending)
+    mgr.save(step, args=ocp.args.Composite(host=ocp.args.JsonSave(host), **items))
     mgr.wait_until_finished()
 
 
@@ -107,35 +129,43 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, warn: Callable[[str], None] = _warn):
-    """(state, host dict, step) of ``step`` (default: the newest intact one) shaped like ``like_state``,
-    whose frozen weights (``FROZEN``) the restored state keeps.
+def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, warn: Callable[[str], None] = _warn,
+            like_pending=None) -> Restored:
+    """State, host dict and step of ``step`` (default: the newest intact one) shaped like ``like_state``,
+    whose frozen weights (``FROZEN``) the restored state keeps; with ``like_pending``, also the weights
+    of the batch that was in flight, shaped like it (None if the step holds none).
 
     A damaged or unreadable step is reported through ``warn`` and the next older step is tried.
     """
     steps = mgr.all_steps() if step is None else [step]
     if not steps:
         raise _no_checkpoint(mgr.directory)
-    steps = sorted(steps, reverse=True)
-    for s, older in zip(steps, [*steps[1:], None]):
+    failed = None  # the newer step's error, reported once an older step is tried
+    for s in sorted(steps, reverse=True):
+        if failed is not None:
+            warn(f"{failed} Falling back to step {s}.")
         try:
-            return (*_restore_step(mgr, like_state, s), s)
+            return _restore_step(mgr, like_state, s, like_pending)
         except CheckpointMismatch:
             raise  # every step of a run holds the same arrays: an older one would not match either
         except CheckpointError as err:
-            if older is None:
-                raise CheckpointError(f"{err} No intact checkpoint is left to resume from.") from None
-            warn(f"{err} Falling back to step {older}.")
+            failed = err
+    raise CheckpointError(f"{failed} No intact checkpoint is left to resume from.")
 
 
-def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int):
+def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pending=None) -> Restored:
     where = f"Checkpoint step {step} in {mgr.directory}"
     like_stored, frozen = _split(like_state)
-    difference = _difference(stored_shapes(mgr.directory, step), array_shapes(like_stored))
-    if difference:
-        raise CheckpointMismatch(f"{where} holds other arrays than this run builds ({difference})")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_stored)
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore())
+    likes = {"state": like_stored}
+    if like_pending is not None and (Path(str(mgr.directory)) / str(step) / "pending").is_dir():
+        likes["pending"] = like_pending
+    for item, like in likes.items():
+        difference = _difference(stored_shapes(mgr.directory, step, item), array_shapes(like))
+        if difference:
+            raise CheckpointMismatch(f"{where} holds other arrays than this run builds ({difference})")
+    args = ocp.args.Composite(host=ocp.args.JsonRestore(), **{
+        item: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, like))
+        for item, like in likes.items()})
     out = reason = None
     with _quiet_storage_errors():
         try:
@@ -147,30 +177,33 @@ def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int):
             f"{where} cannot be read ({reason}): it is damaged, truncated, or from a different model or config."
         )
     host = dict(out.host)
-    expected = host.pop("checksums", None)
-    if expected is not None:  # checkpoints written before checksums existed have none
-        got = checksums(out.state)  # orbax already checked the tree's structure against like_state
+    pending = out.pending if "pending" in likes else None
+    for arrays, key in ((out.state, "checksums"), (pending, "pending_checksums")):
+        expected = host.pop(key, None)
+        if expected is None or arrays is None:  # checkpoints written before checksums existed have none
+            continue
+        got = checksums(arrays)  # orbax already checked the tree's structure against the like
         bad = [name for name, crc in expected.items() if name in got and got[name] != crc]
         if bad:
             raise CheckpointError(
                 f"{where} is damaged: {len(bad)} array(s), e.g. {bad[0]}, do not match the checksums written with it."
             )
     if frozen is None:
-        return out.state, host
+        return Restored(out.state, host, step, pending)
     if host.pop("frozen_checksums", None) not in (None, checksums(frozen)):
         raise CheckpointMismatch(
             f"{where} was trained from other initial weights than model.source holds now (its KL reference "
             "or LoRA base differs)"
         )
-    return out.state.replace(**dict(zip(FROZEN, frozen))), host
+    return Restored(out.state.replace(**dict(zip(FROZEN, frozen))), host, step, pending)
 
 
-def stored_shapes(directory, step: int) -> dict[str, tuple] | None:
-    """{array path: shape} of the state saved at ``step``, from orbax's metadata (nothing else is
+def stored_shapes(directory, step: int, item: str = "state") -> dict[str, tuple] | None:
+    """{array path: shape} of the ``item`` saved at ``step``, from orbax's metadata (nothing else is
     read); None when the metadata cannot be read (a damaged step: the restore reports it)."""
     try:
         with _quiet_storage_errors():
-            meta = ocp.StandardCheckpointHandler().metadata(epath.Path(str(directory)) / str(step) / "state")
+            meta = ocp.StandardCheckpointHandler().metadata(epath.Path(str(directory)) / str(step) / item)
         return _shapes(getattr(meta, "tree", meta))
     except Exception:  # orbax raises many types for a damaged file
         return None
