@@ -424,7 +424,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
     # Rollout and update jitted apart (timed apart); the update computes only the positions the
     # batch holds (forward.update_layout), a static argument picked per batch on the host.
     staleness = cfg.trainer.staleness
-    if iteration is None or staleness:  # the planned rollout reads a whole state on the trainer's mesh
+    if iteration is None:
         iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
                                   exp.train_plan)
     val_levels = fixed_levels(exp.val_plan, exp.val_tables, cfg.envs.val.seed, cfg.trainer.val_chunks)

@@ -5,6 +5,7 @@ devices when ``mesh.rollout_devices`` gives it some; bad settings are refused in
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,14 +22,19 @@ def check_one_step_off(rollout_devices: int) -> None:
     batch 1 is the same, batch 2 is what the initial weights sample for step 2 and not what the
     once-updated weights sample. With ``rollout_devices`` the batches are sampled on those devices
     and trained on the others."""
-    import jax
-
     from configs import base
-    from starpo_jax.runtime import batches, sharding
-    from starpo_jax.runtime.experiment import build_experiment
+    from starpo_jax.runtime import batches, planning, sharding
+    from starpo_jax.runtime.experiment import build_experiment, check_config
     from starpo_jax.train import init_train_state, jit_iteration, make_train_step
 
-    exp = build_experiment(base.with_overrides(base.get_config(), {**STALE, "mesh.rollout_devices": rollout_devices}))
+    checked = check_config(base.with_overrides(base.get_config(), {**STALE, "mesh.rollout_devices": rollout_devices}))
+    # The run's memory check compiles the sampler's rollout for the inputs OneStepOff gives it, and
+    # hands it to the run (a compiled program refuses inputs of other shapes or placements).
+    fit = planning.check_fits(checked, available=64 * 2**30)
+    assert fit is not None and (fit.plan.rollout_mesh is not None) == bool(rollout_devices)
+    exp = build_experiment(checked)
+    planned = fit.iteration_for(exp)
+    assert planned is not None and isinstance(planned.collect, jax.stages.Compiled)
     key = jax.random.PRNGKey(0)
     with sharding.use_mesh(exp.mesh):
         iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
@@ -48,7 +54,7 @@ def check_one_step_off(rollout_devices: int) -> None:
         # What the initial weights sample for step 2 (its levels and keys): a synchronous batch at step 1.
         initial_weights_step_2 = jax.device_get(iteration.collect(initial_state().replace(step=1), exp.train_tables, key))
 
-        ahead = batches.OneStepOff(iteration.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh)
+        ahead = batches.OneStepOff(planned.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh)
         state, stale = initial_state(), []
         for more in (True, False):
             batch = ahead.next(state, more)
@@ -80,6 +86,34 @@ def test_split_devices_sample_apart_and_one_step_off():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO / "tests", capture_output=True, text=True,
                           timeout=600, env=command_env(devices=2, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_one_step_off_on_shared_devices_is_planned_with_both_programs_at_once():
+    """Sharing the devices, the next batch's rollout may run beside the update: the plan counts both
+    programs' memory at once, so memory that holds the synchronous run's peak is refused to it, in
+    one sentence naming the knob. The rollout's part holds two copies of the policy (the batch being
+    trained keeps the weights that sampled it), not the train state."""
+    from configs import base
+    from starpo_jax.runtime import planning
+    from starpo_jax.runtime.experiment import build_experiment, check_config
+
+    def plan(flags):
+        exp = build_experiment(check_config(base.with_overrides(base.get_config(), flags)), load=planning.abstract_policy)
+        return exp, planning.plan_memory(exp)
+
+    synchronous = plan({**STALE, "trainer.staleness": 0})[1]
+    exp, stale = plan(STALE)
+    assert stale.concurrent and stale.peak == stale.rollout_peak + stale.update_peak > synchronous.peak
+    policy = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(exp.model.params))
+    assert stale.rollout_peak - stale.rollout_temp >= 2 * policy
+    assert stale.rollout_peak - stale.rollout_temp < synchronous.rollout_peak - synchronous.rollout_temp  # no Adam moments
+    holds_synchronous = synchronous.peak + (stale.peak - synchronous.peak) // 2
+    assert planning.check_fits(check_config(base.with_overrides(base.get_config(), {**STALE, "trainer.staleness": 0})),
+                               available=holds_synchronous) is not None
+    with pytest.raises(planning.PlanError) as err:
+        planning.check_fits(check_config(base.with_overrides(base.get_config(), STALE)), available=holds_synchronous)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("the run needs ") and "is available: " in first
 
 
 def test_a_resumed_run_samples_the_batch_in_flight_again(tmp_path):

@@ -8,6 +8,12 @@ available memory. The programs it compiles are the run's own (``train.jit_iterat
 hands them to the run (``Fit.iteration_for``), which so compiles its rollout once. The command line
 is ``python -m experiments.plan`` (docs/scaling.md).
 
+A one-step-off run (``trainer.staleness=1``) is planned as it runs (``batches.OneStepOff``): its
+rollout compiled for the sampler's inputs on the sampler's mesh, holding two copies of the policy
+and two batches while the next batch samples beside the one being trained; with its own devices
+(``mesh.rollout_devices``) each part's devices hold their program, else both programs' memory is
+counted at once, since they may run together.
+
 The one account of memory, which ``experiments.sweep`` and the benchmarks use too: a compiled
 program's buffers and peak (``program_memory``, ``program_peak_bytes``), the KV cache of a shape
 (``kv_bytes_per_token``, ``kv_cache_bytes``), and what devices can still allocate
@@ -33,7 +39,7 @@ from starpo_jax.models.config import PRESETS, ModelConfig, preset
 from starpo_jax.models.decoder import Decoder, ModelState
 from starpo_jax.models.gguf_reader import hf_config_from_gguf, open_gguf
 from starpo_jax.models.loading import load_tokenizer, smollm2_tokenizer
-from starpo_jax.runtime import sharding
+from starpo_jax.runtime import batches, sharding
 from starpo_jax.runtime.experiment import _tokenizer_only, build_experiment, model_compute
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step
 
@@ -106,6 +112,10 @@ class MemoryPlan:
     update_peak: int  # inputs + outputs + working memory of the update program (donated state reused)
     micro_rows: int = 1  # rows per device in one gradient pass (actor.micro_batch_size / (data × fsdp))
     remat: str = "layer"  # model.remat: what the update's backward pass keeps of each layer
+    # One step off: the sampler's mesh when it has devices of its own (mesh.rollout_devices), whose
+    # devices hold rollout_peak and the trainer's update_peak; None: the same devices hold both.
+    rollout_mesh: dict | None = None
+    concurrent: bool = False  # one step off on the same devices: the rollout's memory beside the update's
     # CPU: the process's own memory beside the programs' buffers (Python, JAX, XLA's compiled
     # programs and compilers, tokenizer, tables), measured as the planning process's resident
     # memory once it has compiled the run's programs. 0 when not measured.
@@ -113,18 +123,22 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        return max(self.rollout_peak, self.update_peak)
+        """The most any one device holds."""
+        return self.rollout_peak + self.update_peak if self.concurrent else max(self.rollout_peak, self.update_peak)
 
     @property
     def host_peak(self) -> int:
         """A CPU run's peak resident memory: the runtime plus every (simulated) device's peak."""
-        devices = 1
-        for size in self.mesh.values():
-            devices *= size
-        return self.runtime + devices * self.peak
+        if self.rollout_mesh is None:
+            return self.runtime + _devices(self.mesh) * self.peak
+        return self.runtime + _devices(self.rollout_mesh) * self.rollout_peak + _devices(self.mesh) * self.update_peak
 
     def report(self, budget: int) -> str:
-        mesh = " × ".join(f"{axis} {size}" for axis, size in self.mesh.items())
+        mesh = _axes(self.mesh)
+        if self.rollout_mesh is not None:
+            mesh = f"{mesh} training; rollout on its own devices, mesh {_axes(self.rollout_mesh)}"
+        elif self.concurrent:
+            mesh = f"{mesh}, one step off: the rollout's peak and the update's at once"
         rows = [
             ("train state (actor, critic, reference, Adam)", self.train_state),
             ("rollout KV cache", self.kv_cache),
@@ -186,6 +200,14 @@ class MemoryPlan:
         return f"  over budget by {gib(self.peak - budget)}; the largest part is {name}: {knob}."
 
 
+def _devices(mesh: dict) -> int:
+    return int(np.prod(list(mesh.values())))
+
+
+def _axes(mesh: dict) -> str:
+    return " × ".join(f"{axis} {size}" for axis, size in mesh.items())
+
+
 def _bytes_per_device(tree) -> int:
     """Bytes one device holds of an abstract (sharded) tree."""
     total = 0
@@ -242,17 +264,32 @@ def program_peak_bytes(compiled) -> int:
 
 def compile_programs(exp, iteration):
     """``iteration``'s rollout and update (``train.jit_iteration``'s, the jitted functions the run
-    calls) compiled for abstract inputs on ``exp.mesh``, the update for every position
+    calls) compiled for abstract inputs as the run places them, the update for every position
     (``full_layout``, the largest it runs): (compiled collect, compiled learn, abstract sharded train
-    state)."""
+    state, abstract inputs of the rollout). The rollout reads the train state on ``exp.mesh``, or
+    one step off, the sampler's copies (``sampler_inputs``)."""
     with sharding.use_mesh(exp.mesh):
         state = jax.eval_shape(lambda m: init_train_state(exp.settings, m, jax.random.PRNGKey(0)), exp.model)
         state = _abstract(state, sharding.shardings(state, exp.mesh))
-        key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
-        collect_c = iteration.collect.lower(state, exp.train_tables, key).compile()
-        traj = _abstract(jax.eval_shape(iteration.collect, state, exp.train_tables, key), collect_c.output_shardings)
+    stale = bool(exp.config.trainer.staleness)
+    inputs = sampler_inputs(exp, state) if stale else (state, exp.train_tables, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    with sharding.use_mesh(exp.rollout_mesh or exp.mesh):
+        collect_c = iteration.collect.lower(*inputs).compile()
+        traj = jax.eval_shape(iteration.collect, *inputs)
+    with sharding.use_mesh(exp.mesh):  # the batch moves to the trainer's rows (OneStepOff.next)
+        traj = _abstract(traj, sharding.row_shardings(traj, exp.mesh) if stale else collect_c.output_shardings)
         learn_c = iteration.learn.lower(state, traj, exp.hyper, full_layout(exp.train_plan.max_len)).compile()
-    return collect_c, learn_c, state
+    return collect_c, learn_c, state, inputs
+
+
+def sampler_inputs(exp, state) -> tuple:
+    """A one-step-off rollout's abstract inputs, placed as ``batches.OneStepOff`` places them on the
+    sampler's mesh: the policy's copy (``batches.sampler_view``), the tables and the key whole."""
+    mesh = exp.rollout_mesh or exp.mesh
+    view = batches.sampler_view(state, state.step).replace(base=state.base)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), exp.train_tables)
+    return _abstract(view, sharding.shardings(view, mesh)), tables, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=whole)
 
 
 def kv_bytes_per_token(model_config) -> int:
@@ -268,9 +305,10 @@ def kv_cache_bytes(model_config, rows: int, length: int) -> int:
 
 
 def rollout_kv_cache_bytes(exp) -> int:
-    """Keys and values of the rollout per device: rows split over data × fsdp, kv heads whole."""
-    plan = exp.train_plan
-    return kv_cache_bytes(exp.model.merge().config, plan.batch_size // sharding.rows_per_mesh(exp.mesh), plan.max_len)
+    """Keys and values of the rollout per device: rows split over the sampling mesh's data × fsdp,
+    kv heads whole."""
+    plan, mesh = exp.train_plan, exp.rollout_mesh or exp.mesh
+    return kv_cache_bytes(exp.model.merge().config, plan.batch_size // sharding.rows_per_mesh(mesh), plan.max_len)
 
 
 def iteration_program(exp) -> tuple:
@@ -284,8 +322,8 @@ def plan_programs(exp):
     (``train.jit_iteration``) whose rollout is the program the plan compiled: a run of an equal
     ``iteration_program`` calls it instead of compiling its rollout again."""
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), exp.settings, exp.train_plan)
-    collect_c, learn_c, state = compile_programs(exp, iteration)
-    return _memory_plan(exp, collect_c, learn_c, state), iteration._replace(collect=collect_c)
+    collect_c, learn_c, state, inputs = compile_programs(exp, iteration)
+    return _memory_plan(exp, collect_c, learn_c, state, inputs), iteration._replace(collect=collect_c)
 
 
 def plan_memory(exp) -> MemoryPlan:
@@ -293,24 +331,33 @@ def plan_memory(exp) -> MemoryPlan:
     return plan_programs(exp)[0]
 
 
-def _memory_plan(exp, collect_c, learn_c, state) -> MemoryPlan:
+def _memory_plan(exp, collect_c, learn_c, state, inputs) -> MemoryPlan:
     runtime = resident_bytes()
     rollout, update = _reported_memory(collect_c), _reported_memory(learn_c)
     train_state = _bytes_per_device(state)
+    weights, tables, _ = inputs
+    if exp.config.trainer.staleness:
+        # While batch t+1 samples, batch t and the policy that sampled it are still held (its
+        # template-collapse figures are scored by them): two policies, two batches.
+        rollout_peak = 2 * _bytes_per_device(weights) + _bytes_per_device(tables) + 2 * rollout.outputs
+    else:
+        # jit drops the inputs a program does not read (the rollout reads the policy only), but the
+        # whole train state stays resident while it runs.
+        rollout_peak = train_state + _bytes_per_device(tables) + rollout.outputs
     return MemoryPlan(
         mesh=dict(exp.mesh.shape),
         train_state=train_state,
         kv_cache=rollout_kv_cache_bytes(exp),
         rollout_temp=rollout.temporaries,
-        # jit drops the inputs a program does not read (the rollout reads the policy only), but the
-        # whole train state stays resident while it runs.
-        rollout_peak=train_state + _bytes_per_device(exp.train_tables) + rollout.outputs + rollout.temporaries,
+        rollout_peak=rollout_peak + rollout.temporaries,
         update_temp=update.temporaries,
         update_peak=update.peak,
         micro_rows=exp.settings.micro_batch_size // sharding.rows_per_mesh(exp.mesh),
         remat=exp.model.merge().config.remat,
         # CPU: the host's memory is the devices'; measured after compiling, as the run holds its programs.
         runtime=runtime if exp.mesh.devices.flat[0].platform == "cpu" else 0,
+        rollout_mesh=dict(exp.rollout_mesh.shape) if exp.rollout_mesh is not None else None,
+        concurrent=bool(exp.config.trainer.staleness) and exp.rollout_mesh is None,
     )
 
 
@@ -423,11 +470,13 @@ def check_fits(config, available: int | None = None) -> Fit | None:
     else:  # CPU: the devices share the host's memory, and this process already holds its runtime.
         available = available_bytes() if available is None else available
         assert available is not None  # checked above: this host has /proc/meminfo
-        budget = available // len(devices)
-        if plan.peak > budget:
+        # This process's devices (a split runs in one process; without one, each process plans its own)
+        needed = plan.host_peak - plan.runtime if plan.rollout_mesh is not None else plan.peak * len(devices)
+        if needed > available:
             _, knob = plan.largest_part()
             raise PlanError(
-                f"the run needs {gib(plan.peak * len(devices))} of host memory beyond this process's "
-                f"{gib(plan.runtime)}, but only {gib(budget * len(devices))} is available: {knob}.\n{plan.report(budget)}"
+                f"the run needs {gib(needed)} of host memory beyond this process's "
+                f"{gib(plan.runtime)}, but only {gib(available)} is available: {knob}.\n"
+                f"{plan.report(available // len(devices))}"
             )
     return Fit(plan, available, iteration, iteration_program(exp))
