@@ -2,6 +2,7 @@
 every later one is sampled by the weights the update before it started from, on the sampler's own
 devices when ``mesh.rollout_devices`` gives it some; bad settings are refused in one sentence."""
 
+import shutil
 import subprocess
 import sys
 
@@ -117,19 +118,23 @@ def test_one_step_off_on_shared_devices_is_planned_with_both_programs_at_once():
 
 
 def test_a_resumed_run_samples_the_batch_in_flight_again(tmp_path):
-    """Stopped after step 1 of 2, a one-step-off run's checkpoint holds the weights that sampled batch
-    2 before update 1; the resumed run samples batch 2 again with them, so its step 2 is the
-    uninterrupted run's, exactly: the same programs on the same machine, fed the same bits. (Sampled
-    by the restored, once-updated weights instead, batch 2 and its update differ: the first test.)"""
-    flags = config_flags({**STALE, "trainer.test_freq": 0, "trainer.export_hf": False, "trainer.log_trajectories": 0})
-    run(*flags, f"--config.trainer.output_dir={tmp_path / 'whole'}")
-    run(*flags, f"--config.trainer.output_dir={tmp_path / 'stopped'}", "--max_steps=1")
-    proc = run(*flags, f"--config.trainer.output_dir={tmp_path / 'stopped'}", "--config.trainer.resume=True")
-    assert "holds no batch in flight" not in proc.stderr
-    whole, resumed = (train_lines(read_metrics(tmp_path / name)) for name in ("whole", "stopped"))
+    """A one-step-off run killed after saving step 1 of 2: its checkpoint holds the weights that
+    sampled batch 2 before update 1, and the resumed run samples batch 2 again with them, so its
+    step 2 is the uninterrupted run's, exactly: the same programs on the same machine, fed the same
+    bits. (Sampled by the restored, once-updated weights instead, batch 2 and its update differ.)"""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    flags = config_flags({**STALE, "trainer.test_freq": 0, "trainer.export_hf": False, "trainer.log_trajectories": 0,
+                          "trainer.save_freq": 1})
+    run(*flags, f"--config.trainer.output_dir={whole}")
+    shutil.copytree(whole, killed)
+    shutil.rmtree(killed / "checkpoints" / "2")  # killed before step 2's checkpoint was written
+    proc = run(*flags, f"--config.trainer.output_dir={killed}", "--config.trainer.resume=True")
+    said = proc.stdout + proc.stderr
+    assert "resumed from step 1" in said and "holds no batch in flight" not in said
+    uninterrupted, resumed = (train_lines(read_metrics(out)) for out in (whole, killed))
     assert [r["step"] for r in resumed] == [1, 2]
     for key in ("train/reward/mean", "train/response_length", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"):
-        assert whole[1][key] == resumed[1][key], key
+        assert uninterrupted[1][key] == resumed[1][key], key
 
 
 def one_line_error(proc) -> str:
