@@ -12,8 +12,11 @@ import time
 
 from helpers import REPO, command_env, read_metrics, tiny_with, train_lines
 
-# Long enough to be still training when the signal comes; no validation to wait for.
-LONG = {"trainer.total_steps": "1000", "trainer.test_freq": "0"}
+# The tiny run cut to one Bandit turn (the least a process traces and compiles before its first
+# step: signals are handled by the loop around the programs, whatever they hold), long enough to be
+# still training when the signal comes; no validation to wait for.
+LONG = {"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)", "envs.val.tags": "('Bandit',)",
+        "rollout.max_turn": "1", "trainer.total_steps": "1000", "trainer.test_freq": "0"}
 
 
 def saved(out) -> list[int]:
