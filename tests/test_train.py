@@ -106,12 +106,17 @@ def test_flipped_advantage_does_not_learn(bandit, monkeypatch):
     assert np.mean(history[-3:]) < 0.5, history
 
 
+# The LoRA learning test's adapters (the sweep test's LoRA case uses them too).
+LORA = {"lora_rank": 4, "lora_alpha": 8.0}
+
+
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_vmap_sweeps_hyperparameters_in_one_program(bandit, lora_rank):
     """Two learning rates trained side by side under vmap equal two separate runs (with LoRA the
-    settings share one frozen base)."""
+    settings share one frozen base). The separate runs' step is the learning tests' program (their
+    settings and compiler options), which the persistent compilation cache then compiles once."""
     plan, tables, responder, model, settings, hyper = bandit
-    settings = dataclasses.replace(settings, lora_rank=lora_rank)
+    settings = dataclasses.replace(settings, **(LORA if lora_rank else {"lora_rank": 0}))
     step = make_train_step(settings, model.graphdef, plan, responder).step
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     lrs = jnp.asarray([0.0, 3e-3])
@@ -121,7 +126,7 @@ def test_vmap_sweeps_hyperparameters_in_one_program(bandit, lora_rank):
     key = jax.random.PRNGKey(3)
     states, metrics = sweep(states, tables, hypers, key)
     assert metrics["actor/lr"].tolist() == pytest.approx(lrs.tolist())
-    single = jax.jit(step)
+    single = jax.jit(step, compiler_options=MANY_STEPS)
     for i in range(2):
         alone, m = single(state, tables, jax.tree.map(lambda x: x[i], hypers), key)
         # The loss is a mean of O(1) terms summed in another order: ~100 float32 ulps relative (rtol),
@@ -162,7 +167,7 @@ def _leaves_equal(a, b) -> bool:
 
 
 def test_lora_rl_raises_success_and_leaves_the_base_frozen(smollm2_tokenizer):
-    plan, tables, responder, model, settings, hyper = _setup(smollm2_tokenizer, {"lora_rank": 4, "lora_alpha": 8.0})
+    plan, tables, responder, model, settings, hyper = _setup(smollm2_tokenizer, LORA)
     state, history = _train(plan, tables, responder, model, settings, hyper.replace(actor_lr=jnp.float32(1e-2)), steps=12)
     early, late = np.mean(history[:3]), np.mean(history[-3:])
     # Adapters learn more slowly than full fine-tuning here (~0.85 after 12 steps, ~0.9 after 20).
