@@ -5,6 +5,7 @@ devices when ``mesh.rollout_devices`` gives it some; bad settings are refused in
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -21,10 +22,11 @@ STALE = {**TINY_BANDIT, "rollout.enable_think": False, "rollout.use_sampler_logp
 def check_one_step_off(rollout_devices: int) -> None:
     """Two synchronous steps against two steps one step off, from the same initial state and key:
     batch 1 is the same, batch 2 is what the initial weights sample for step 2 and not what the
-    once-updated weights sample. With ``rollout_devices`` the batches are sampled on those devices
-    and trained on the others."""
+    once-updated weights sample, and a checkpoint taken while batch 2 is in flight resumes into the
+    same batch 2. With ``rollout_devices`` the batches are sampled on those devices and trained on
+    the others."""
     from configs import base
-    from starpo_jax.runtime import batches, planning, sharding
+    from starpo_jax.runtime import batches, checkpoint, planning, sharding
     from starpo_jax.runtime.experiment import build_experiment, check_config
     from starpo_jax.train import init_train_state, jit_iteration, make_train_step
 
@@ -67,6 +69,14 @@ def check_one_step_off(rollout_devices: int) -> None:
                 assert all(w.sharding.device_set == sampler_devices for w in jax.tree.leaves(batch.sampler))
                 assert batch.traj.tokens.sharding.device_set == trainer_devices
             state = learn(state, batch.traj)
+            if more:  # a checkpoint now holds the weights of batch 2, in flight; resumed, they sample it again
+                with tempfile.TemporaryDirectory() as folder:
+                    mgr = checkpoint.manager(folder)
+                    checkpoint.save(mgr, 1, state, {}, ahead.pending_actor)
+                    restored = checkpoint.restore(mgr, state, like_pending=state.actor)
+                resumed = batches.OneStepOff(planned.collect, exp.train_tables, key, exp.mesh, exp.rollout_mesh)
+                resumed.resume(restored.state, restored.pending)
+                resumed_batch_2 = jax.device_get(resumed.next(restored.state, more=False).traj)
         assert ahead.pending is None  # nothing is sampled past the last step
 
     def same(a, b) -> bool:
@@ -74,6 +84,7 @@ def check_one_step_off(rollout_devices: int) -> None:
 
     assert same(stale[0], synchronous[0])  # the first batch is fresh
     assert same(stale[1], initial_weights_step_2)  # the second was sampled before the first update
+    assert same(resumed_batch_2, stale[1])
     assert not np.array_equal(stale[1].sampler_logprobs, synchronous[1].sampler_logprobs)  # which moved the weights
 
 
