@@ -1,5 +1,6 @@
 """bench_peer: TRL's settings come from the config, the reward is the env's rule, the prompt is the
-rollout's. The end-to-end run trains both sides (slow; needs trl, which only ``.[peer]`` installs)."""
+rollout's. The end-to-end run trains both sides (slow; needs trl, which only ``.[peer]`` installs).
+Its scorer of an exported folder is tested in tests/test_run.py, on the tiny run the tests there share."""
 
 import json
 import sys
@@ -135,6 +136,22 @@ def test_prompts_are_the_rollouts_first_turn():
     assert tokenizer(texts[True])["input_ids"] == [int(t) for t in ids[0, : int(lengths[0])]]
 
 
+def test_rounds_alternate_the_sides_and_report_each_rounds_ratio(tmp_path):
+    """``--rounds 2`` is A B B A: a drift in the machine's load during the benchmark falls on both
+    sides alike; the ratio is of each round's warm medians (the first step, compiling, left out)."""
+    assert bench_peer.round_order(3) == [("starpo_jax", "trl"), ("trl", "starpo_jax"), ("starpo_jax", "trl")]
+    assert bench_peer.round_folder(tmp_path, 0) == tmp_path and bench_peer.round_folder(tmp_path, 1) == tmp_path / "round_1"
+    timing = bench_peer.timing_report([
+        {"order": ("starpo_jax", "trl"), "starpo_jax": [90.0, 10.0, 12.0, 11.0], "trl": [50.0, 40.0, 44.0, 42.0]},
+        {"order": ("trl", "starpo_jax"), "starpo_jax": [80.0, 20.0, 20.0, 20.0], "trl": [55.0, 30.0, 30.0, 30.0]},
+    ])
+    assert [row["trl_over_starpo"] for row in timing["rounds"]] == [pytest.approx(42 / 11), pytest.approx(1.5)]
+    assert timing["median_ratio"] == pytest.approx((42 / 11 + 1.5) / 2)
+    assert timing["ratio_range"] == [pytest.approx(1.5), pytest.approx(42 / 11)]
+    with pytest.raises(SystemExit):
+        bench_peer.parse_args(["--rounds", "0"])
+
+
 def test_help_and_missing_trl(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         bench_peer.main(["--help"])
@@ -142,16 +159,6 @@ def test_help_and_missing_trl(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
     assert bench_peer.main(["--steps", "1"]) == 2
     assert "pip install -e '.[peer]'" in capsys.readouterr().err
-
-
-def test_a_folder_is_scored_on_the_configs_validation_levels(full_run):
-    """``evaluate_folder``: the evaluate command's scorer (``evaluate_tags``) with the config's
-    validation tags, levels and temperature, on an exported Hugging Face folder (the tiny run's)."""
-    from configs import base
-
-    config = base.saved_config(full_run / "config.json")
-    success = bench_peer.evaluate_folder(config, full_run / "hf_policy", levels=2)
-    assert set(success) == {"FrozenLake"} and success["FrozenLake"] in (0, 0.5, 1)  # a share of 2 levels
 
 
 @pytest.mark.slow
@@ -169,3 +176,5 @@ def test_two_steps_of_both_sides(tmp_path):
         assert [row["step"] for row in r["curve"]] == [0, 1, 2]
         assert r["curve"][0]["success"] == report["trl"]["curve"][0]["success"]  # one base model, scored once
     assert report["trl_settings"]["loss_type"] == "grpo" and report["filter"]["filter.ratio"] == 1.0
+    [timing] = report["timing"]["rounds"]
+    assert timing["order"] == ["starpo_jax", "trl"] and timing["trl_step_s"] == report["trl"]["step_s"]

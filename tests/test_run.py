@@ -214,6 +214,18 @@ def test_evaluate_a_run_folder(full_run, tmp_path):
     assert bad.returncode == 2 and "results go to" not in bad.stdout
 
 
+def test_bench_peer_scores_a_folder_on_the_configs_validation_levels(full_run):
+    """bench_peer's ``evaluate_folder``: the evaluate command's scorer (``evaluate_tags``) with the
+    config's validation tags, levels and temperature, on an exported Hugging Face folder (this
+    module's tiny run, here so that one test process starts that run once)."""
+    from configs import base
+    from experiments.bench import peer as bench_peer
+
+    config = base.saved_config(full_run / "config.json")
+    success = bench_peer.evaluate_folder(config, full_run / "hf_policy", levels=2)
+    assert set(success) == {"FrozenLake"} and success["FrozenLake"] in (0, 0.5, 1)  # a share of 2 levels
+
+
 def test_random_valid_baseline_plays_the_runs_levels_without_its_weights(full_run, tmp_path):
     """--policy random-valid: the run's config and tokenizer, every answer valid and random, no
     checkpoint read (here the folder has none), results named apart from the policy's. A config.json
@@ -345,11 +357,13 @@ def test_lora_run_exports_adapters_and_evaluates(tmp_path):
 def test_turns_cut_by_the_context_are_said_once(tmp_path):
     """A context too short for rollout.max_turn ends trajectories early; the run says so in one line
     naming how many and the key to raise, once however many steps cut them."""
-    proc = run(*tiny_with({"rollout.max_turn": "4", "rollout.max_model_len": "512", "trainer.total_steps": "2",
+    # Sokoban alone (its first prompt ~300 tokens, each later one over 100): 4 turns cannot fit 512 tokens.
+    proc = run(*tiny_with({"envs.train.tags": "('SimpleSokoban',)", "envs.train.n_groups": "(2,)",
+                           "rollout.max_turn": "4", "rollout.max_model_len": "512", "trainer.total_steps": "2",
                            "trainer.test_freq": "0", "trainer.export_hf": "False"}),
                f"--config.trainer.output_dir={tmp_path}", tiny=False)
     lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "ran out of context" in line]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "rollout.max_model_len = 512" in lines[0] and "raise rollout.max_model_len" in lines[0]
     cut = [r["train/context_exhausted"] for r in train_lines(read_metrics(tmp_path))]
-    assert cut[0] > 0 and lines[0].startswith(f"warning @ step 1: {round(cut[0] * 6)} of 6 trajectories")
+    assert cut[0] > 0 and lines[0].startswith(f"warning @ step 1: {round(cut[0] * 4)} of 4 trajectories")
