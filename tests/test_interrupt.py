@@ -10,13 +10,17 @@ import subprocess
 import sys
 import time
 
-from helpers import REPO, command_env, read_metrics, tiny_with, train_lines
+from helpers import REPO, TINY_MODEL_FLAGS, command_env, config_flags, read_metrics, train_lines
 
-# The tiny run cut to one Bandit turn (the least a process traces and compiles before its first
-# step: signals are handled by the loop around the programs, whatever they hold), long enough to be
-# still training when the signal comes; no validation to wait for.
-LONG = {"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)", "envs.val.tags": "('Bandit',)",
-        "rollout.max_turn": "1", "trainer.total_steps": "1000", "trainer.test_freq": "0"}
+# The quick start on the tiny model (one Bandit turn, GRPO: little for a process to trace and
+# compile before its first step, and the programs tests/test_readme.py's tiny quick start compiles
+# into the suite's cache; signals are handled by the loop around the programs, whatever they hold),
+# long enough to be still training when the signal comes; no validation to wait for.
+LONG = {"trainer.total_steps": "1000", "trainer.test_freq": "0"}
+
+
+def long_run(overrides: dict) -> list[str]:
+    return ["--config=configs/quickstart.py", *TINY_MODEL_FLAGS, *config_flags(LONG | overrides)]
 
 
 def saved(out) -> list[int]:
@@ -54,7 +58,7 @@ def stopped(tmp_path, sig, overrides: dict, until_saved: bool) -> tuple[int, str
     """Start a long tiny run into ``tmp_path / "run"``, send ``sig`` once it has logged a training
     step (and, ``until_saved``, written a checkpoint); its exit status and stderr."""
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | overrides), f"--config.trainer.output_dir={out}"]
+    args = [sys.executable, "-m", "experiments.run", *long_run(overrides), f"--config.trainer.output_dir={out}"]
     metrics = out / "metrics.jsonl"
     waits = [(lambda: metrics.exists() and "train/reward/mean" in metrics.read_text(),
               "no training step logged in 10 minutes", 600)]
@@ -112,7 +116,7 @@ def test_sigterm_during_the_format_warm_up_ends_it_between_steps(tmp_path):
     """Preemption gives seconds, not the minutes a warm-up and the first validation take: SIGTERM
     before the first training step ends the run at the next warm-up step, with nothing to save."""
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "experiments.run", *tiny_with(LONG | {"actor.format_warmup_steps": "100000"}),
+    args = [sys.executable, "-m", "experiments.run", *long_run({"actor.format_warmup_steps": "100000"}),
             f"--config.trainer.output_dir={out}"]
     status, stderr = signalled(tmp_path, args, signal.SIGTERM, [
         (lambda: "nll=" in (tmp_path / "stderr").read_text(), "no warm-up step in 10 minutes", 600)])
