@@ -136,6 +136,22 @@ def test_prompts_are_the_rollouts_first_turn():
     assert tokenizer(texts[True])["input_ids"] == [int(t) for t in ids[0, : int(lengths[0])]]
 
 
+def test_rounds_alternate_the_sides_and_report_each_rounds_ratio(tmp_path):
+    """``--rounds 2`` is A B B A: a drift in the machine's load during the benchmark falls on both
+    sides alike; the ratio is of each round's warm medians (the first step, compiling, left out)."""
+    assert bench_peer.round_order(3) == [("starpo_jax", "trl"), ("trl", "starpo_jax"), ("starpo_jax", "trl")]
+    assert bench_peer.round_folder(tmp_path, 0) == tmp_path and bench_peer.round_folder(tmp_path, 1) == tmp_path / "round_1"
+    timing = bench_peer.timing_report([
+        {"order": ("starpo_jax", "trl"), "starpo_jax": [90.0, 10.0, 12.0, 11.0], "trl": [50.0, 40.0, 44.0, 42.0]},
+        {"order": ("trl", "starpo_jax"), "starpo_jax": [80.0, 20.0, 20.0, 20.0], "trl": [55.0, 30.0, 30.0, 30.0]},
+    ])
+    assert [row["trl_over_starpo"] for row in timing["rounds"]] == [pytest.approx(42 / 11), pytest.approx(1.5)]
+    assert timing["median_ratio"] == pytest.approx((42 / 11 + 1.5) / 2)
+    assert timing["ratio_range"] == [pytest.approx(1.5), pytest.approx(42 / 11)]
+    with pytest.raises(SystemExit):
+        bench_peer.parse_args(["--rounds", "0"])
+
+
 def test_help_and_missing_trl(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         bench_peer.main(["--help"])
@@ -160,3 +176,5 @@ def test_two_steps_of_both_sides(tmp_path):
         assert [row["step"] for row in r["curve"]] == [0, 1, 2]
         assert r["curve"][0]["success"] == report["trl"]["curve"][0]["success"]  # one base model, scored once
     assert report["trl_settings"]["loss_type"] == "grpo" and report["filter"]["filter.ratio"] == 1.0
+    [timing] = report["timing"]["rounds"]
+    assert timing["order"] == ["starpo_jax", "trl"] and timing["trl_step_s"] == report["trl"]["step_s"]

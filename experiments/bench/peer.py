@@ -13,7 +13,10 @@ folder with the project's exporter; both see the prompt text starpo-jax's rollou
 one place (``trl_settings``), where each mapping and each difference left is written down.
 
 starpo-jax runs first, through ``python -m experiments.run`` (the normal entry point), then TRL in
-this process. Both save checkpoints at the same steps; each is exported to (or saved as) a Hugging
+this process. ``--rounds R`` times the two sides R times, their order alternating (starpo-jax then
+TRL, then TRL then starpo-jax: ABBA for 2), so that a change in the machine's load during the
+benchmark falls on both sides alike; the report gives every round's step times and the ratio of
+warm medians per round. Only the first round's checkpoints are scored. Both save checkpoints at the same steps; each is exported to (or saved as) a Hugging
 Face folder and scored by the same evaluator (``experiments.evaluate.evaluate_tags``, on
 ``diagnostics.fixed_levels`` as a run's validation) on the same validation levels (``envs.val.tags``,
 ``--val-levels`` each, from ``envs.val.seed``, at ``rollout.val_temperature``).
@@ -61,7 +64,7 @@ from starpo_jax.runtime.experiment import (
 )
 from starpo_jax.train import init_train_state, policy_weights
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: experiments.run runs from it
 DEFAULT_CONFIG = "configs/learn_bandit.py"  # the learning preset
 EVAL_BATCH = 64  # levels per compiled validation rollout (experiments.evaluate's --batch default)
 NO_TRL = "bench_peer needs trl, which is not installed: pip install -e '.[peer]'"
@@ -81,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--keep-filter", action="store_true",
                    help="run starpo-jax with the config's filter.ratio (TRL has no counterpart); default: "
                         "filter.ratio=1.0, the same maths on both sides")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing rounds of both sides, the order alternating each round (2: ABBA); default 1")
     p.add_argument("--out", default="bench_results/peer")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--config.")]
@@ -91,7 +96,36 @@ def parse_args(argv=None):
         p.error(f"--val-levels must be positive and, above {EVAL_BATCH}, a multiple of {EVAL_BATCH}")
     if not 1 <= args.points <= 3:  # run.py keeps the last 3 orbax checkpoints
         p.error("--points must be 1, 2 or 3")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     return args
+
+
+SIDES = ("starpo_jax", "trl")
+
+
+def round_order(rounds: int) -> list[tuple[str, str]]:
+    """Which side runs first in each round: alternating, so that 2 rounds are A B B A."""
+    return [SIDES if r % 2 == 0 else SIDES[::-1] for r in range(rounds)]
+
+
+def round_folder(out: Path, r: int) -> Path:
+    """Round ``r``'s outputs: the first round's directly in ``out`` (the scored one), later ones apart."""
+    return out if r == 0 else out / f"round_{r}"
+
+
+def timing_report(rounds: list[dict]) -> dict:
+    """Each round's warm median per side and the ratio TRL / starpo-jax of the two, and over the
+    rounds the median and range of that ratio."""
+    rows = []
+    for r in rounds:
+        medians = {side: step_summary(r[side])["median_warm_step_s"] for side in SIDES}
+        ratio = medians["trl"] / medians["starpo_jax"] if None not in medians.values() else None
+        rows.append({"order": list(r["order"]), **{f"{side}_step_s": r[side] for side in SIDES},
+                     **{f"{side}_median_warm_step_s": medians[side] for side in SIDES}, "trl_over_starpo": ratio})
+    ratios = [row["trl_over_starpo"] for row in rows if row["trl_over_starpo"] is not None]
+    return {"rounds": rows, "median_ratio": statistics.median(ratios) if ratios else None,
+            "ratio_range": [min(ratios), max(ratios)] if ratios else None}
 
 
 # ---- config ------------------------------------------------------------------------------------------
@@ -277,7 +311,7 @@ class BanditReward(Protocol):
     successes: list[bool]
     rewards: list[float]
 
-    def __call__(self, completions, hi_first, **_) -> list[float]: ...
+    def __call__(self, completions, hi_first, **_) -> list[float | None]: ...  # TRL's type: None is no reward
 
 
 def reward_function(config, seed: int) -> BanditReward:
@@ -521,14 +555,22 @@ def main(argv=None) -> int:
     base, tokenizer = export_base(config, out / "base_hf")
     prompts = bandit_prompts(config, tokenizer)
 
-    t0 = time.perf_counter()
-    run_starpo(args.config, overrides, log)
-    starpo_run = {**starpo_steps(out / "starpo", _bandit_tag(check_config(config).train_plan).name),
-                  "wall_s": time.perf_counter() - t0}  # the process: start, model load, steps, saves, export
+    tag = _bandit_tag(check_config(config).train_plan).name
+    runs: list[dict] = []
+    for r, order in enumerate(round_order(args.rounds)):
+        folder = round_folder(out, r)
+        done: dict = {"order": order}
+        for side in order:
+            t0 = time.perf_counter()
+            if side == "starpo_jax":
+                run_starpo(args.config, [*overrides, f"--config.trainer.output_dir={folder / 'starpo'}"], log)
+                done[side] = {**starpo_steps(folder / "starpo", tag), "wall_s": time.perf_counter() - t0}
+            else:
+                done[side] = {**run_trl(config, base, prompts, steps, folder, log), "wall_s": time.perf_counter() - t0}
+        runs.append(done)
+    # wall_s: starpo-jax's process (start, model load, steps, saves, export); TRL's model load, set-up, steps, saves
+    starpo_run, trl_run = runs[0]["starpo_jax"], runs[0]["trl"]
     starpo_folders = export_starpo_checkpoints(out / "starpo")
-    t0 = time.perf_counter()
-    trl_run = run_trl(config, base, prompts, steps, out, log)
-    trl_run["wall_s"] = time.perf_counter() - t0  # model load, trainer set-up, steps, saves
 
     jobs = [("base", 0, base)] + [("starpo_jax", s, f) for s, f in sorted(starpo_folders.items())] \
         + [("trl", s, f) for s, f in sorted(trl_run["folders"].items())]
@@ -557,6 +599,7 @@ def main(argv=None) -> int:
         "versions": {"trl": trl_module.__version__, "jax": jax.__version__},
         "starpo_jax": side_report("starpo-jax", starpo_run, scored["starpo_jax"], starpo_folders),
         "trl": side_report(f"TRL {trl_module.__version__} GRPOTrainer", trl_run, scored["trl"], trl_run["folders"]),
+        "timing": timing_report([{"order": r["order"], **{side: r[side]["step_s"] for side in SIDES}} for r in runs]),
         "wall_s": time.perf_counter() - t_start,
         "machine": common.machine(),
     }
@@ -569,6 +612,11 @@ def main(argv=None) -> int:
         log(f"{r['label']:28s} first step {r['first_step_s']:.1f}s, warm median "
             f"{r['median_warm_step_s'] if r['median_warm_step_s'] is None else round(r['median_warm_step_s'], 2)}s, "
             f"success after {last['step']} steps {100 * last['mean_success']:.1f}%")
+    timing = report["timing"]
+    if len(timing["rounds"]) > 1 and timing["median_ratio"] is not None:
+        low, high = timing["ratio_range"]
+        log(f"TRL / starpo-jax per warm step over {len(timing['rounds'])} alternating rounds: median "
+            f"{timing['median_ratio']:.2f}x (rounds {low:.2f}-{high:.2f}x)")
     log(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
