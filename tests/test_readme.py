@@ -99,6 +99,8 @@ COMMANDS = {
     ".venv/bin/pip install -e '.[peer]'": (SKIP, "installs trl, which CI does not (it installs .[test])", False),
     ".venv/bin/python -m experiments.bench.peer":
         (SKIP, "needs trl; tests/test_bench_peer.py's slow test runs it for 2 steps", False),
+    ".venv/bin/python -m experiments.bench.peer --rounds 2 --out bench_results/peer_abba":
+        (SKIP, "needs trl; tests/test_bench_peer.py tests the alternation and the ratio by default", False),
     LEARN: (TINY_LEARN, "tiny model, 2 groups, 2 steps", False),
     ONE_STEP_OFF: ((*TINY_MODEL_FLAGS, "--config.trainer.total_steps=2", "--config.trainer.test_freq=0",
                     "--config.trainer.mi_freq=1", "--config.trainer.export_hf=False"),
