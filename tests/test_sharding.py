@@ -43,11 +43,11 @@ from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, st
 from starpo_jax.rollout.sampling import sampling_policy
 from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
 
-meshes, max_turn = json.loads(sys.argv[1]), int(sys.argv[2])
+meshes = json.loads(sys.argv[1])
 assert len(jax.devices()) == max(np.prod(shape) for shape in meshes.values()), jax.devices()
 tok = smollm2_tokenizer()
-plan = RolloutPlan(tags=(TagPlan("FrozenLake", envs_jax.make("FrozenLake"), 2, 2 * max_turn),), group_size=2,
-                   max_turn=max_turn, max_actions_per_turn=2, response_length=6, max_len=512, enable_think=False)
+plan = RolloutPlan(tags=(TagPlan("FrozenLake", envs_jax.make("FrozenLake"), 2, 4),), group_size=2,
+                   max_turn=2, max_actions_per_turn=2, response_length=6, max_len=512, enable_think=False)
 tables = build_tables(tok, plan)
 plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
 config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tok), num_kv_heads=2)
@@ -210,12 +210,11 @@ def test_mesh_errors_name_what_to_change():
         sharding.check_batch(two_by_two, rollout_batch=8, micro_batch_size=2)
 
 
-def _steps_on_meshes(meshes: dict[str, tuple[int, int, int]], max_turn: int) -> dict:
-    """One training step of ``max_turn`` FrozenLake turns on each mesh, in one process."""
+def _steps_on_meshes(meshes: dict[str, tuple[int, int, int]]) -> dict:
     devices = max(d * f * m for d, f, m in meshes.values())
     env = {**os.environ, **simulated_devices(devices)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes), str(max_turn)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -227,10 +226,7 @@ FOUR_DEVICES = {"single": (1, 1, 1), "data_fsdp": (2, 2, 1), "fsdp_model": (1, 2
 
 @pytest.fixture(scope="module")
 def steps_on_two_devices():
-    """One turn: its prefill, decode and the update are what each mesh partitions; later turns run
-    the same prefill and decode in a scan (tests/test_any_mesh.py compares an FSDP run of two turns
-    with one device's, and the slow test below runs two turns on each mesh)."""
-    return _steps_on_meshes(TWO_DEVICES, max_turn=1)
+    return _steps_on_meshes(TWO_DEVICES)
 
 
 def _assert_same_step(out: dict, name: str, shape: tuple[int, int, int]) -> None:
@@ -256,7 +252,7 @@ def test_step_on_two_devices_matches_one_device(steps_on_two_devices, name):
 # 2-device test covers each axis alone; this one their combinations.
 @pytest.mark.slow
 def test_step_on_mixed_meshes_matches_one_device():
-    out = _steps_on_meshes(FOUR_DEVICES, max_turn=2)
+    out = _steps_on_meshes(FOUR_DEVICES)
     for name, shape in FOUR_DEVICES.items():
         if name != "single":
             _assert_same_step(out, name, shape)
