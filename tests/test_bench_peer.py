@@ -62,6 +62,13 @@ def test_trl_settings_of_other_maths_and_refusals():
         settings("--config.rollout.use_sampler_logprobs=True", "--config.actor.ppo_mini_batch_size=4")
 
 
+def test_the_starpo_side_starts_from_the_repository():
+    """``run_starpo`` starts ``experiments.run`` in ``ROOT`` with the config path as the user gave it
+    (relative to the repository), so ROOT must be the repository wherever bench_peer.py lives."""
+    assert (bench_peer.ROOT / bench_peer.DEFAULT_CONFIG).is_file()
+    assert (bench_peer.ROOT / "experiments" / "run.py").is_file()
+
+
 def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
     config = load_config(QUICKSTART, ["--config.filter.ratio=0.5"])
     args = bench_peer.parse_args(["--steps", "7", "--points", "3"])
