@@ -61,6 +61,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: each file's tests keep their order
 
 
+# Seconds per test file (setup, call and teardown of its tests, module fixtures included), summed
+# over the reports the workers send back, and printed after the run: where the suite's time goes,
+# and which files LONGEST_FIRST should name.
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::")[0]
+    FILE_SECONDS[file] = FILE_SECONDS.get(file, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+        return
+    longest = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", f"slowest test files (of {len(FILE_SECONDS)}, {sum(FILE_SECONDS.values()):.0f} s "
+                                    "in all, summed over the workers)")
+    for file, seconds in longest:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {file}")
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     return bundled.qwen_tokenizer()
