@@ -10,9 +10,10 @@
 
 The rollout reads only the policy's weights and the step (its keys) of a train state. The update
 donates its state, so the sampler works on a copy of those, in buffers of its own on its own mesh
-(``jax.device_put``, asynchronous, device to device); its batch moves to the trainer's mesh the
-same way. A batch's step index, not its weights, picks its levels and sampling keys, so batch t
-plays the levels of a synchronous run's batch t.
+(``sharding.move``: ``jax.device_put``, asynchronous, device to device, across processes when
+the parts lie on different hosts); its batch moves to the trainer's mesh the same way. A batch's
+step index, not its weights, picks its levels and sampling keys, so batch t plays the levels of a
+synchronous run's batch t.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def sampler_view(state: TrainState, step) -> TrainState:
                          critic_skipped_steps=None, base=None)
 
 
+def whole_on(mesh: Mesh, tree):
+    """The sharding of every array of ``tree`` whole on each device of ``mesh``: where the sampler
+    keeps the rollout's tables and key (``OneStepOff``, and the planner's inputs for its rollout)."""
+    return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
+
+
 class OneStepOff:
     """Staleness 1: ``next(state)`` returns batch ``state.step``, dispatched by the call before
     (the first call samples its own), and first dispatches batch ``state.step + 1`` with
@@ -68,9 +75,7 @@ class OneStepOff:
         self.collect = collect
         self.trainer_mesh = trainer_mesh
         self.sampler_mesh = sampler_mesh or trainer_mesh
-        # whole on each of the sampler's devices, wherever the caller made them
-        whole = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
-        self.tables, self.key = jax.device_put((tables, key), whole)
+        self.tables, self.key = jax.device_put((tables, key), whole_on(self.sampler_mesh, (tables, key)))
         self.base = None  # LoRA's frozen base on the sampler's mesh, copied once
         self.pending: tuple[Trajectories, TrainState] | None = None  # the next batch, dispatched
         self.next_sampler: TrainState | None = None  # the weights of the next batch (on the sampler's mesh)
@@ -89,7 +94,7 @@ class OneStepOff:
         sampled, sampler = self.pending or self._dispatch(self._sampler(state, state.step))
         self.next_sampler = self._sampler(state, state.step + 1)
         self.pending = self._dispatch(self.next_sampler) if more else None
-        traj = jax.block_until_ready(jax.device_put(sampled, sharding.row_shardings(sampled, self.trainer_mesh)))
+        traj = jax.block_until_ready(sharding.move(sampled, sharding.row_shardings(sampled, self.trainer_mesh)))
         return Batch(traj, sampled, sampler, self.sampler_mesh)
 
     def _sampler(self, state: TrainState, step) -> TrainState:

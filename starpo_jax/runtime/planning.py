@@ -116,6 +116,9 @@ class MemoryPlan:
     # devices hold rollout_peak and the trainer's update_peak; None: the same devices hold both.
     rollout_mesh: dict | None = None
     concurrent: bool = False  # one step off on the same devices: the rollout's memory beside the update's
+    # This process's devices of (the sampler's mesh, the trainer's): a split's parts may lie on
+    # different processes (hosts). None: every device of each mesh (one process).
+    here: tuple[int, int] | None = None
     # CPU: the process's own memory beside the programs' buffers (Python, JAX, XLA's compiled
     # programs and compilers, tokenizer, tables), measured as the planning process's resident
     # memory once it has compiled the run's programs. 0 when not measured.
@@ -127,11 +130,22 @@ class MemoryPlan:
         return self.rollout_peak + self.update_peak if self.concurrent else max(self.rollout_peak, self.update_peak)
 
     @property
+    def peak_here(self) -> int:
+        """The most any one of this process's devices holds: a split's part it has no device of
+        does not count."""
+        if self.rollout_mesh is None or self.here is None:
+            return self.peak
+        sampling, training = self.here
+        return max(self.rollout_peak if sampling else 0, self.update_peak if training else 0)
+
+    @property
     def host_peak(self) -> int:
-        """A CPU run's peak resident memory: the runtime plus every (simulated) device's peak."""
+        """A CPU process's peak resident memory: the runtime plus the peak of each of its
+        (simulated) devices, those of a split's parts each with their part's."""
+        sampling, training = self.here or (_devices(self.rollout_mesh or {}), _devices(self.mesh))
         if self.rollout_mesh is None:
-            return self.runtime + _devices(self.mesh) * self.peak
-        return self.runtime + _devices(self.rollout_mesh) * self.rollout_peak + _devices(self.mesh) * self.update_peak
+            return self.runtime + training * self.peak
+        return self.runtime + sampling * self.rollout_peak + training * self.update_peak
 
     def report(self, budget: int) -> str:
         mesh = _axes(self.mesh)
@@ -287,9 +301,9 @@ def sampler_inputs(exp, state) -> tuple:
     sampler's mesh: the policy's copy (``batches.sampler_view``), the tables and the key whole."""
     mesh = exp.rollout_mesh or exp.mesh
     view = batches.sampler_view(state, state.step).replace(base=state.base)
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), exp.train_tables)
-    return _abstract(view, sharding.shardings(view, mesh)), tables, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=whole)
+    tables_key = (exp.train_tables, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    tables, key = _abstract(tables_key, batches.whole_on(mesh, tables_key))
+    return _abstract(view, sharding.shardings(view, mesh)), tables, key
 
 
 def kv_bytes_per_token(model_config) -> int:
@@ -358,7 +372,13 @@ def _memory_plan(exp, collect_c, learn_c, state, inputs) -> MemoryPlan:
         runtime=runtime if exp.mesh.devices.flat[0].platform == "cpu" else 0,
         rollout_mesh=dict(exp.rollout_mesh.shape) if exp.rollout_mesh is not None else None,
         concurrent=bool(exp.config.trainer.staleness) and exp.rollout_mesh is None,
+        here=(_here(exp.rollout_mesh), _here(exp.mesh)),
     )
+
+
+def _here(mesh) -> int:
+    """How many of ``mesh``'s devices are this process's (0 for no mesh)."""
+    return 0 if mesh is None else sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
 
 def device_budget(devices) -> int | None:
@@ -464,14 +484,14 @@ def check_fits(config, available: int | None = None) -> Fit | None:
         return None  # CPU: a source the planner cannot read without loading (e.g. a missing file) is the load's to report
     plan, iteration = plan_programs(exp)
     if budget is not None:
-        if plan.peak > budget:
+        if plan.peak_here > budget:
             raise PlanError(f"the run does not fit in device memory.\n{plan.report(budget)}")
         available = None  # an accelerator's memory is its own, not the host's
     else:  # CPU: the devices share the host's memory, and this process already holds its runtime.
         available = available_bytes() if available is None else available
         assert available is not None  # checked above: this host has /proc/meminfo
-        # This process's devices (a split runs in one process; without one, each process plans its own)
-        needed = plan.host_peak - plan.runtime if plan.rollout_mesh is not None else plan.peak * len(devices)
+        # This process's devices: with a split, those of each part it holds (sampling, training or both)
+        needed = plan.host_peak - plan.runtime
         if needed > available:
             _, knob = plan.largest_part()
             raise PlanError(
