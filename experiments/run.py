@@ -428,7 +428,11 @@ def train(exp, iteration, stopping: Stopping) -> int:
         iteration = jit_iteration(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan), exp.settings,
                                   exp.train_plan)
     val_levels = fixed_levels(exp.val_plan, exp.val_tables, cfg.envs.val.seed, cfg.trainer.val_chunks)
-    state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
+    # Built on this process's own device, outside the mesh (a process may hold none of the trainer's
+    # devices, where an operation of arrays not yet placed cannot run), then placed on the mesh.
+    with jax.set_mesh(None):
+        state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
+    state = sharding.shard(state, exp.mesh)
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
     key = jax.random.PRNGKey(cfg.trainer.seed)
     last_save = time.monotonic()  # trainer.save_every_minutes counts from here
@@ -490,7 +494,7 @@ def train(exp, iteration, stopping: Stopping) -> int:
             collapse = {}
         t_update = time.perf_counter()
         state, metrics = iteration.learn(state, traj, exp.hyper, iteration.layout(traj))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | collapse
+        metrics = {k: float(v) for k, v in distributed.to_host(metrics).items()} | collapse  # on every process
         t2 = time.perf_counter()
         # A stale batch was sampled while the last update ran: gen is only the wait for it, and the
         # rollout's throughput is over the whole step, which it overlapped.

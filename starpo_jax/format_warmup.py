@@ -43,6 +43,7 @@ from starpo_jax.rollout.multi_turn import (
     initial_states_from_key,
 )
 from starpo_jax.rollout.sampling import DecodeOutput
+from starpo_jax.runtime import distributed
 from starpo_jax.runtime.settings import ConfigError, Hyperparams, TrainSettings
 from starpo_jax.train import TrainState, accumulate_gradients, apply_update, optimizer, with_adapters
 
@@ -234,5 +235,5 @@ def format_warmup(settings: TrainSettings, graphdef, plan: RolloutPlan, tables: 
         trained, opt_state, metrics = step(trained, state.base, opt_state, tables, pieces, jax.random.fold_in(key, i),
                                            jnp.float32(lr))
         if on_step is not None:
-            on_step(i, {k: float(v) for k, v in jax.device_get(metrics).items()})
+            on_step(i, {k: float(v) for k, v in distributed.to_host(metrics).items()})  # on every process
     return state.replace(actor=trained)

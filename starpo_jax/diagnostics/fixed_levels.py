@@ -20,6 +20,7 @@ from starpo_jax.rollout.multi_turn import (
     distinct_first_prompts,
     initial_states_from_seeds,
 )
+from starpo_jax.runtime import distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,5 +57,5 @@ def evaluate_levels(levels: FixedLevels, policy, key, temperature: float, prefix
     t0 = time.perf_counter()
     traj = jax.block_until_ready(levels.rollout(policy, levels.tables, levels.init_states, key, temperature, progress))
     seconds = time.perf_counter() - t0
-    metrics = {k: float(v) for k, v in jitted_rollout_metrics(traj, levels.plan, prefix).items()}
+    metrics = {k: float(v) for k, v in distributed.to_host(jitted_rollout_metrics(traj, levels.plan, prefix)).items()}
     return LevelResults(traj, metrics, seconds)

@@ -147,5 +147,6 @@ def collapse_metrics(policy: ModelState, traj: Trajectories, plan: RolloutPlan, 
         scores = cross_scores(policy.graphdef, policy.params, traj, group_size=plan.group_size,
                               groups=tuple(int(g) for g in groups), width=width, response_length=plan.response_length,
                               micro_batch=math.gcd(micro_batch, rows), temperature=temperature)
-        out |= {f"{prefix}/{name}/{key}": float(value) for key, value in _figures(scores).items()}
+        figures = distributed.to_host(_figures(scores))  # on every process, wherever the batch was scored
+        out |= {f"{prefix}/{name}/{key}": float(value) for key, value in figures.items()}
     return out

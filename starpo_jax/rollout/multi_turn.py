@@ -46,7 +46,7 @@ from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import parsing, prompts
 from starpo_jax.rollout.env_turn import execute_turn
 from starpo_jax.rollout.sampling import DecodeOutput, append, decode, init_cache
-from starpo_jax.runtime import sharding
+from starpo_jax.runtime import distributed, sharding
 from starpo_jax.runtime.settings import setting_default
 
 
@@ -553,7 +553,8 @@ class LLMResponder:
 def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:
     """How many distinct first prompts a batch of fixed levels shows (host; validation): the
     ``first_prompts`` of an ``LLMResponder`` that plays them."""
-    ids, lengths = jax.device_get(jax.jit(functools.partial(first_prompts, plan))(tables, init_states))
+    # on every process, wherever the current mesh put them
+    ids, lengths = distributed.to_host(jax.jit(functools.partial(first_prompts, plan))(tables, init_states))
     rows = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
     return len(np.unique(rows, axis=0))
 

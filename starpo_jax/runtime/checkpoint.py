@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from starpo_jax.runtime import unraisable
+from starpo_jax.runtime import distributed, unraisable
 
 
 class CheckpointError(ValueError):
@@ -110,10 +110,58 @@ def checksums(state) -> dict[str, str]:
     return sums
 
 
+def _partial(tree) -> list[int]:
+    """The leaves of ``tree`` on some processes' devices only (a split's parts, many hosts), which
+    orbax cannot save: with several processes it writes only arrays of every process's devices."""
+    if jax.process_count() == 1:
+        return []
+    everywhere = set(range(jax.process_count()))
+    return [i for i, x in enumerate(jax.tree.leaves(tree))
+            if isinstance(x, jax.Array) and distributed.processes_of(x.sharding) != everywhere]
+
+
+def _whole_everywhere():
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(jax.devices()), ("all",)), jax.sharding.PartitionSpec())
+
+
+def _savable(tree):
+    """``tree`` with its ``_partial`` arrays whole on every device (through the host: a collective)."""
+    partial = _partial(tree)
+    if not partial:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    values = distributed.to_host([leaves[i] for i in partial])
+    for i, value in zip(partial, values):
+        leaves[i] = jax.make_array_from_callback(value.shape, _whole_everywhere(), value.__getitem__)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _restorable(like):
+    """What orbax restores for ``like``: its ``_partial`` arrays as ``_savable`` wrote them."""
+    partial = set(_partial(like))
+    leaves, treedef = jax.tree.flatten(like)
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_whole_everywhere()) if i in partial
+        else ocp.utils.to_shape_dtype_struct(x) for i, x in enumerate(leaves)])
+
+
+def _placed(tree, like):
+    """Restored ``tree`` with its arrays of ``like``'s ``_partial`` leaves placed as those are."""
+    partial = _partial(like)
+    if not partial:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    likes = jax.tree.leaves(like)
+    for i in partial:
+        leaves[i] = jax.device_put(np.asarray(leaves[i].addressable_data(0)), likes[i].sharding)
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state, host: dict, pending=None) -> None:
     """Step ``step``: ``state`` (less its frozen weights), the JSON ``host``, and ``pending``, the
     weights of a batch in flight (None: there is none)."""
     stored, frozen = _split(state)
+    stored, pending = _savable(stored), _savable(pending)
     host = {**host, "checksums": checksums(stored)}
     if frozen is not None:
         host["frozen_checksums"] = checksums(frozen)
@@ -164,8 +212,7 @@ def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pendin
         if difference:
             raise CheckpointMismatch(f"{where} holds other arrays than this run builds ({difference})")
     args = ocp.args.Composite(host=ocp.args.JsonRestore(), **{
-        item: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, like))
-        for item, like in likes.items()})
+        item: ocp.args.StandardRestore(_restorable(like)) for item, like in likes.items()})
     out = reason = None
     with _quiet_storage_errors():
         try:
@@ -177,8 +224,9 @@ def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pendin
             f"{where} cannot be read ({reason}): it is damaged, truncated, or from a different model or config."
         )
     host = dict(out.host)
-    pending = out.pending if "pending" in likes else None
-    for arrays, key in ((out.state, "checksums"), (pending, "pending_checksums")):
+    pending = _placed(out.pending, likes["pending"]) if "pending" in likes else None
+    out_state = _placed(out.state, like_stored)
+    for arrays, key in ((out_state, "checksums"), (pending, "pending_checksums")):
         expected = host.pop(key, None)
         if expected is None or arrays is None:  # checkpoints written before checksums existed have none
             continue
@@ -189,13 +237,13 @@ def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pendin
                 f"{where} is damaged: {len(bad)} array(s), e.g. {bad[0]}, do not match the checksums written with it."
             )
     if frozen is None:
-        return Restored(out.state, host, step, pending)
+        return Restored(out_state, host, step, pending)
     if host.pop("frozen_checksums", None) not in (None, checksums(frozen)):
         raise CheckpointMismatch(
             f"{where} was trained from other initial weights than model.source holds now (its KL reference "
             "or LoRA base differs)"
         )
-    return Restored(out.state.replace(**dict(zip(FROZEN, frozen))), host, step, pending)
+    return Restored(out_state.replace(**dict(zip(FROZEN, frozen))), host, step, pending)
 
 
 def stored_shapes(directory, step: int, item: str = "state") -> dict[str, tuple] | None:

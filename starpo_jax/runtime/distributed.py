@@ -16,14 +16,25 @@ dependency can do that (jumanji builds arrays at import; loading a config import
 So the commands read the ``distributed`` settings from the command line (``from_argv``) and start
 the runtime before their other imports and their config file (``experiments.bootstrap``); the
 loaded config must then agree with what was started (``check_started``).
+
+A run whose sampler has devices of its own (``mesh.rollout_devices``) moves its weights and batches
+between meshes that may lie on different processes: ``jax.device_put`` does it as a cross-host
+transfer, through a socket each process opens where the others reach it (``initialize`` picks the
+address). A program on a mesh of other processes' devices only is skipped on this process and
+returns an array it cannot read, so every process runs the same loop; ``to_host`` reads any array
+on every process, wherever it lives.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from starpo_jax.runtime.settings import config_section
 
@@ -87,11 +98,47 @@ def initialize(settings) -> bool:
                 "process's distributed.process_id (0 .. num_processes - 1) too."
             )
         jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=index)
-        return True
-    if _cluster_detected():
+    elif _cluster_detected():
         jax.distributed.initialize()  # reads the launcher's environment
-        return True
-    return False
+    else:
+        return False
+    _open_transfer_socket()
+    return True
+
+
+TRANSFER_SOCKET = "jax_cross_host_transfer_socket_address"
+
+
+def _open_transfer_socket() -> None:
+    """Let ``jax.device_put`` move arrays between devices of different processes (a split of the
+    devices, ``mesh.rollout_devices``): the address of a socket of this process that the others
+    reach, set before XLA's backend starts (it opens the socket then). The interface is the one
+    that routes to the coordinator (127.0.0.1 for a coordinator on localhost), the port a free one
+    (jax's port 0 is not published to the other processes). An address already set
+    (``jax.config.update`` by a launcher) is kept."""
+    if jax.config.values.get(TRANSFER_SOCKET):
+        return
+    from jax._src import distributed as jax_distributed  # the coordinator the launcher or the settings gave
+
+    coordinator = jax_distributed.global_state.coordinator_address or ""
+    host, _, port = coordinator.rpartition(":")
+    jax.config.update(TRANSFER_SOCKET, transfer_address(host.strip("[]"), int(port or 0)))
+
+
+def transfer_address(coordinator_host: str, coordinator_port: int) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6) of a free port on this host's interface that routes to
+    ``coordinator_host`` (no packet is sent)."""
+    try:
+        family, _, _, _, target = socket.getaddrinfo(coordinator_host, coordinator_port or 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            ip = probe.getsockname()[0]
+    except OSError:  # no route known: this host's name
+        family, ip = socket.AF_INET, socket.gethostbyname(socket.gethostname())
+    with socket.socket(family, socket.SOCK_STREAM) as free:
+        free.bind((ip, 0))
+        port = free.getsockname()[1]
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
 
 
 def is_writer() -> bool:
@@ -106,7 +153,57 @@ def tag() -> str:
 
 def to_host(tree):
     """``tree`` readable on this process: unchanged in a single-process run; with several processes,
-    every array gathered from all of them (a collective: every process must call it)."""
+    every array whole on every process as a NumPy array (a collective: every process must call it,
+    with arrays of the same shardings).
+
+    An array of every process's devices is gathered (``process_allgather``), or read where it lies
+    when each device holds it whole. An array of some processes' devices only (the trainer's or
+    the sampler's part of a split, ``mesh.rollout_devices``) is first made whole on its own devices,
+    then the first process that holds it sends it to the others. A value of each process's own (a
+    NumPy array, or a JAX array not committed to devices) is read where it is."""
     if jax.process_count() == 1:
         return tree
-    return multihost_utils.process_allgather(tree, tiled=True)
+    leaves, treedef = jax.tree.flatten(tree)
+    out = list(leaves)
+    everywhere = set(range(jax.process_count()))
+    gather: list[int] = []  # the leaves to gather across every process
+    owned: dict[int, list[int]] = {}  # the leaves of some processes' devices, by the process that sends them
+    for i, x in enumerate(leaves):
+        if not (isinstance(x, jax.Array) and x.committed):
+            out[i] = np.asarray(x)  # a value of this process's own (NumPy, or made on its default device)
+            continue
+        processes = processes_of(x.sharding)
+        if processes != everywhere:
+            owned.setdefault(min(processes), []).append(i)
+        elif x.is_fully_replicated:
+            out[i] = np.asarray(x.addressable_data(0))  # every device holds it whole: no collective needed
+        else:
+            gather.append(i)
+    if gather:
+        for i, x in zip(gather, multihost_utils.process_allgather([leaves[i] for i in gather], tiled=True)):
+            out[i] = x
+    for owner, indices in sorted(owned.items()):
+        sent = [np.asarray(x.addressable_data(0)) if jax.process_index() == owner else np.zeros(x.shape, x.dtype)
+                for x in (whole(leaves[i]) for i in indices)]
+        # Stacked, one row per process, and the owner's row taken: its bytes as they are (no arithmetic).
+        for i, x in zip(indices, multihost_utils.process_allgather(sent)):
+            out[i] = x[owner]
+    return jax.tree.unflatten(treedef, out)
+
+
+def processes_of(sharding) -> set[int]:
+    """The processes whose devices hold a part of an array laid out by ``sharding``."""
+    devices: Any = sharding.device_set
+    return {d.process_index for d in devices}
+
+
+def _identity(x):
+    return x
+
+
+def whole(x: jax.Array) -> jax.Array:
+    """``x`` whole on each of its devices (a program on them; skipped by the processes without one)."""
+    if x.is_fully_replicated:
+        return x
+    assert isinstance(x.sharding, NamedSharding), x.sharding
+    return jax.jit(_identity, out_shardings=x.sharding.update(spec=PartitionSpec()))(x)

@@ -76,22 +76,28 @@ def _mesh_of(config: ConfigDict, devices, part: str, batch_sizes: dict[str, int]
 
 
 def device_meshes(config: ConfigDict, trainer_batches: dict[str, int], sampler_batches: dict[str, int]):
-    """(the trainer's mesh, the sampler's). ``mesh.rollout_devices=k``: the first k devices sample
-    and the rest train, each part a mesh of ``config.mesh``'s sizes checked against the batches it
-    splits; 0: one mesh of every device does both (the sampler's is None)."""
+    """(the trainer's mesh, the sampler's). ``mesh.rollout_devices=k``: the last k devices sample
+    and the others train (so process 0, which writes the logs and exports, trains; with several
+    processes the parts may lie on different hosts), each part a mesh of ``config.mesh``'s sizes
+    checked against the batches it splits; 0: one mesh of every device does both (the sampler's is
+    None)."""
     k = int(config.mesh.rollout_devices)
     if not k:
         return _mesh_of(config, None, "", trainer_batches), None
-    devices = jax.devices()
-    if jax.process_count() > 1:
-        raise ConfigError(f"mesh.rollout_devices={k} splits the devices of one process; a run of "
-                          f"{jax.process_count()} processes takes 0 (every device samples and trains).")
+    devices = jax.devices()  # of every process, ordered by process
     if k >= len(devices):
         raise ConfigError(f"mesh.rollout_devices={k} leaves no device to train on: {_devices(len(devices))} "
                           f"visible; set it below {len(devices)}, or to 0 for every device to sample and train.")
-    sampler = _mesh_of(config, devices[:k], f"Sampling on {_devices(k)} (mesh.rollout_devices={k}): ",
+    n = len(devices) - k
+    if jax.process_count() > 1 and k != n:
+        half = f"set it to {len(devices) // 2}" if len(devices) % 2 == 0 else "use an even number of devices"
+        raise ConfigError(f"mesh.rollout_devices={k} of {len(devices)} devices in a run of {jax.process_count()} "
+                          f"processes: across processes the sampler and the trainer must have as many devices each "
+                          f"(JAX moves an array between processes only onto as many devices); {half}, or 0 for every "
+                          "device to sample and train.")
+    sampler = _mesh_of(config, devices[n:], f"Sampling on {_devices(k)} (mesh.rollout_devices={k}): ",
                        sampler_batches)
-    trainer = _mesh_of(config, devices[k:], f"Training on the other {_devices(len(devices) - k)} (mesh.rollout_devices="
+    trainer = _mesh_of(config, devices[:n], f"Training on the other {_devices(n)} (mesh.rollout_devices="
                        f"{k} of {len(devices)}): ", trainer_batches)
     return trainer, sampler
 

@@ -191,8 +191,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("mesh.data", -1, "run.data"),
     S("mesh.fsdp", 1, "run.fsdp"),
     S("mesh.model", 1, "run.model"),
-    # Split devices (docs/scaling.md, "Rollout and update at once"): the first k devices sample, the
-    # others train, each part a mesh of the sizes above (-1 taking that part's devices); 0: every
+    # Split devices (docs/scaling.md, "Rollout and update at once"): the last k devices sample, the
+    # others (process 0's first) train, each part a mesh of the sizes above (-1 taking that part's devices); 0: every
     # device does both. Needs trainer.staleness=1 (check_settings); checked against the devices by
     # experiment.device_meshes.
     S("mesh.rollout_devices", 0, "run.rollout_devices",

@@ -33,6 +33,8 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from starpo_jax.runtime import distributed
+
 AXES = ("data", "fsdp", "model")
 ROWS = ("data", "fsdp")  # the mesh axes that split rows
 RULES = (
@@ -135,8 +137,42 @@ def shardings(tree, mesh: Mesh | AbstractMesh, rules=RULES):
 
 def shard(tree, mesh: Mesh, copy: bool = False):
     """``tree`` placed on ``mesh`` by ``shardings``; ``copy``: in buffers of its own even where it
-    already lies so (a program that donates ``tree`` then leaves the copy alone)."""
-    return jax.device_put(tree, shardings(tree, mesh), may_alias=False if copy else None)
+    already lies so (a program that donates ``tree`` then leaves the copy alone). From any devices,
+    those of other processes too (``move``)."""
+    return move(tree, shardings(tree, mesh), copy)
+
+
+def move(tree, shardings, copy: bool = False):
+    """``jax.device_put(tree, shardings)`` (``shardings``: one for each array of ``tree``; ``copy``: in
+    buffers of their own), also from the devices of some processes to those of others (a split's
+    parts on different hosts).
+
+    JAX moves an array between processes (a cross-host transfer, ``distributed.initialize`` opens
+    its socket) only onto the same layout: the same tiles in the same device order. An array laid
+    out otherwise goes whole: made whole on its own devices, sent whole to each of the target's,
+    and split there, moving more bytes (each target device receives all of it)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings, may_alias=False if copy else None)
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = jax.tree.leaves(shardings)
+    assert len(targets) == len(leaves), "move takes a sharding for every array"
+    detour = [i for i, (x, s) in enumerate(zip(leaves, targets)) if _goes_whole(x, s)]
+    if detour:
+        whole = [distributed.whole(leaves[i]) for i in detour]
+        moved = jax.device_put(whole, [targets[i].update(spec=PartitionSpec()) for i in detour])
+        leaves = list(leaves)
+        for i, x in zip(detour, moved):
+            leaves[i] = x
+    return jax.device_put(jax.tree.unflatten(treedef, leaves), shardings, may_alias=False if copy else None)
+
+
+def _goes_whole(x, target) -> bool:
+    """Whether ``x`` lies on other processes' devices than ``target`` in another layout (``move``)."""
+    if not isinstance(x, jax.Array) or not x.committed:
+        return False
+    if distributed.processes_of(x.sharding) == distributed.processes_of(target):
+        return False
+    return x.sharding._to_xla_hlo_sharding(x.ndim) != target._to_xla_hlo_sharding(x.ndim)
 
 
 def row_shardings(batch, mesh: Mesh):
