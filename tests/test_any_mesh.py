@@ -87,9 +87,9 @@ METRICS = ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_l
 
 
 # The cheapest run that still trains, validates, checkpoints and exports: one step of one-turn Bandit.
-ONE_BANDIT_STEP = tiny_with({"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)",
-                             "envs.val.tags": "('Bandit',)", "rollout.max_turn": "1",
-                             "trainer.total_steps": "1", "trainer.test_freq": "1"})
+BANDIT = {"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)", "envs.val.tags": "('Bandit',)",
+          "rollout.max_turn": "1", "trainer.total_steps": "1", "trainer.test_freq": "1"}
+ONE_BANDIT_STEP = tiny_with(BANDIT)
 
 
 def test_two_processes_train_validate_checkpoint_and_export(tmp_path):
@@ -141,3 +141,76 @@ def test_one_process_checkpoint_resumes_in_two_processes(one_process, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2]
     for key in (*METRICS, "rollout/old_log_prob"):
         assert resumed[1][key] == pytest.approx(one[1][key], rel=1e-4, abs=1e-5), key
+
+
+# One step off with devices of its own (docs/scaling.md, "Rollout and update at once"): the last
+# device samples, the others train.
+SPLIT = ["--config.trainer.staleness=1", "--config.rollout.use_sampler_logprobs=True", "--config.mesh.rollout_devices=1"]
+# Two Bandit steps, so that batch 2 samples while update 1 runs, each scored for template collapse by
+# the weights that sampled it on the sampler's device (mi_freq=1), validated at 0 and 2 on the
+# trainer's, checkpointed after each (step 1's with batch 2 in flight), exported.
+TWO_BANDIT_STEPS = tiny_with({**BANDIT, "trainer.total_steps": "2", "trainer.test_freq": "2", "trainer.mi_freq": "1"})
+
+
+def _same_run(a, b) -> None:
+    """The metrics of two runs equal bit for bit, but for their timings."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        drop = lambda row: {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}  # noqa: E731
+        assert drop(x) == drop(y), (x["step"], {k for k in drop(x) if drop(x)[k] != drop(y).get(k)})
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """The split in two processes of one device each (process 1's samples, process 0's trains) and
+    in one process over two devices (device 1 samples, device 0 trains)."""
+    two, one = tmp_path_factory.mktemp("split_two"), tmp_path_factory.mktemp("split_one")
+    logs = _two_processes(two, 23464, *SPLIT, flags=TWO_BANDIT_STEPS)
+    # With the two processes' thread pool (each has one device): XLA:CPU splits a product's or a
+    # reduction's work over its threads, so another pool size can sum in another order (a few ulps,
+    # seen in step 2's gradient norms). No collective runs within a part, so no rendezvous can starve.
+    processes_pool = command_env(devices=1)["PJRT_NPROC"]
+    run(*TWO_BANDIT_STEPS, *SPLIT, f"--config.trainer.output_dir={one}", tiny=False, devices=2,
+        env={"PJRT_NPROC": processes_pool})
+    return two, one, logs
+
+
+def test_two_processes_split_into_sampler_and_trainer(tmp_path):
+    """The split across processes in its cheapest form, in the default suite: process 1's device
+    samples (and scores template collapse), process 0's trains, validates and exports; one set of
+    logs, with a checkpoint the two processes write."""
+    logs = _two_processes(tmp_path, 23466, *SPLIT, "--config.trainer.mi_freq=1", flags=ONE_BANDIT_STEP)
+    assert "sampling on devices [" in logs[0] and "training on [0]" in logs[0]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 1] and "train/Bandit/mi" in rows[1]
+    assert "[process 1/2] train" in logs[1] and "validation @" not in logs[1]
+    assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "hf_policy" / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # two 2-step runs: ~4.5 min on 2 cores
+def test_split_across_two_processes_trains_like_the_split_in_one(split_runs):
+    """The same programs on the same one-device meshes, and no reduction crosses processes: the
+    weights and batches move between the processes (cross-host transfers) and the metrics,
+    validation rows and exported weights reach process 0 as the bytes they are, so the metrics are
+    the single process's bit for bit."""
+    two, one, logs = split_runs
+    assert "sampling on devices [" in logs[0] and "training on [0]" in logs[0]  # process 1's device samples
+    _same_run(read_metrics(two), read_metrics(one))
+    assert any("train/Bandit/mi" in r for r in read_metrics(two))  # scored on the sampler's device (process 1)
+    assert "[process 1/2] train" in logs[1] and "validation @" not in logs[1]  # process 0 alone logs
+    assert (two / "checkpoints" / "1" / "pending").is_dir()  # batch 2's weights, on process 1's device
+    exported = [(out / "hf_policy" / "model.safetensors").read_bytes() for out in (two, one)]
+    assert exported[0] == exported[1]
+
+
+@pytest.mark.slow  # two processes resuming for one step (~2 min on 2 cores) after the runs above
+def test_split_across_two_processes_resumes_the_batch_in_flight(split_runs, tmp_path):
+    """Killed after step 1's checkpoint: the two processes restore the weights of batch 2, which
+    was in flight on process 1's device, sample it there again, and continue exactly."""
+    two, _, _ = split_runs
+    out = tmp_path / "resumed"
+    shutil.copytree(two, out)
+    shutil.rmtree(out / "checkpoints" / "2")  # the latest checkpoint is now step 1's
+    logs = _two_processes(out, 23465, *SPLIT, "--config.trainer.resume=True", flags=TWO_BANDIT_STEPS)
+    assert "resumed from step 1" in logs[0] and "holds no batch in flight" not in logs[0]
+    _same_run(read_metrics(out), read_metrics(two))

@@ -62,8 +62,9 @@ def check_one_step_off(rollout_devices: int) -> None:
         for more in (True, False):
             batch = ahead.next(state, more)
             stale.append(jax.device_get(batch.traj))
-            if rollout_devices:  # sampled on the first devices, trained on the rest
+            if rollout_devices:  # sampled on the last devices, trained on the others (process 0's first)
                 sampler_devices, trainer_devices = set(exp.rollout_mesh.devices.flat), set(exp.mesh.devices.flat)
+                assert sampler_devices == set(jax.devices()[-rollout_devices:])
                 assert sampler_devices.isdisjoint(trainer_devices)
                 assert batch.sampled.tokens.sharding.device_set == sampler_devices
                 assert all(w.sharding.device_set == sampler_devices for w in jax.tree.leaves(batch.sampler))
@@ -93,7 +94,7 @@ def test_second_batch_is_sampled_by_the_initial_weights():
 
 
 def test_split_devices_sample_apart_and_one_step_off():
-    """Two simulated devices, the first sampling, the second training."""
+    """Two simulated devices, the second sampling, the first training."""
     script = "import test_batches; test_batches.check_one_step_off(rollout_devices=1)"
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO / "tests", capture_output=True, text=True,
                           timeout=600, env=command_env(devices=2, PYTHONPATH=str(REPO)))
