@@ -178,3 +178,23 @@ def test_a_sweep_is_not_one_step_off(tmp_path):
     proc = run(*config_flags(STALE), "--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={tmp_path}",
                "--sweep", "actor.lr=0,1e-3", check=False, module="experiments.sweep")
     assert "experiments.sweep samples each batch before its update" in one_line_error(proc)
+
+
+def test_a_split_across_processes_needs_parts_of_equal_size(monkeypatch):
+    """JAX moves an array between processes only onto as many devices, so with several processes the
+    sampler and the trainer must have as many devices each; here 1 of 3 is refused, 2 of 4 is not."""
+    from configs import base
+    from starpo_jax.runtime import experiment
+
+    config = base.get_config()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    refused = "across processes the sampler and the trainer must have as many devices each"
+    for k, visible, says in ((1, 3, "use an even number of devices"), (1, 4, "set it to 2")):
+        config.mesh.rollout_devices = k
+        monkeypatch.setattr(jax, "devices", lambda n=visible: jax.local_devices()[:1] * n)
+        with pytest.raises(experiment.ConfigError) as error:
+            experiment.device_meshes(config, {}, {})
+        assert refused in str(error.value) and says in str(error.value), error.value
+    config.mesh.rollout_devices = 2  # half of 4: a trainer's mesh and a sampler's of 2 devices each
+    trainer, sampler = experiment.device_meshes(config, {}, {})
+    assert trainer.devices.size == sampler.devices.size == 2
