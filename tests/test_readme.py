@@ -229,11 +229,11 @@ def test_the_sweep_trains_its_grid_in_one_program(tmp_path):
 
 
 def test_one_step_off_on_split_devices(tmp_path):
-    """The README's one-step-off command on two simulated devices: the first samples, the second
+    """The README's one-step-off command on two simulated devices: the second samples, the first
     trains, for two steps (tests/test_batches.py checks which weights sampled each batch)."""
     proc = run_command(ONE_STEP_OFF, tmp_path, shrunk(ONE_STEP_OFF))
     assert "one step off (trainer.staleness=1): each batch is sampled while the update before it runs, sampling on " \
-           "devices [0], training on [1]" in proc.stdout
+           "devices [1], training on [0]" in proc.stdout
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if "train/reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2] and all("train/Bandit/mi" in r for r in train)
