@@ -273,14 +273,8 @@ def test_step_envs_then_next_prompts_show_the_new_state(first_turn):
     assert "You have 8 actions left." in text
 
 
-@pytest.fixture(scope="module")
-def smollm2_rollout():
-    """The bundled SmolLM2 plays two turns of every env (one batch, three tags)."""
-    from starpo_jax.models.decoder import ModelState
-    from starpo_jax.models.loading import load_model
-
-    model, tok = load_model("smollm2-135m-instruct")
-    model = ModelState.split(model)
+def rollout_on_every_env(model, tok):
+    """``model`` plays two turns of every env (one batch, three tags): (model, tok, plan, traj)."""
     tags = (
         TagPlan("SimpleSokoban", envs_jax.make("SimpleSokoban"), 1, 10),
         TagPlan("FrozenLake", envs_jax.make("FrozenLake"), 1, 10),
@@ -297,8 +291,36 @@ def smollm2_rollout():
     return model, tok, plan, traj
 
 
-def test_real_model_rollout_on_every_env(smollm2_rollout):
-    model, tok, plan, traj = smollm2_rollout
+@pytest.fixture(scope="module")
+def smollm2_rollout():
+    """The bundled SmolLM2 on every env."""
+    from starpo_jax.models.decoder import ModelState
+    from starpo_jax.models.loading import load_model
+
+    model, tok = load_model("smollm2-135m-instruct")
+    return rollout_on_every_env(ModelState.split(model), tok)
+
+
+@pytest.fixture(scope="module")
+def tiny_rollout(smollm2_tokenizer):
+    """A random tiny-llama over SmolLM2's tokenizer on every env: the same rollout code as the bundled
+    model's, its 30-layer decode's minutes of compiling left to the slow case."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+
+    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(smollm2_tokenizer))
+    return rollout_on_every_env(ModelState.split(Decoder(config, rngs=nnx.Rngs(0))), smollm2_tokenizer)
+
+
+# The tiny model by default; the bundled SmolLM2 is slow (its real-weights rollout stays in the default
+# suite through tests/envs/test_countdown.py's evaluation of the bundled model).
+ROLLOUTS = ["tiny_rollout", pytest.param("smollm2_rollout", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("which", ROLLOUTS)
+def test_model_rollout_on_every_env(which, request):
+    model, tok, plan, traj = request.getfixturevalue(which)
     env_texts = [tags.env.render_text(s) for tags, s in zip(plan.tags, [
         tags.env.reset_from_seed(123 + i) for i, tags in enumerate(plan.tags)])]
     for b in range(plan.batch_size):
@@ -308,12 +330,13 @@ def test_real_model_rollout_on_every_env(smollm2_rollout):
         assert 1 <= int(traj.num_turns[b]) <= 2
 
 
-def test_kv_cache_continuation_equals_a_fresh_forward(smollm2_rollout):
+@pytest.mark.parametrize("which", ROLLOUTS)
+def test_kv_cache_continuation_equals_a_fresh_forward(which, request):
     """The log-probs the sampler saw across turns (cache appended turn by turn) equal those of one
     forward pass over the finished conversation."""
     from starpo_jax.forward import ForwardPass, Rows, full_layout, token_logprobs
 
-    model, tok, plan, traj = smollm2_rollout
+    model, tok, plan, traj = request.getfixturevalue(which)
     ctx = ForwardPass(model.graphdef, full_layout(traj.tokens.shape[1]), plan.max_turn * plan.response_length, chunk=128)
     length = jnp.asarray(traj.length)
     rows = Rows(jnp.asarray(traj.tokens), length, jnp.zeros(length.shape, jnp.int32), jnp.asarray(traj.loss_mask))
