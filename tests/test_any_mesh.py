@@ -9,21 +9,30 @@ import pytest
 
 from helpers import REPO, TINY, command_env, read_metrics, run, tiny_with, train_lines
 
+# The cheapest run that still trains, validates, checkpoints and exports: one step of one-turn Bandit.
+BANDIT = {"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)", "envs.val.tags": "('Bandit',)",
+          "rollout.max_turn": "1", "trainer.total_steps": "1", "trainer.test_freq": "1"}
+ONE_BANDIT_STEP = tiny_with(BANDIT)
+# Two such steps, validated at 0 and 2.
+TWO_BANDIT_STEPS = tiny_with({**BANDIT, "trainer.total_steps": "2", "trainer.test_freq": "2"})
+
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """Two steps on a 1 × 2 × 1 mesh (weights and Adam moments split over fsdp), saved after each,
-    validated at steps 0 and 2, the policy exported from its sharded weights."""
+    """Two Bandit steps on a 1 × 2 × 1 mesh (weights and Adam moments split over fsdp), saved after
+    each, validated at steps 0 and 2, the policy exported from its sharded weights. (What a
+    checkpoint holds does not depend on the envs: one-turn Bandit compiles the least.)"""
     out = tmp_path_factory.mktemp("fsdp")
-    run(f"--config.trainer.output_dir={out}", "--config.mesh.data=1", "--config.mesh.fsdp=-1", devices=2)
+    run(*TWO_BANDIT_STEPS, f"--config.trainer.output_dir={out}", "--config.mesh.data=1", "--config.mesh.fsdp=-1",
+        tiny=False, devices=2)
     return out
 
 
 def _resume_from_step_1(fsdp_run, out, *args, devices):
     shutil.copytree(fsdp_run, out)
     shutil.rmtree(out / "checkpoints" / "2")  # the latest checkpoint is now step 1's
-    run(f"--config.trainer.output_dir={out}", "--config.trainer.resume=True", "--config.trainer.test_freq=0",
-        "--config.trainer.export_hf=False", *args, devices=devices)
+    run(*TWO_BANDIT_STEPS, f"--config.trainer.output_dir={out}", "--config.trainer.resume=True",
+        "--config.trainer.test_freq=0", "--config.trainer.export_hf=False", *args, tiny=False, devices=devices)
     full, resumed = train_lines(read_metrics(fsdp_run)), train_lines(read_metrics(out))
     assert [r["step"] for r in resumed] == [1, 2]
     # The same float32 math on another mesh adds partial sums in another order: a few ulps per sum,
@@ -34,7 +43,7 @@ def _resume_from_step_1(fsdp_run, out, *args, devices):
 
 
 def test_fsdp_checkpoint_resumes_on_one_device(fsdp_run, tmp_path):
-    assert [r["step"] for r in read_metrics(fsdp_run) if "val-env/FrozenLake/success" in r] == [0, 2]
+    assert [r["step"] for r in read_metrics(fsdp_run) if "val-env/Bandit/success" in r] == [0, 2]
     assert (fsdp_run / "hf_policy" / "model.safetensors").exists()
     _resume_from_step_1(fsdp_run, tmp_path / "one", devices=1)
 
@@ -84,12 +93,6 @@ def _two_processes(out, port: int, *args, flags=TINY):
 # The two processes' float32 sums run over gloo instead of within one process's program: partial sums
 # added in another order, a few ulps each, far below 1e-4 relative (see tests/test_sharding.py).
 METRICS = ("train/reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "train/response_length")
-
-
-# The cheapest run that still trains, validates, checkpoints and exports: one step of one-turn Bandit.
-BANDIT = {"envs.train.tags": "('Bandit',)", "envs.train.n_groups": "(2,)", "envs.val.tags": "('Bandit',)",
-          "rollout.max_turn": "1", "trainer.total_steps": "1", "trainer.test_freq": "1"}
-ONE_BANDIT_STEP = tiny_with(BANDIT)
 
 
 def test_two_processes_train_validate_checkpoint_and_export(tmp_path):
@@ -149,7 +152,7 @@ SPLIT = ["--config.trainer.staleness=1", "--config.rollout.use_sampler_logprobs=
 # Two Bandit steps, so that batch 2 samples while update 1 runs, each scored for template collapse by
 # the weights that sampled it on the sampler's device (mi_freq=1), validated at 0 and 2 on the
 # trainer's, checkpointed after each (step 1's with batch 2 in flight), exported.
-TWO_BANDIT_STEPS = tiny_with({**BANDIT, "trainer.total_steps": "2", "trainer.test_freq": "2", "trainer.mi_freq": "1"})
+SCORED_TWO_BANDIT_STEPS = [*TWO_BANDIT_STEPS, "--config.trainer.mi_freq=1"]
 
 
 def _same_run(a, b) -> None:
@@ -165,12 +168,12 @@ def split_runs(tmp_path_factory):
     """The split in two processes of one device each (process 1's samples, process 0's trains) and
     in one process over two devices (device 1 samples, device 0 trains)."""
     two, one = tmp_path_factory.mktemp("split_two"), tmp_path_factory.mktemp("split_one")
-    logs = _two_processes(two, 23464, *SPLIT, flags=TWO_BANDIT_STEPS)
+    logs = _two_processes(two, 23464, *SPLIT, flags=SCORED_TWO_BANDIT_STEPS)
     # With the two processes' thread pool (each has one device): XLA:CPU splits a product's or a
     # reduction's work over its threads, so another pool size can sum in another order (a few ulps,
     # seen in step 2's gradient norms). No collective runs within a part, so no rendezvous can starve.
     processes_pool = command_env(devices=1)["PJRT_NPROC"]
-    run(*TWO_BANDIT_STEPS, *SPLIT, f"--config.trainer.output_dir={one}", tiny=False, devices=2,
+    run(*SCORED_TWO_BANDIT_STEPS, *SPLIT, f"--config.trainer.output_dir={one}", tiny=False, devices=2,
         env={"PJRT_NPROC": processes_pool})
     return two, one, logs
 
@@ -211,6 +214,6 @@ def test_split_across_two_processes_resumes_the_batch_in_flight(split_runs, tmp_
     out = tmp_path / "resumed"
     shutil.copytree(two, out)
     shutil.rmtree(out / "checkpoints" / "2")  # the latest checkpoint is now step 1's
-    logs = _two_processes(out, 23465, *SPLIT, "--config.trainer.resume=True", flags=TWO_BANDIT_STEPS)
+    logs = _two_processes(out, 23465, *SPLIT, "--config.trainer.resume=True", flags=SCORED_TWO_BANDIT_STEPS)
     assert "resumed from step 1" in logs[0] and "holds no batch in flight" not in logs[0]
     _same_run(read_metrics(out), read_metrics(two))
