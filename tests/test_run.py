@@ -18,7 +18,6 @@ from helpers import (
     read_metrics,
     run,
     tensorboard_scalars,
-    tiny_with,
     train_lines,
 )
 
@@ -196,6 +195,22 @@ def test_run_on_two_devices_checkpoints_and_resumes(tmp_path):
     assert (tmp_path / "hf_policy" / "model.safetensors").exists()
 
 
+def evaluated_here(capsys, *args) -> tuple[int | str | None, str, str]:
+    """``experiments.evaluate``'s ``main`` in this process, for what it refuses before it plays a level
+    (what ``python -m experiments.evaluate`` exits with, without starting an interpreter): (status,
+    stdout, stderr)."""
+    from experiments import evaluate as evaluate_command
+
+    capsys.readouterr()  # what came before
+    status: int | str | None
+    try:
+        status = evaluate_command.main(list(args))
+    except SystemExit as exit:  # argparse's usage errors
+        status = exit.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def test_evaluate_a_run_folder(full_run, tmp_path):
     out = tmp_path / "eval.json"
     proc = evaluate("--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "2",
@@ -311,13 +326,15 @@ def test_evaluate_writes_beside_the_model_and_says_when_it_replaces(tmp_path):
     assert out_note(out) == f"results go to {out} (replacing the earlier evaluation there)"
 
 
-def test_evaluate_errors():
-    proc = evaluate("--model", "smollm2-135m-instruct", "--suite", "chess")
-    assert proc.returncode == 2 and "Unknown suite 'chess'" in proc.stderr
-    proc = evaluate("--model", "/nonexistent/model.gguf", "--suite", "bandit")
-    assert proc.returncode == 2 and "/nonexistent/model.gguf" in proc.stderr
-    proc = evaluate("--model", "tests/nonexistent", "--suite", "bandit")  # a folder's path, not a hub id
-    assert proc.returncode == 2 and "No checkpoint folder or GGUF file exists at tests/nonexistent" in proc.stderr
+def test_evaluate_errors(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # where the relative path below is looked up, as the command's own folder
+    status, _, stderr = evaluated_here(capsys, "--model", "smollm2-135m-instruct", "--suite", "chess")
+    assert status == 2 and "Unknown suite 'chess'" in stderr
+    status, _, stderr = evaluated_here(capsys, "--model", "/nonexistent/model.gguf", "--suite", "bandit")
+    assert status == 2 and "/nonexistent/model.gguf" in stderr
+    # a folder's path, not a hub id
+    status, _, stderr = evaluated_here(capsys, "--model", "tests/nonexistent", "--suite", "bandit")
+    assert status == 2 and "No checkpoint folder or GGUF file exists at tests/nonexistent" in stderr
 
 
 def test_a_sweep_of_a_setting_that_changes_the_programs_is_refused():
@@ -328,13 +345,20 @@ def test_a_sweep_of_a_setting_that_changes_the_programs_is_refused():
     assert bad.returncode == 2 and "cannot be swept" in bad.stderr
 
 
-def test_lora_run_exports_adapters_and_evaluates(tmp_path):
+# The LoRA run: two steps of the tiny run's envs in a context that holds two turns of FrozenLake
+# (~350-365 tokens) but not of Sokoban (~390-400) or of a Bandit whose first answer named no arm, so
+# their trajectories end after one turn.
+LORA_MAX_LEN = 380
+LORA_RUN = ("--config.lora.rank=2", "--config.trainer.test_freq=0", "--config.algorithm.adv_estimator=bilevel_gae",
+            f"--config.rollout.max_model_len={LORA_MAX_LEN}")
+
+
+def test_lora_run_exports_adapters_evaluates_and_says_once_that_turns_were_cut(tmp_path):
     out = tmp_path / "lora"
-    # Multi-turn Sokoban / FrozenLake trajectories also take bi-level GAE end to end here.
-    run(f"--config.trainer.output_dir={out}", "--config.lora.rank=2", "--config.trainer.total_steps=1",
-        "--config.trainer.test_freq=0", "--config.algorithm.adv_estimator=bilevel_gae")
+    # Multi-turn FrozenLake trajectories (and Sokoban's, cut) also take bi-level GAE end to end here.
+    proc = run(f"--config.trainer.output_dir={out}", *LORA_RUN)
     train = train_lines(read_metrics(out))
-    assert len(train) == 1 and train[0]["actor/lr"] == pytest.approx(1e-5)  # lora.actor_lr, not actor.lr
+    assert len(train) == 2 and train[0]["actor/lr"] == pytest.approx(1e-5)  # lora.actor_lr, not actor.lr
     # GAE advantages are whitened over the response tokens: their mean there is 0, up to float32
     # rounding over a few hundred unit-scale values (a NaN or unwhitened advantages fail).
     assert train[0]["critic/vf_loss"] > 0 and abs(train[0]["critic/advantages/mean"]) < 1e-4
@@ -344,6 +368,13 @@ def test_lora_run_exports_adapters_and_evaluates(tmp_path):
     assert adapter["base_model_name_or_path"] == str(out / "base_model")
     assert (out / "base_model" / "config.json").is_file() and (out / "base_model" / "model.safetensors").is_file()
     assert (out / "hf_policy" / "model.safetensors").exists()  # the merged policy
+    # A context too short for rollout.max_turn ends trajectories early: the run says so in one line
+    # naming how many and the key to raise, once however many steps cut them (both steps here).
+    lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "ran out of context" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert f"rollout.max_model_len = {LORA_MAX_LEN}" in lines[0] and "raise rollout.max_model_len" in lines[0]
+    cut = [r["train/context_exhausted"] for r in train]
+    assert cut[0] > 0 and cut[1] > 0 and lines[0].startswith(f"warning @ step 1: {round(cut[0] * 6)} of 6 trajectories")
     proc = evaluate("--model", str(out), "--suite", "FrozenLake", "--levels", "1", "--batch", "1",
                     "--out", str(tmp_path / "eval.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -352,18 +383,3 @@ def test_lora_run_exports_adapters_and_evaluates(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=command_env())
     assert bad.returncode == 2 and "sweep lora.actor_lr instead" in bad.stderr
-
-
-def test_turns_cut_by_the_context_are_said_once(tmp_path):
-    """A context too short for rollout.max_turn ends trajectories early; the run says so in one line
-    naming how many and the key to raise, once however many steps cut them."""
-    # Sokoban alone (its first prompt ~300 tokens, each later one over 100): 4 turns cannot fit 512 tokens.
-    proc = run(*tiny_with({"envs.train.tags": "('SimpleSokoban',)", "envs.train.n_groups": "(2,)",
-                           "rollout.max_turn": "4", "rollout.max_model_len": "512", "trainer.total_steps": "2",
-                           "trainer.test_freq": "0", "trainer.export_hf": "False"}),
-               f"--config.trainer.output_dir={tmp_path}", tiny=False)
-    lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "ran out of context" in line]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert "rollout.max_model_len = 512" in lines[0] and "raise rollout.max_model_len" in lines[0]
-    cut = [r["train/context_exhausted"] for r in train_lines(read_metrics(tmp_path))]
-    assert cut[0] > 0 and lines[0].startswith(f"warning @ step 1: {round(cut[0] * 4)} of 4 trajectories")
