@@ -36,6 +36,17 @@ TINY_BANDIT = {
 }
 
 
+def tiny_llama_for(tokenizer, **config_changes):
+    """A random tiny-llama (float32, seed 0) whose vocabulary is ``tokenizer``'s, as a ``ModelState``,
+    built in the test's process; ``config_changes`` replace fields of its config."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+
+    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tokenizer), **config_changes)
+    return ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+
+
 def config_flags(overrides: dict) -> list[str]:
     """``{"section.key": value}`` as command-line flags (a tuple as its Python literal)."""
     return [f"--config.{key}={value}" for key, value in overrides.items()]

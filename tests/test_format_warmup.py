@@ -6,11 +6,10 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import envs_jax
+from helpers import tiny_llama_for
 from starpo_jax.format_warmup import answer_pieces, format_warmup, warmup_batch
-from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
 from starpo_jax.rollout.parsing import decode_response, parse_response_text
 from starpo_jax.runtime.settings import ConfigError, TrainSettings
@@ -59,8 +58,7 @@ def test_a_few_steps_teach_the_answers(smollm2_tokenizer):
     plan = plan_of("FrozenLake", max_actions=2)
     tables = build_tables(tok, plan)
     plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(tok, tables))
-    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tok))
-    model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+    model = tiny_llama_for(tok)
     settings = TrainSettings(adv_estimator="gae", micro_batch_size=4, ppo_mini_batch_size=8, logprob_chunk=64)
     state = init_train_state(settings, model, jax.random.PRNGKey(0))
     nll, before = [], jax.tree.map(np.asarray, state)  # the warm-up consumes the actor's arrays

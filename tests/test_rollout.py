@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import envs_jax
-from helpers import ScriptedResponder
+from helpers import ScriptedResponder, tiny_llama_for
 from starpo_jax.rollout import multi_turn as R_
 from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout.multi_turn import (
@@ -305,12 +305,7 @@ def smollm2_rollout():
 def tiny_rollout(smollm2_tokenizer):
     """A random tiny-llama over SmolLM2's tokenizer on every env: the same rollout code as the bundled
     model's, its 30-layer decode's minutes of compiling left to the slow case."""
-    from flax import nnx
-
-    from starpo_jax.models import Decoder, ModelState, preset
-
-    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(smollm2_tokenizer))
-    return rollout_on_every_env(ModelState.split(Decoder(config, rngs=nnx.Rngs(0))), smollm2_tokenizer)
+    return rollout_on_every_env(tiny_llama_for(smollm2_tokenizer), smollm2_tokenizer)
 
 
 # The tiny model by default; the bundled SmolLM2 is slow (its real-weights rollout stays in the default

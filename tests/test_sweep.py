@@ -96,10 +96,8 @@ def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smol
     Compared on the second step, when the two learning rates have moved the settings apart."""
     import dataclasses
 
-    from flax import nnx
-
     import envs_jax
-    from starpo_jax.models import Decoder, ModelState, preset
+    from helpers import tiny_llama_for
     from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
     from starpo_jax.train import (
         Hyperparams,
@@ -116,8 +114,7 @@ def test_a_sweep_step_with_the_batchs_layout_gives_the_full_layouts_metrics(smol
     )
     tables = build_tables(smollm2_tokenizer, plan)
     plan = dataclasses.replace(plan, stop_tokens=stop_tokens_for(smollm2_tokenizer, tables))
-    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(smollm2_tokenizer))
-    model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+    model = tiny_llama_for(smollm2_tokenizer)
     # GAE with a KL loss: the old log-probs, the reference's and the critic's values all computed
     settings = TrainSettings(adv_estimator="gae", use_kl_loss=True, reward_method="mean_std", kept_groups=2,
                              ppo_mini_batch_size=8, micro_batch_size=4, logprob_chunk=16)

@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import envs_jax
-from starpo_jax.models import Decoder, ModelState, preset
+from helpers import tiny_llama_for
 from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
 from starpo_jax.rollout.sampling import DecodeOutput, append
 from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step, replicate
@@ -60,8 +59,7 @@ def _setup(tokenizer, settings_overrides=None):
     width = max(map(len, ids))
     responses = np.array([i + [0] * (width - len(i)) for i in ids], np.int32)
     responder = ArmResponder(responses, np.array([len(i) for i in ids], np.int32), plan.max_len)
-    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tokenizer))
-    model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
+    model = tiny_llama_for(tokenizer)
     settings = TrainSettings(**{
         "adv_estimator": "grpo", "reward_method": "mean_std", "kept_groups": 4, "ppo_mini_batch_size": 32,
         "micro_batch_size": 8, "logprob_chunk": 64, **(settings_overrides or {}),
