@@ -3,7 +3,6 @@ with one line naming the last checkpoint and the command that resumes it, status
 traceback; SIGTERM (SLURM, preemption) first saves the step it finishes, whatever the save
 schedule, status 143."""
 
-import json
 import re
 import shlex
 import signal
@@ -11,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from experiments.report import read_jsonl
 from helpers import REPO, TINY_MODEL_FLAGS, command_env, config_flags, train_lines
 
 # The quick start on the tiny model (one Bandit turn, GRPO: little for a process to trace and
@@ -63,18 +63,10 @@ def the_line(stderr: str, marker: str) -> str:
 
 
 def logged_steps(out) -> list[int]:
-    """The training steps of ``out``'s metrics log, read while the run writes it: whole lines only."""
+    """The training steps of ``out``'s metrics log, read while the run writes it (a line cut short,
+    being written or where the resume rewrote the log, is skipped)."""
     metrics = out / "metrics.jsonl"
-    text = metrics.read_text() if metrics.exists() else ""
-    rows = []
-    for line in text.splitlines(keepends=True):
-        if not line.endswith("\n"):  # being written
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # cut where the resume rewrote the log
-            pass
-    return [r["step"] for r in train_lines(rows)]
+    return [r["step"] for r in train_lines(read_jsonl(metrics, []))] if metrics.exists() else []
 
 
 def test_ctrl_c_stops_at_once_and_sigterm_after_its_resume_saves_the_step_it_finishes(tmp_path):
