@@ -20,7 +20,9 @@ top-k off there anyway). Greedy rows (temperature 0) report ``log_softmax(logits
 Randomness: step t uses ``jax.random.fold_in(key, t)`` for the whole batch, so the same key gives
 the same tokens bit for bit. The Gumbel noise over the vocabulary is jax's threefry stream, drawn
 with the hash unrolled (``_threefry_bits_unrolled``, the same bits): jax's CPU lowering is a rolled
-loop that made the noise a fifth of a decode step's bytes.
+loop that made the noise a fifth of a decode step's bytes. The token is ``jax.random.categorical``'s,
+its argmax taken in blocks (``first_argmax``) so that XLA:CPU does not compute the noise inside a
+reduction loop it cannot vectorise.
 
 The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights per
 layer once per call, and the cache is one buffer per layer (``KVCache``) from its creation to the
@@ -198,9 +200,29 @@ def sample_logits(
         filtered = _top_k_filter(filtered, top_k)
     if top_p < 1.0:
         filtered = _top_p_filter(filtered, top_p)
-    sampled = jax.random.categorical(_unrolled(key), filtered, axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    # jax.random.categorical's Gumbel-max draw (the same noise, the same token), its argmax taken apart
+    noisy = filtered + jax.random.gumbel(_unrolled(key), filtered.shape, filtered.dtype)
+    tokens = jnp.where(greedy, first_argmax(logits), first_argmax(noisy))
     return tokens, _log_softmax_at(scaled, tokens)
+
+
+#: Columns of ``first_argmax``'s blocks.
+ARGMAX_BLOCK = 256
+
+
+def first_argmax(x: Array) -> Array:
+    """``jnp.argmax(x, axis=-1)`` of x [B, V] as int32, the first index of each row's maximum (NaN
+    counted as +inf, since XLA:CPU's maxima may skip it), found in two steps: the maximum of each block of ``ARGMAX_BLOCK``
+    columns, then the first such block's first maximum. XLA fuses the producer of an argmax, here
+    the sampler's noise, into the argmax's (value, index) reduction, a loop that XLA:CPU does not
+    vectorise: at 64 rows × 49,152 it took ~7x as long as this, which computes the noise in a
+    loop of its own and reduces with plain maxima (docs/benchmarks.md)."""
+    B, V = x.shape
+    padded = jnp.pad(jnp.where(jnp.isnan(x), jnp.inf, x), ((0, 0), (0, -V % ARGMAX_BLOCK)), constant_values=-jnp.inf)
+    blocks = padded.reshape(B, -1, ARGMAX_BLOCK)
+    block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+    within = jnp.argmax(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1)
+    return (block * ARGMAX_BLOCK + within).astype(jnp.int32)
 
 
 def _log_softmax_at(x: Array, tokens: Array) -> Array:

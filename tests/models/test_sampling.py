@@ -172,6 +172,24 @@ def test_the_unrolled_threefry_draws_jaxs_bits():
             np.testing.assert_array_equal(bits, jax.random.bits(key, shape, jnp.uint32))
         draws = jax.jit(lambda k: jax.random.categorical(sampling._unrolled(k), logits))(key)
         np.testing.assert_array_equal(draws, jax.random.categorical(key, logits))
+        # the sampler's own draw: categorical's noise and token, its argmax taken in blocks
+        tokens, _ = jax.jit(sampling.sample_logits)(logits, key, 1.0)
+        np.testing.assert_array_equal(tokens, jax.random.categorical(key, logits))
+
+
+def test_first_argmax_is_jnps_argmax():
+    """The first index of each row's maximum, as jnp.argmax: ties within a block and across blocks,
+    -inf everywhere, a NaN (a row without +inf: jnp counts NaN highest), a width that is not a multiple of the block. Maxima and
+    comparisons round nothing, so the two agree exactly."""
+    block = sampling.ARGMAX_BLOCK
+    for width in (1, block, 3 * block, 3 * block + 17):
+        x = np.asarray(jax.random.randint(jax.random.key(width), (12, width), 0, 5), np.float32)
+        x[1] = -np.inf
+        x[2, -1] = np.nan
+        x[3, [0, width - 1]] = 9.0  # the first and last column tie
+        x[4, width // 2:] = 9.0
+        x[5, :] = 1.0
+        np.testing.assert_array_equal(jax.jit(sampling.first_argmax)(x), jnp.argmax(x, axis=-1))
 
 
 def test_chunked_prefill_equals_one_block(tiny):
