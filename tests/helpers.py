@@ -36,14 +36,14 @@ TINY_BANDIT = {
 }
 
 
-def tiny_llama_for(tokenizer, **config_changes):
+def tiny_llama_for(tokenizer):
     """A random tiny-llama (float32, seed 0) whose vocabulary is ``tokenizer``'s, as a ``ModelState``,
-    built in the test's process; ``config_changes`` replace fields of its config."""
+    built in the test's process."""
     from flax import nnx
 
     from starpo_jax.models import Decoder, ModelState, preset
 
-    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tokenizer), **config_changes)
+    config = dataclasses.replace(preset("tiny-llama"), vocab_size=len(tokenizer))
     return ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
 
 

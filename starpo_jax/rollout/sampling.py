@@ -213,13 +213,15 @@ ARGMAX_BLOCK = 256
 def first_argmax(x: Array) -> Array:
     """``jnp.argmax(x, axis=-1)`` of x [B, V] as int32, the first index of each row's maximum (NaN
     counted as +inf, since XLA:CPU's maxima may skip it), found in two steps: the maximum of each
-    block of ``ARGMAX_BLOCK`` columns, then the first such block's first maximum. XLA fuses the producer of an argmax, here
-    the sampler's noise, into the argmax's (value, index) reduction, a loop that XLA:CPU does not
-    vectorise: at 64 rows × 49,152 it took ~7x as long as this, which computes the noise in a
-    loop of its own and reduces with plain maxima (docs/benchmarks.md). With the vocabulary sharded
-    (tensor parallel), it adds to argmax's small all-gathers one all-reduce of the chosen block."""
+    block of ``ARGMAX_BLOCK`` columns, then the first such block's first maximum. XLA fuses the
+    producer of an argmax, here the sampler's noise, into the argmax's (value, index) reduction, a
+    loop that XLA:CPU does not vectorise: at 64 rows × 49,152 it took ~7x as long as this, which
+    computes the noise in a loop of its own and reduces with plain maxima (docs/benchmarks.md).
+    With the vocabulary sharded (tensor parallel), it adds to argmax's small all-gathers one
+    all-reduce of the chosen block."""
     B, V = x.shape
-    padded = jnp.pad(jnp.where(jnp.isnan(x), jnp.inf, x), ((0, 0), (0, -V % ARGMAX_BLOCK)), constant_values=-jnp.inf)
+    no_nan = jnp.where(jnp.isnan(x), jnp.inf, x)
+    padded = jnp.pad(no_nan, ((0, 0), (0, -V % ARGMAX_BLOCK)), constant_values=-jnp.inf)
     blocks = padded.reshape(B, -1, ARGMAX_BLOCK)
     block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
     within = jnp.argmax(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1)

@@ -179,8 +179,8 @@ def test_the_unrolled_threefry_draws_jaxs_bits():
 
 def test_first_argmax_is_jnps_argmax():
     """The first index of each row's maximum, as jnp.argmax: ties within a block and across blocks,
-    -inf everywhere, a NaN (a row without +inf: jnp counts NaN highest), a width that is not a multiple of the block. Maxima and
-    comparisons round nothing, so the two agree exactly."""
+    -inf everywhere, a NaN (a row without +inf: jnp counts NaN highest), a width that is not a
+    multiple of the block. Maxima and comparisons round nothing, so the two agree exactly."""
     block = sampling.ARGMAX_BLOCK
     for width in (1, block, 3 * block, 3 * block + 17):
         x = np.asarray(jax.random.randint(jax.random.key(width), (12, width), 0, 5), np.float32)
