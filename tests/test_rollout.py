@@ -9,6 +9,11 @@ episode ends.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import TypedDict
 
 import jax
@@ -17,7 +22,7 @@ import numpy as np
 import pytest
 
 import envs_jax
-from helpers import ScriptedResponder, tiny_llama_for
+from helpers import ScriptedResponder, simulated_devices, tiny_llama_for
 from starpo_jax.rollout import multi_turn as R_
 from starpo_jax.rollout import prompts, sampling
 from starpo_jax.rollout.multi_turn import (
@@ -565,3 +570,109 @@ def test_the_model_samples_the_same_in_a_cache_fitted_to_the_longest_trajectory(
     init = initial_states_from_seeds(plan, 123)
     narrow = jax.device_get(make_rollout(fitted)(model, tables, init, jax.random.PRNGKey(0), 1.0))
     assert_same_rows(traj, narrow, logprob_atol=1e-4)
+
+
+# ---- later turns on the rows still playing ----------------------------------------------------------
+
+
+def test_live_batch_sizes_are_a_quarter_and_a_half_where_they_hold_enough_rows():
+    assert R_.live_batch_sizes(64, 8) == (16, 32, 64)
+    assert R_.live_batch_sizes(24, 8) == (12, 24)  # a quarter would be 6 rows
+    assert R_.live_batch_sizes(6, 8) == (6,)
+    assert R_.live_batch_sizes(10, 1) == (5, 10)  # 10 / 4 does not divide
+
+
+@pytest.mark.parametrize("live", [3, 6, 11], ids=["quarter", "half", "whole"])
+def test_a_later_turn_on_the_rows_still_playing_equals_the_whole_batch(live):
+    """A later turn run on the playing rows gathered into a quarter, a half or all of the batch
+    gives what the whole batch gives: the same tokens (each row draws its own noise), the same
+    cache for the playing rows, and nothing for the others, whose cache is left as it was. The
+    smaller batches are other programs, so log-probs and keys agree to float32 rounding (a token
+    drawn within that of the sampler's boundary would differ; none here does)."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout.sampling import append, init_cache
+
+    B = 12
+    model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+    plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), B, 1),), group_size=1, response_length=6,
+                       max_len=40, pad_id=3)
+    rng = np.random.default_rng(0)
+    held = jnp.asarray(rng.integers(5, 15, B), jnp.int32)
+    cache, _ = append(model, init_cache(model.merge().config, B, plan.max_len),
+                      jnp.asarray(rng.integers(1, 200, (B, 15)), jnp.int32), held)
+    prompt_ids = jnp.asarray(rng.integers(1, 200, (B, 8)), jnp.int32)
+    active = jnp.asarray(rng.permutation(B) < live)
+    num_new = jnp.where(active, jnp.asarray(rng.integers(1, 9, B), jnp.int32), 0)
+    temperature = jnp.linspace(0.5, 1.5, B)  # one per row: gathered with the rows
+    assert R_.live_batch_sizes(B, 3) == (3, 6, 12)
+
+    def turn(min_rows):
+        respond = jax.jit(LLMResponder(plan, min_live_rows=min_rows).respond)
+        return jax.device_get(respond(model, cache, prompt_ids, num_new, jax.random.PRNGKey(1), temperature, active,
+                                      jnp.int32(1)))
+
+    whole, compact = turn(B + 1), turn(3)
+    np.testing.assert_array_equal(compact.tokens, whole.tokens)
+    np.testing.assert_array_equal(compact.lengths, whole.lengths)
+    assert (compact.lengths[np.asarray(active)] > 0).all() and not compact.lengths[~np.asarray(active)].any()
+    assert (compact.tokens[~np.asarray(active)] == plan.pad_id).all()
+    np.testing.assert_allclose(compact.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(compact.cache.lengths, whole.cache.lengths)
+    for got, want, before in zip(compact.cache.k + compact.cache.v, whole.cache.k + whole.cache.v, cache.k + cache.v):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got[~np.asarray(active)], np.asarray(before)[~np.asarray(active)])
+
+
+LIVE_ROWS_ON_TWO_DEVICES = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+import envs_jax
+from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.rollout.multi_turn import LLMResponder, RolloutPlan, TagPlan
+from starpo_jax.rollout.sampling import append, init_cache
+from starpo_jax.runtime import sharding
+
+B = 8
+model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), B, 1),), group_size=1, response_length=6,
+                   max_len=40)
+rng = np.random.default_rng(0)
+cache, _ = append(model, init_cache(model.merge().config, B, plan.max_len),
+                  jnp.asarray(rng.integers(1, 200, (B, 15)), jnp.int32), jnp.asarray(rng.integers(5, 15, B), jnp.int32))
+prompt_ids = jnp.asarray(rng.integers(1, 200, (B, 8)), jnp.int32)
+active = jnp.asarray([0, 1, 0, 0, 1, 0, 1, 0], bool)  # one playing row on the first device, two on the second
+num_new = jnp.where(active, jnp.asarray(rng.integers(1, 9, B), jnp.int32), 0)
+key = jax.random.PRNGKey(1)
+respond = lambda min_rows: jax.jit(lambda m, *a: LLMResponder(plan, min_live_rows=min_rows).respond(m, *a))
+whole = jax.device_get(respond(B + 1)(model, cache, prompt_ids, num_new, key, 1.0, active, jnp.int32(1)))
+mesh = sharding.make_mesh(2, 1, 1)
+with sharding.use_mesh(mesh):
+    by_rows = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    args = (jax.tree.map(by_rows, cache), by_rows(prompt_ids), by_rows(num_new), key, 1.0, by_rows(active),
+            jnp.int32(1))
+    model = jax.device_put(model, NamedSharding(mesh, P()))
+    halves = respond(2)  # two rows of each device's four: the half batch
+    hlo = halves.lower(model, *args).compile().as_text()
+    compact = jax.device_get(halves(model, *args))
+collective = r"= ([^=]+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
+print(json.dumps({"collectives": sorted({shape for shape, _ in re.findall(collective, hlo)}),
+                  "tokens": bool((compact.tokens == whole.tokens).all()),
+                  "logprobs": float(np.abs(compact.logprobs - whole.logprobs).max())}))
+"""
+
+
+def test_a_row_sharded_batch_gathers_its_playing_rows_on_each_device():
+    """On two devices splitting the rows, each gathers its own playing rows: the compiled turn
+    exchanges only scalars (how many rows play, whether every row is done), and samples what one
+    device sampling the whole batch does."""
+    env = {**os.environ, **simulated_devices(2)}
+    proc = subprocess.run([sys.executable, "-c", LIVE_ROWS_ON_TWO_DEVICES], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["collectives"] == ["pred[]", "s32[]"] and out["tokens"], out
+    assert out["logprobs"] < 1e-5, out

@@ -496,6 +496,86 @@ def _write(buffer, offsets, values, count):
 
 # ---- the policy as responder ---------------------------------------------------------------------
 
+#: Later turns run on the rows still playing, gathered into a quarter or half of the batch where
+#: that holds them, if it is at least this many rows per device (smaller batches gain less than
+#: the gather, the scatter and the programs' compiles cost).
+MIN_LIVE_ROWS = 8
+
+
+def live_batch_sizes(rows: int, min_rows: int) -> tuple[int, ...]:
+    """The rows a later turn may run on, of ``rows`` per device, ascending: ``rows`` itself, and a
+    quarter and a half of it where they divide it and hold ``min_rows`` at least."""
+    return tuple(sorted({rows} | {rows // d for d in (2, 4) if rows % d == 0 and rows // d >= min_rows}))
+
+
+def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prompt_ids, num_new, key,
+                 temperature) -> DecodeOutput:
+    """``respond(model, cache, prompt_ids, num_new, key, temperature, active, rows, of_rows)`` on
+    the rows still playing only: each device's ``active`` rows gathered into the smallest of
+    ``live_batch_sizes`` that holds them (one ``lax.switch``), their cache rows too, and the
+    outputs scattered back. Ended episodes keep their rows, and once the first turns end many
+    episodes, computing them is most of a later turn's work. The rows sample what they would in
+    the whole batch (``rows`` names them); a row not playing answers nothing (``pad_id``), its
+    cache untouched.
+
+    Rows are gathered within each device's share of the batch (``[shards, rows]``, a batched
+    gather), so a row-sharded batch moves no row between devices."""
+    B = active.shape[0]
+    shards = _row_shards()
+    per = B // shards
+    sizes = live_batch_sizes(per, min_rows)
+
+    def in_batch_of(size: int):
+        def run(cache):
+            if size == per:
+                return respond(model, cache, prompt_ids, num_new, key, temperature, active)
+            # each shard's playing rows, padded with the index ``per`` (no row: gathered as the
+            # shard's last, kept inactive, dropped when scattered back)
+            local = jax.vmap(lambda a: jnp.nonzero(a, size=size, fill_value=per)[0])(active.reshape(shards, per))
+            row_ids = (jnp.minimum(local, per - 1) + per * jnp.arange(shards)[:, None]).reshape(-1)
+            live = (local < per).reshape(-1)
+            take = functools.partial(_gather_local_rows, local)
+            temp = temperature if jnp.ndim(temperature) == 0 else take(temperature)
+            out = respond(model, jax.tree.map(take, cache), take(prompt_ids), jnp.where(live, take(num_new), 0), key,
+                          temp, live, row_ids, B)
+            put = functools.partial(_scatter_local_rows, local)
+            return DecodeOutput(
+                tokens=put(jnp.full((B,) + out.tokens.shape[1:], pad_id, out.tokens.dtype), out.tokens),
+                logprobs=put(jnp.zeros((B,) + out.logprobs.shape[1:], out.logprobs.dtype), out.logprobs),
+                lengths=put(jnp.zeros((B,), out.lengths.dtype), out.lengths),
+                cache=jax.tree.map(put, cache, out.cache),
+                last_logits=put(jnp.zeros((B,) + out.last_logits.shape[1:], out.last_logits.dtype), out.last_logits),
+            )
+
+        return run
+
+    if len(sizes) == 1:
+        return in_batch_of(per)(cache)
+    most_live = jnp.max(jnp.sum(active.reshape(shards, per), axis=1))
+    return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), most_live), [in_batch_of(n) for n in sizes], cache)
+
+
+def _row_shards() -> int:
+    """How many ways the current mesh splits rows (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else sharding.rows_per_mesh(mesh)
+
+
+def _gather_local_rows(local, x):
+    """x [B, ...] -> [shards * n, ...]: rows ``local`` [shards, n] of each shard's ``B / shards``
+    (an index past the shard's rows reads its last)."""
+    shards, per = local.shape[0], x.shape[0] // local.shape[0]
+    pick = jax.vmap(lambda part, idx: part[jnp.minimum(idx, per - 1)])
+    return pick(x.reshape(shards, per, *x.shape[1:]), local).reshape(-1, *x.shape[1:])
+
+
+def _scatter_local_rows(local, x, rows):
+    """x [B, ...] with rows ``local`` [shards, n] of each shard set from ``rows`` [shards * n, ...]
+    (an index past the shard's rows is dropped): the inverse of ``_gather_local_rows``."""
+    shards, n = local.shape
+    put = jax.vmap(lambda part, idx, new: part.at[idx].set(new, mode="drop"))
+    return put(x.reshape(shards, -1, *x.shape[1:]), local, rows.reshape(shards, n, *rows.shape[1:])).reshape(x.shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class LLMResponder:
@@ -507,27 +587,41 @@ class LLMResponder:
 
     ``first_prompts``: at most this many distinct first prompts in a batch (default: one per group,
     since a group's rows start from the same level); the first turn prefills each once.
+
+    ``min_live_rows``: later turns run on the rows still playing (``on_live_rows``), in batches of
+    no fewer than this many rows per device.
     """
 
     plan: RolloutPlan
     fixed_length: int | None = None
     first_prompts: int | None = None
+    min_live_rows: int = MIN_LIVE_ROWS
 
     def init(self, model: ModelState, batch_size: int):
         return init_cache(model.merge().config, batch_size, self.plan.max_len)
 
     def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
         """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
-        plan = self.plan
-        stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
         if isinstance(turn, int) and turn == 0:
             cache, logits = self.prefill_first_prompts(model, prompt_ids, num_new, cache)
-        else:
-            cache, logits = append(model, cache, prompt_ids, num_new)
+            return self.sample(model, cache, logits, key, temperature, active)
+        return on_live_rows(self.append_and_sample, self.min_live_rows, self.plan.pad_id, active,
+                            model, cache, prompt_ids, num_new, key, temperature)
+
+    def append_and_sample(self, model, cache, prompt_ids, num_new, key, temperature, active, rows=None, of_rows=0):
+        """A later turn: the prompt appended to the cache, then the response sampled (``rows``,
+        ``of_rows``: as ``decode``'s)."""
+        cache, logits = append(model, cache, prompt_ids, num_new)
+        return self.sample(model, cache, logits, key, temperature, active, rows, of_rows)
+
+    def sample(self, model, cache, logits, key, temperature, active, rows=None, of_rows=0):
+        plan = self.plan
+        stops = (-1,) if self.fixed_length else plan.stop_tokens or (-1,)
         return decode(
             model, cache, logits, key,
             max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
             top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
+            rows=rows, of_rows=of_rows,
         )
 
 

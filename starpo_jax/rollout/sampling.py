@@ -184,12 +184,15 @@ def _unrolled(key: Array) -> Array:
 
 
 def sample_logits(
-    logits: Array, key: Array, temperature: Array | float, top_k: int = 0, top_p: float = 1.0
+    logits: Array, key: Array, temperature: Array | float, top_k: int = 0, top_p: float = 1.0,
+    rows: Array | None = None, of_rows: int = 0,
 ) -> tuple[Array, Array]:
     """Sample one token per row from logits [B, V]; returns (tokens [B] int32, logprobs [B] float32).
 
     temperature: scalar or [B]; rows with temperature <= 0 take the argmax. top_k <= 0 and
-    top_p >= 1 are off.
+    top_p >= 1 are off. ``rows`` (int32[B]): these are rows ``rows`` of a batch of ``of_rows``,
+    and each draws that row's noise, so it samples what it would in the whole batch (XLA computes
+    the gathered rows' noise only).
     """
     logits = logits.astype(jnp.float32)
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])
@@ -201,7 +204,11 @@ def sample_logits(
     if top_p < 1.0:
         filtered = _top_p_filter(filtered, top_p)
     # jax.random.categorical's Gumbel-max draw (the same noise, the same token), its argmax taken apart
-    noisy = filtered + jax.random.gumbel(_unrolled(key), filtered.shape, filtered.dtype)
+    if rows is None:
+        noise = jax.random.gumbel(_unrolled(key), filtered.shape, filtered.dtype)
+    else:
+        noise = jax.random.gumbel(_unrolled(key), (of_rows, filtered.shape[1]), filtered.dtype)[rows]
+    noisy = filtered + noise
     tokens = jnp.where(greedy, first_argmax(logits), first_argmax(noisy))
     return tokens, _log_softmax_at(scaled, tokens)
 
@@ -318,10 +325,11 @@ def initial_decode_state(cache: KVCache, first: tuple[Array, Array], hidden_like
 
 
 def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k: int, top_p: float,
-                stops: Array, pad_id: int) -> DecodeState:
+                stops: Array, pad_id: int, rows: Array | None = None, of_rows: int = 0) -> DecodeState:
     """One token for every live row: record the sampled ``s.next_token``, run it through the model,
     and sample the next one from the logits after it (step t draws with ``fold_in(key, t)``).
-    ``weights``: the blocks' weights split per layer (``decoder.layers.per_layer()``), once per call."""
+    ``weights``: the blocks' weights split per layer (``decoder.layers.per_layer()``), once per call;
+    ``rows``, ``of_rows``: as ``sample_logits``'s."""
     live = ~s.done
     token = jnp.where(live, s.next_token, pad_id)
     logprob = jnp.where(live, s.next_logprob, 0.0)
@@ -331,7 +339,7 @@ def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k
     # Every row samples, finished or not: a finished row's draw is never recorded, and ``decode``
     # recomputes its last logits from ``last_hidden``.
     next_token, next_logprob = sample_logits(
-        decoder.logits(hidden), jax.random.fold_in(key, s.step + 1), temperature, top_k, top_p)
+        decoder.logits(hidden), jax.random.fold_in(key, s.step + 1), temperature, top_k, top_p, rows, of_rows)
     return DecodeState(
         step=s.step + 1,
         cache=cache,
@@ -345,7 +353,7 @@ def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k
     )
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed", "of_rows"))
 def decode(
     model: ModelState,
     cache: KVCache,
@@ -360,6 +368,8 @@ def decode(
     active: Array | None = None,
     pad_id: int = 0,
     windowed: bool = True,
+    rows: Array | None = None,
+    of_rows: int = 0,
 ) -> DecodeOutput:
     """Sample up to ``max_new_tokens`` tokens per row, starting from ``last_logits`` [B, V].
 
@@ -368,19 +378,21 @@ def decode(
     ``active[b] = False`` generate nothing and their cache row is untouched. The loop ends as soon as
     every row is done. Step t draws with ``fold_in(key, t)``: give each call (each turn) its own key.
     ``windowed=False`` always decodes in the whole cache (for comparison; see the module docstring).
+    ``rows`` (int32[B]), ``of_rows``: these are rows ``rows`` of a batch of ``of_rows`` rows, and
+    sample the tokens they would in it (``sample_logits``).
     """
     decoder = model.merge()
     weights = decoder.layers.per_layer()  # once per call, not per token
     B = last_logits.shape[0]
     stops = _stop_table(stop_tokens, B)
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
-    first = sample_logits(last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+    first = sample_logits(last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p, rows, of_rows)
 
     def cond(s: DecodeState) -> Array:
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
     def body(s: DecodeState) -> DecodeState:
-        return decode_step(decoder, weights, s, key, temperature, top_k, top_p, stops, pad_id)
+        return decode_step(decoder, weights, s, key, temperature, top_k, top_p, stops, pad_id, rows, of_rows)
 
     def decode_in(cache: KVCache) -> tuple[KVCache, DecodeState]:
         hidden_like = jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype))
