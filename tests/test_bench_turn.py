@@ -19,6 +19,13 @@ def test_one_side_times_an_append_and_a_whole_decode():
     assert record["turn_s"] == [a + d for a, d in zip(record["append_s"], record["decode_s"])]
 
 
+def test_one_side_times_the_rollouts_turn_with_some_rows_playing():
+    """``--playing``: 5 of 16 rows play (a half batch of the rows still playing); the side checks
+    that exactly they decoded the whole budget."""
+    record = turn.main(["--quick", "--rows", "16", "--playing", "5", "--side", REPO])
+    assert set(record) == {"tree", "turn_s", "compile_s"} and len(record["turn_s"]) == 1 and record["turn_s"][0] > 0
+
+
 def test_the_sides_alternate_and_the_ratio_is_other_over_this(tmp_path, monkeypatch):
     seen = []
 
@@ -39,6 +46,9 @@ def test_bad_input_is_one_sentence_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         turn.main(["--held", "600", "--append", "90", "--new", "48"])
     assert "do not fit a cache of 640 slots" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        turn.main(["--playing", "65"])
+    assert "--playing 65 must be between 1 and --rows 64" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         turn.main(["--tree", str(tmp_path)])
     assert "has no starpo_jax package" in capsys.readouterr().err

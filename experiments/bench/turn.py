@@ -4,12 +4,15 @@ a before/after measurement of a change to the KV-cached path, side by side in on
 
     python experiments/bench/turn.py --tree ../old                 # FrozenLake's later turns, 2 rounds
     python experiments/bench/turn.py --tree ../old --quick         # tiny-llama, seconds: a smoke run
+    python experiments/bench/turn.py --tree ../old --playing 24    # 24 of the 64 rows still playing
 
 Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows
 that hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append`` tokens (the next
 turn's prompt), then decode ``--new`` tokens (stop tokens off, temperature 1; random float32 weights
 of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
-the next. Each side reports the median over ``--repeats`` warm calls of the append, the decode and
+the next. With ``--playing N`` only N of the rows play the turn (the others' episodes have ended)
+and the side times the rollout's own turn, ``LLMResponder.respond``, as one call: the append and
+the decode are not timed apart. Each side reports the median over ``--repeats`` warm calls of the append, the decode and
 their sum, and its compile times; the report gives every side's figures and the ratio of the
 medians (``--tree`` over this tree: > 1 means this tree is faster).
 
@@ -41,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--held", type=int, default=300, help="tokens each row holds before the turn")
     p.add_argument("--append", type=int, default=90, help="tokens each row appends (the turn's prompt)")
     p.add_argument("--new", type=int, default=48, help="tokens each row decodes")
+    p.add_argument("--playing", type=int, help="rows that play the turn (default: all): times LLMResponder.respond")
     p.add_argument("--repeats", type=int, default=3, help="warm calls timed per side and process (median)")
     p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs both sides twice)")
     p.add_argument("--quick", action="store_true", help="tiny-llama, one round, one repeat: a smoke run")
@@ -53,6 +57,8 @@ def parse_args(argv=None):
     if args.held + args.append + args.new > args.cache:
         p.error(f"--held {args.held} + --append {args.append} + --new {args.new} tokens do not fit "
                 f"a cache of {args.cache} slots")
+    if args.playing is not None and not 0 < args.playing <= args.rows:
+        p.error(f"--playing {args.playing} must be between 1 and --rows {args.rows}")
     if not os.path.isdir(os.path.join(args.tree, "starpo_jax")):
         p.error(f"--tree {args.tree} has no starpo_jax package: give the root of a starpo-jax checkout")
     return args
@@ -82,6 +88,8 @@ def time_side(args) -> dict:
         return cache.replace(v=jax.tree.map(lambda x: jnp.array(x, copy=True), cache.v),
                              lengths=np.full((args.rows,), args.held, np.int32))
 
+    if args.playing is not None:
+        return time_responder(args, model, held_cache, tokens)
     append = jax.jit(lambda m, c, t, n: sampling.append(m, c, t, n), donate_argnums=1)
     decode = jax.jit(lambda m, c, logits, k: sampling.decode(m, c, logits, k, max_new_tokens=args.new),
                      donate_argnums=1)
@@ -108,6 +116,37 @@ def time_side(args) -> dict:
             "append_compile_s": append_compile_s, "decode_compile_s": decode_compile_s}
 
 
+def time_responder(args, model, held_cache, tokens) -> dict:
+    """``--playing``: the rollout's later turn (``LLMResponder.respond``) with ``args.playing`` rows
+    playing, spread over the batch; every playing row decodes ``args.new`` tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import envs_jax
+    from starpo_jax.rollout.multi_turn import LLMResponder, RolloutPlan, TagPlan
+
+    plan = RolloutPlan(tags=(TagPlan("FrozenLake", envs_jax.make("FrozenLake"), args.rows, 10),), group_size=1,
+                       response_length=args.new, max_len=args.cache)
+    active = np.random.default_rng(1).permutation(args.rows) < args.playing
+    num_new = np.where(active, args.append, 0).astype(np.int32)
+    respond = jax.jit(lambda m, c, t, n, k, a: LLMResponder(plan, fixed_length=args.new).respond(
+        m, c, t, n, k, 1.0, a, jnp.int32(1)), donate_argnums=1)
+    start = time.perf_counter()
+    program = respond.lower(model, held_cache(), tokens, num_new, jax.random.key(0), active).compile()
+    compile_s = time.perf_counter() - start
+    jax.block_until_ready(program(model, held_cache(), tokens, num_new, jax.random.key(0), active))  # warm
+    turn_s = []
+    for r in range(args.repeats):
+        cache = jax.block_until_ready(held_cache())
+        start = time.perf_counter()
+        out = jax.block_until_ready(program(model, cache, tokens, num_new, jax.random.key(r + 1), active))
+        turn_s.append(time.perf_counter() - start)
+        lengths = np.asarray(out.lengths)
+        assert (lengths[active] == args.new).all() and not lengths[~active].any()
+    return {"tree": args.side, "turn_s": turn_s, "compile_s": compile_s}
+
+
 def run_side(args, tree: str, argv: list[str]) -> dict:
     """One side, timed in a fresh process (its own imports, its own compile caches)."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--side", tree],
@@ -130,13 +169,14 @@ def main(argv=None) -> dict:
     for i, side in enumerate(order):
         record = run_side(args, sides[side], argv)
         runs[side].append(record)
-        print(f"[{i + 1}/{len(order)}] {side:5} append {statistics.median(record['append_s']):.2f} s, "
-              f"decode {statistics.median(record['decode_s']):.2f} s", flush=True)
+        print(f"[{i + 1}/{len(order)}] {side:5} " + ", ".join(
+            f"{part[:-2]} {statistics.median(record[part]):.2f} s" for part in parts(record)), flush=True)
     medians = {side: {part: statistics.median(t for r in records for t in r[part])
-                      for part in ("append_s", "decode_s", "turn_s")} for side, records in runs.items()}
+                      for part in parts(records[0])} for side, records in runs.items()}
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": {k: getattr(args, k) for k in ("model", "rows", "cache", "held", "append", "new", "repeats", "rounds")},
+        "workload": {k: getattr(args, k)
+                     for k in ("model", "rows", "playing", "cache", "held", "append", "new", "repeats", "rounds")},
         "machine": {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "note": args.note},
         "trees": sides, "order": order, "runs": runs, "medians": medians,
         "other_over_this": {part: medians["other"][part] / medians["this"][part] for part in medians["this"]},
@@ -146,6 +186,11 @@ def main(argv=None) -> dict:
         json.dump(report, f, indent=1)
     print(json.dumps({"medians": medians, "other_over_this": report["other_over_this"]}, indent=1))
     return report
+
+
+def parts(record: dict) -> list[str]:
+    """The timed parts of a side's record: append, decode and the turn, or the turn alone."""
+    return [part for part in ("append_s", "decode_s", "turn_s") if part in record]
 
 
 if __name__ == "__main__":
