@@ -7,7 +7,9 @@ For every turn, inside one XLA program:
     Countdown) → reward message and next observation as tokens → next turn
 
 The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
-Finished rows keep their slot and stop generating. Host Python never sees a token or a turn.
+Finished rows keep their slot and stop generating; from the second turn on, the rows still playing
+are gathered into a quarter or a half of the batch where they fit (``on_live_rows``), so ended
+episodes cost no compute. Host Python never sees a token or a turn.
 
 Batch layout (RAGEN's es_manager, ragen-reference.md §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
 ``t`` owning ``n_groups[t] * group_size`` consecutive rows; row ``b`` belongs to group
