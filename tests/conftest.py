@@ -46,11 +46,18 @@ def pytest_xdist_auto_num_workers(config):
     return cores if available is None else max(1, min(cores, available // (8 * 2**30)))
 
 
-# The files that take longest (pytest --durations: minutes each on 2 cores), started
-# first: the workers take files in collection order, and a long file started last would leave the
-# other worker idle at the end.
-LONGEST_FIRST = ("test_run.py", "test_rollout.py", "test_train.py", "envs/test_countdown.py", "test_readme.py",
-                 "test_update.py", "test_any_mesh.py", "test_sharding.py")
+# The files that take longest (the per-file seconds printed after a run: minutes each on 2 cores),
+# longest first, started first: a long file started last would leave the other worker idle at the end.
+LONGEST_FIRST = ("test_run.py", "test_any_mesh.py", "test_readme.py", "test_train.py", "test_batches.py",
+                 "test_report.py", "test_rollout.py", "envs/test_countdown.py", "test_interrupt.py", "test_sharding.py",
+                 "test_bench_step.py", "models/test_gguf.py")
+
+
+def pytest_configure(config):
+    # Workers take files in collection order only if xdist keeps it: from 3.6 on it sends the files
+    # with the most tests first unless told not to, which started the long files, of few tests, last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -96,11 +103,12 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="session")
 def full_run(tmp_path_factory):
-    """``helpers.TINY``'s run (two steps, validation at 0 and 2, checkpoints, export), started once
-    for every test that only reads its folder; tests that change a run copy it first."""
-    from helpers import run
+    """``helpers.TINY``'s run (two steps, validation at 0 and 2, checkpoints, export) with
+    ``helpers.FULL_RUN``'s validation, started once for every test that only reads its folder; tests
+    that change a run copy it first."""
+    from helpers import FULL_RUN, run
 
     out = tmp_path_factory.mktemp("full")
-    proc = run(f"--config.trainer.output_dir={out}")
+    proc = run(*FULL_RUN, f"--config.trainer.output_dir={out}")
     (out / "stderr.txt").write_text(proc.stderr)  # what a log file of the run holds (test_run.py)
     return out

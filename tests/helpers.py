@@ -75,6 +75,12 @@ TINY = [
     "--config.trainer.log_trajectories=1",
 ]
 
+# The session's run of TINY (conftest.py's ``full_run``) validates greedily, two levels in two calls from
+# seed 200 (not the default 123), so that evaluating its folder plays its last validation again
+# (tests/test_run.py); flags after TINY's, which a test resuming that run passes too.
+FULL_RUN = ["--config.rollout.val_temperature=0.0", "--config.trainer.val_chunks=2", "--config.envs.val.seed=200"]
+
+
 def tiny_with(overrides: dict) -> list[str]:
     """``TINY`` with ``{"section.key": value}`` in place of its own values."""
     kept = [arg for arg in TINY if arg.split("=", 1)[0].removeprefix("--config.") not in overrides]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    FULL_RUN,
     REPO,
     TINY,
     assert_bandit_suite,
@@ -64,7 +65,7 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
     for name in ("report.html", "curves.png", "curves.json", "notes.txt"):
         (tmp_path / name).write_text("earlier")
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--max_steps=1", "--config.trainer.overwrite=True")
+    proc = run(*FULL_RUN, f"--config.trainer.output_dir={tmp_path}", "--max_steps=1", "--config.trainer.overwrite=True")
     assert not (tmp_path / "checkpoints" / "5").exists()
     assert not any((tmp_path / name).exists() for name in ("report.html", "curves.png", "curves.json"))
     assert (tmp_path / "notes.txt").exists()
@@ -75,7 +76,7 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
 
     with SummaryWriter(str(tmp_path / "tb")) as w:
         w.add_scalar("train/reward/mean", 123.0, 2)
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True",
+    proc = run(*FULL_RUN, f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True",
                env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"})
     # The validation rollout reads the restored state as the first process read the fresh one: the
     # program compiled then is found in the persistent cache (minutes of compiling at the paper's size).
@@ -109,8 +110,8 @@ def test_resume_with_another_config_names_the_settings_and_changes_nothing(full_
     shutil.copytree(full_run / "checkpoints", tmp_path / "checkpoints")
     shutil.copy(full_run / "config.json", tmp_path / "config.json")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", "--config.lora.rank=2",
-               check=False)
+    proc = run(*FULL_RUN, f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True",
+               "--config.lora.rank=2", check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: Checkpoint step 2 ") and "other arrays than this run builds" in error
@@ -126,7 +127,7 @@ def test_resume_from_a_truncated_checkpoint_is_one_line(full_run, tmp_path):
     for step in (tmp_path / "checkpoints").iterdir():  # every kept step truncated: nothing to fall back to
         data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    proc = run(f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", check=False)
+    proc = run(*FULL_RUN, f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", check=False)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.strip() and "%|" not in line]
     assert errors[-1].startswith("error: Checkpoint step 1 ") and "No intact checkpoint" in errors[-1]
@@ -260,19 +261,14 @@ def test_random_valid_baseline_plays_the_runs_levels_without_its_weights(full_ru
     assert short.returncode == 2 and "raise rollout.response_length" in short.stderr  # the run's 6 tokens
 
 
-def test_validation_and_evaluate_play_the_fixed_levels_alike(tmp_path, monkeypatch):
+def test_validation_and_evaluate_play_the_fixed_levels_alike(full_run, tmp_path, monkeypatch):
     """One evaluation on fixed levels (``diagnostics.fixed_levels``) for the run and the evaluate
     command: greedy, where the sampling keys do not matter, evaluating a run folder plays its last
     validation again, level by level, on the config's levels (from ``envs.val.seed``) and at its
-    temperature, both in two calls."""
+    temperature, both in two calls (``helpers.FULL_RUN``: the session's run validates so)."""
     from experiments import evaluate as evaluate_command
     from starpo_jax.diagnostics import dumps, fixed_levels
 
-    out = tmp_path / "run"
-    run(f"--config.trainer.output_dir={out}", "--config.trainer.total_steps=1", "--config.trainer.test_freq=1",
-        "--config.trainer.val_before_train=False", "--config.envs.val.n_groups=(4,)", "--config.trainer.val_chunks=2",
-        "--config.envs.val.seed=200", "--config.rollout.val_temperature=0.0", "--config.rollout.response_length=24",
-        "--config.trainer.export_hf=False", "--config.trainer.log_trajectories=0")
     played, tokenizers = [], []
     tag_levels, evaluate_levels = evaluate_command.tag_levels, fixed_levels.evaluate_levels
 
@@ -286,14 +282,16 @@ def test_validation_and_evaluate_play_the_fixed_levels_alike(tmp_path, monkeypat
 
     monkeypatch.setattr(evaluate_command, "tag_levels", recorded_levels)
     monkeypatch.setattr(fixed_levels, "evaluate_levels", recorded_results)
-    assert evaluate_command.main(["--model", str(out), "--suite", "frozen_lake", "--levels", "4", "--batch", "2"]) == 0
-    report = json.loads((out / "evaluate_frozen_lake_4levels.json").read_text())
+    out = tmp_path / "eval.json"  # not beside the model: the session's run folder is read, never changed
+    assert evaluate_command.main(["--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "1",
+                                  "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
     assert report["temperature"] == 0 and report["first_seed"] == 200
     # The same trajectories as the validation's dump: the levels' boards, the answers, the outcomes.
     [(plan, result)], [tokenizer] = played, tokenizers
     records = json.loads(json.dumps(dumps.trajectory_records(result.traj, plan, tokenizer, 200)))
-    assert records == [json.loads(line) for line in (out / "val" / "step_1.jsonl").read_text().splitlines()]
-    [val] = [r for r in read_metrics(out) if "val-env/FrozenLake/success" in r]
+    assert records == [json.loads(line) for line in (full_run / "val" / "step_2.jsonl").read_text().splitlines()]
+    [val] = [r for r in read_metrics(full_run) if "val-env/FrozenLake/success" in r and r["step"] == 2]
     scored = report["results"]["FrozenLake"]
     for field in ("success", "num_actions", "action_is_effective", "action_is_valid"):
         assert scored[field] == val[f"val-env/FrozenLake/{field}"], field
