@@ -212,24 +212,6 @@ def evaluated_here(capsys, *args) -> tuple[int | str | None, str, str]:
     return status, out, err
 
 
-def test_evaluate_a_run_folder(full_run, tmp_path):
-    out = tmp_path / "eval.json"
-    proc = evaluate("--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "2",
-                    "--no-think", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["enable_think"] is False
-    result = report["results"]["FrozenLake"]
-    assert set(report["results"]) == {"FrozenLake"} and result["levels"] == 2
-    assert "FrozenLake" in proc.stdout and "success %" in proc.stdout and "95 % interval" in proc.stdout
-    low, high = result["success_interval"]  # Wilson's for 0, 1 or 2 successes of 2
-    assert 0 <= low <= result["success"] <= high <= 1 and high - low > 0.5
-    # Where the results go is said once the inputs are checked, not before (an error says nothing else).
-    assert proc.stdout.index(f"results go to {out}") < proc.stdout.index("success %")
-    bad = evaluate("--model", str(full_run), "--suite", "chess", "--out", str(out))
-    assert bad.returncode == 2 and "results go to" not in bad.stdout
-
-
 def test_bench_peer_scores_a_folder_on_the_configs_validation_levels(full_run):
     """bench_peer's ``evaluate_folder``: the evaluate command's scorer (``evaluate_tags``) with the
     config's validation tags, levels and temperature, on an exported Hugging Face folder (this
@@ -324,10 +306,12 @@ def test_evaluate_writes_beside_the_model_and_says_when_it_replaces(tmp_path):
     assert out_note(out) == f"results go to {out} (replacing the earlier evaluation there)"
 
 
-def test_evaluate_errors(capsys, monkeypatch):
+def test_evaluate_errors(full_run, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)  # where the relative path below is looked up, as the command's own folder
-    status, _, stderr = evaluated_here(capsys, "--model", "smollm2-135m-instruct", "--suite", "chess")
-    assert status == 2 and "Unknown suite 'chess'" in stderr
+    status, stdout, stderr = evaluated_here(capsys, "--model", str(full_run), "--suite", "chess",
+                                            "--out", str(tmp_path / "eval.json"))
+    # Where the results go is said once the inputs are checked, not before (an error says nothing else).
+    assert status == 2 and "Unknown suite 'chess'" in stderr and "results go to" not in stdout
     status, _, stderr = evaluated_here(capsys, "--model", "/nonexistent/model.gguf", "--suite", "bandit")
     assert status == 2 and "/nonexistent/model.gguf" in stderr
     # a folder's path, not a hub id
@@ -341,6 +325,19 @@ def test_a_sweep_of_a_setting_that_changes_the_programs_is_refused():
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=command_env())
     assert bad.returncode == 2 and "cannot be swept" in bad.stderr
+
+
+def assert_evaluated(proc, out: Path) -> None:
+    """``experiments.evaluate --suite FrozenLake --levels 2 --no-think --out OUT``'s report and printout."""
+    report = json.loads(out.read_text())
+    assert report["enable_think"] is False
+    result = report["results"]["FrozenLake"]
+    assert set(report["results"]) == {"FrozenLake"} and result["levels"] == 2
+    assert "FrozenLake" in proc.stdout and "success %" in proc.stdout and "95 % interval" in proc.stdout
+    low, high = result["success_interval"]  # Wilson's for 0, 1 or 2 successes of 2
+    assert 0 <= low <= result["success"] <= high <= 1 and high - low > 0.5
+    # Where the results go is said once the inputs are checked, not before.
+    assert proc.stdout.index(f"results go to {out}") < proc.stdout.index("success %")
 
 
 # The LoRA run: two steps of the tiny run's envs in a context that holds two turns of FrozenLake
@@ -373,9 +370,12 @@ def test_lora_run_exports_adapters_evaluates_and_says_once_that_turns_were_cut(t
     assert f"rollout.max_model_len = {LORA_MAX_LEN}" in lines[0] and "raise rollout.max_model_len" in lines[0]
     cut = [r["train/context_exhausted"] for r in train]
     assert cut[0] > 0 and cut[1] > 0 and lines[0].startswith(f"warning @ step 1: {round(cut[0] * 6)} of 6 trajectories")
-    proc = evaluate("--model", str(out), "--suite", "FrozenLake", "--levels", "1", "--batch", "1",
-                    "--out", str(tmp_path / "eval.json"))
+    # Evaluating the run folder (its adapters merged into the base): the command's report and printout.
+    evaluated = tmp_path / "eval.json"
+    proc = evaluate("--model", str(out), "--suite", "FrozenLake", "--levels", "2", "--batch", "2", "--no-think",
+                    "--out", str(evaluated))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_evaluated(proc, evaluated)
     bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--config.lora.rank=2",
                           "--sweep", "actor.lr=0,1e-3"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -113,18 +113,24 @@ def test_cross_scores_equal_a_forward_pass_over_each_prompt_and_answer(model):
     """Answer r after prompt p, scored by one forward pass over the concatenated tokens."""
     traj = fake_batch(2)
     got = score(model, traj)
-    decoder = model.merge()
     tokens, start, end = (np.asarray(x) for x in (traj.tokens, traj.turn_start[:, 0], traj.turn_end[:, 0]))
-    for r in range(len(tokens)):
-        for p in range(GROUPS):
-            leader = p * GROUP_SIZE
-            sequence = np.concatenate([tokens[leader, : start[leader]], tokens[r, start[r] : end[r]]])[None]
-            logits = decoder(jnp.asarray(sequence), jnp.arange(sequence.shape[1])[None])
-            logp = jax.nn.log_softmax(logits[0, start[leader] - 1 : -1], axis=-1)
-            expected = float(jnp.take_along_axis(logp, jnp.asarray(sequence[0, start[leader] :])[:, None], 1).sum())
-            # float32 over a 2-layer model, summed over <= 6 tokens, by two differently compiled programs
-            assert float(got.per_sequence[r, p]) == pytest.approx(expected, rel=1e-4, abs=1e-4), (r, p)
-            assert float(got.per_token[r, p]) == pytest.approx(expected / (end[r] - start[r]), rel=1e-4, abs=1e-4)
+    pairs = [(r, p) for r in range(len(tokens)) for p in range(GROUPS)]
+    sequences = [np.concatenate([tokens[p * GROUP_SIZE, : start[p * GROUP_SIZE]], tokens[r, start[r] : end[r]]])
+                 for r, p in pairs]
+    # Every pair in one forward pass (one compile, not one per length): padding after a sequence
+    # changes none of its causal logits.
+    padded = np.zeros((len(pairs), max(map(len, sequences))), np.int32)
+    for i, sequence in enumerate(sequences):
+        padded[i, : len(sequence)] = sequence
+    positions = np.broadcast_to(np.arange(padded.shape[1]), padded.shape)
+    logp = np.asarray(jax.nn.log_softmax(model.merge()(jnp.asarray(padded), jnp.asarray(positions)), axis=-1))
+    for (r, p), sequence, row in zip(pairs, sequences, logp):
+        prompt = start[p * GROUP_SIZE]
+        # the answer's tokens, each predicted at the position before it
+        expected = float(row[np.arange(prompt - 1, len(sequence) - 1), sequence[prompt:]].sum())
+        # float32 over a 2-layer model, summed over <= 6 tokens, by two differently compiled programs
+        assert float(got.per_sequence[r, p]) == pytest.approx(expected, rel=1e-4, abs=1e-4), (r, p)
+        assert float(got.per_token[r, p]) == pytest.approx(expected / (end[r] - start[r]), rel=1e-4, abs=1e-4)
     np.testing.assert_array_equal(got.own, np.repeat(np.arange(GROUPS), GROUP_SIZE))
     np.testing.assert_array_equal(got.same_prompt, np.eye(GROUPS, dtype=bool))
 
