@@ -541,13 +541,13 @@ def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prom
             out = respond(model, jax.tree.map(take, cache), take(prompt_ids), jnp.where(live, take(num_new), 0), key,
                           temp, live, row_ids, B)
             put = functools.partial(_scatter_local_rows, local)
-            return DecodeOutput(
-                tokens=put(jnp.full((B,) + out.tokens.shape[1:], pad_id, out.tokens.dtype), out.tokens),
-                logprobs=put(jnp.zeros((B,) + out.logprobs.shape[1:], out.logprobs.dtype), out.logprobs),
-                lengths=put(jnp.zeros((B,), out.lengths.dtype), out.lengths),
-                cache=jax.tree.map(put, cache, out.cache),
-                last_logits=put(jnp.zeros((B,) + out.last_logits.shape[1:], out.last_logits.dtype), out.last_logits),
-            )
+
+            def spread(rows, fill=0):  # the gathered rows back in a batch of B, ``fill`` elsewhere
+                return put(jnp.full((B,) + rows.shape[1:], fill, rows.dtype), rows)
+
+            return DecodeOutput(tokens=spread(out.tokens, pad_id), logprobs=spread(out.logprobs),
+                                lengths=spread(out.lengths), cache=jax.tree.map(put, cache, out.cache),
+                                last_logits=spread(out.last_logits))
 
         return run
 
