@@ -42,6 +42,23 @@ def test_the_sides_alternate_and_the_ratio_is_other_over_this(tmp_path, monkeypa
     assert (tmp_path / "turn.json").exists()
 
 
+def test_a_policys_report_says_whether_the_trees_sampled_the_same_tokens(tmp_path, monkeypatch):
+    """``--policy``: the sides' token hashes decide ``same_tokens``; the workload names the run."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    for hashes, same in ((("a", "a"), True), (("a", "b"), False)):
+        def fake_side(args, tree, argv, hashes=hashes):
+            return {"tree": tree, "rollout_s": [2.0 if tree == "/elsewhere" else 1.0],
+                    "tokens_sha1": hashes[tree == "/elsewhere"]}
+
+        monkeypatch.setattr(turn, "run_side", fake_side)
+        monkeypatch.setattr(turn.os.path, "isdir", lambda path: True)
+        report = turn.main(["--tree", "/elsewhere", "--policy", str(tmp_path / "run"), "--rounds", "1",
+                            "--out", str(tmp_path / "turn.json")])
+        assert report["same_tokens"] is same and report["other_over_this"] == {"rollout_s": 2.0}
+        assert report["workload"]["policy"] == str(tmp_path / "run") and "rows" not in report["workload"]
+
+
 def test_bad_input_is_one_sentence_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         turn.main(["--held", "600", "--append", "90", "--new", "48"])
@@ -52,3 +69,9 @@ def test_bad_input_is_one_sentence_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         turn.main(["--tree", str(tmp_path)])
     assert "has no starpo_jax package" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        turn.main(["--policy", str(tmp_path)])
+    assert f"--policy {tmp_path} is not a run folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        turn.main(["--env", "FrozenLake"])
+    assert "give --policy too" in capsys.readouterr().err

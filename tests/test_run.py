@@ -280,6 +280,30 @@ def test_validation_and_evaluate_play_the_fixed_levels_alike(full_run, tmp_path,
     assert scored["reward"] == val["val-env/reward/mean"] and scored["response_length"] == val["val-env/response_length"]
 
 
+def test_bench_turn_times_the_validation_rollout_that_evaluate_plays(full_run, tmp_path):
+    """``experiments/bench/turn.py --policy``: one side plays the run's validation levels in one
+    batch from key 0, as the evaluate command does with ``--batch`` equal to ``--levels``: the same
+    program, so the same outcome exactly; every timed call samples the same tokens (the side checks)."""
+    import importlib.util
+
+    from experiments import evaluate as evaluate_command
+
+    spec = importlib.util.spec_from_file_location("bench_turn", REPO / "experiments" / "bench" / "turn.py")
+    assert spec is not None and spec.loader is not None
+    turn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(turn)
+    record = turn.main(["--policy", str(full_run), "--levels", "2", "--repeats", "2", "--side", str(REPO)])
+    out = tmp_path / "eval.json"
+    assert evaluate_command.main(["--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "2",
+                                  "--out", str(out)]) == 0
+    scored = json.loads(out.read_text())["results"]["FrozenLake"]
+    assert record["env"] == "FrozenLake" and record["success"] == scored["success"]
+    assert len(record["rollout_s"]) == 2 and min(record["rollout_s"]) > 0 and record["compile_s"] > 0
+    playing = record["rows_playing_per_turn"]
+    assert len(playing) == 2 and playing[0] == 2 and playing[1] <= playing[0]  # TINY's 2 turns, 2 levels
+    assert record["response_tokens"] == 2 * scored["response_length"]  # the mean over the 2 levels
+
+
 @pytest.mark.slow  # the real 135M model, ~35 s; tests/test_readme.py checks the Bandit suite's results on the quick start's folder, tests/envs/test_countdown.py evaluates the bundled model
 def test_evaluate_the_bundled_model_on_bandit(tmp_path):
     out = tmp_path / "eval.json"

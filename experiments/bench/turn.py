@@ -1,10 +1,12 @@
-"""One turn of a multi-turn rollout, an append then a decode, timed in this source tree and in
-another checkout (``--tree``), alternating (A B B A per round), each side in a process of its own:
-a before/after measurement of a change to the KV-cached path, side by side in one run.
+"""One turn of a multi-turn rollout, an append then a decode, or a trained policy's whole
+validation rollout (``--policy``), timed in this source tree and in another checkout (``--tree``),
+alternating (A B B A per round), each side in a process of its own: a before/after measurement of a
+change to the KV-cached path, side by side in one run.
 
     python experiments/bench/turn.py --tree ../old                 # FrozenLake's later turns, 2 rounds
     python experiments/bench/turn.py --tree ../old --quick         # tiny-llama, seconds: a smoke run
     python experiments/bench/turn.py --tree ../old --playing 24    # 24 of the 64 rows still playing
+    python experiments/bench/turn.py --tree ../old --policy runs/fl_gigpo_s0 --rounds 1   # a run's validation
 
 Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows
 that hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append`` tokens (the next
@@ -12,12 +14,25 @@ turn's prompt), then decode ``--new`` tokens (stop tokens off, temperature 1; ra
 of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
 the next. With ``--playing N`` only N of the rows play the turn (the others' episodes have ended)
 and the side times the rollout's own turn, ``LLMResponder.respond``, as one call: the append and
-the decode are not timed apart. Each side reports the median over ``--repeats`` warm calls of the append, the decode and
-their sum, and its compile times; the report gives every side's figures and the ratio of the
-medians (``--tree`` over this tree: > 1 means this tree is faster).
+the decode are not timed apart.
+
+With ``--policy RUN`` the workload is a trained run's: its latest checkpoint plays ``--levels`` fixed
+validation levels of its config's first validation env (or ``--env``) in one batch, by its
+config's rollout settings, as ``experiments.evaluate`` plays them (``evaluate_levels`` from key 0,
+so every call samples the same tokens). The episodes end when the policy's answers end them, so the
+later turns run on the rows still playing. Each side reports the calls' seconds, what the rollout
+did (rows playing each turn, success) and a hash of its sampled tokens: a change that should not
+alter the sampling shows the same hash on both sides.
+
+Each side reports the median over ``--repeats`` warm calls of what it times (the append, the decode
+and their sum; the turn alone with ``--playing``; the rollout with ``--policy``), and its compile
+times (with ``--policy``, the first call's seconds, compile included); the report gives every
+side's figures and the ratio of the medians (``--tree`` over this tree: > 1 means this tree is
+faster).
 
 Run it as a file, not a module, so that each side imports its own tree's packages (only their public
-API: ``models.preset``, ``Decoder``, ``ModelState``, ``sampling.init_cache``, ``append``, ``decode``).
+API: ``models.preset``, ``Decoder``, ``ModelState``, ``sampling.init_cache``, ``append``, ``decode``;
+``LLMResponder`` with ``--playing``; ``experiments.evaluate`` and ``fixed_levels`` with ``--policy``).
 """
 
 from __future__ import annotations
@@ -45,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--append", type=int, default=90, help="tokens each row appends (the turn's prompt)")
     p.add_argument("--new", type=int, default=48, help="tokens each row decodes")
     p.add_argument("--playing", type=int, help="rows that play the turn (default: all): times LLMResponder.respond")
+    p.add_argument("--policy", help="a run folder: time its policy's whole validation rollout instead of one turn")
+    p.add_argument("--env", help="with --policy: the env whose levels it plays (default: the run's first validation env)")
+    p.add_argument("--levels", type=int, default=64, help="with --policy: validation levels, played in one batch")
     p.add_argument("--repeats", type=int, default=3, help="warm calls timed per side and process (median)")
     p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs both sides twice)")
     p.add_argument("--quick", action="store_true", help="tiny-llama, one round, one repeat: a smoke run")
@@ -59,6 +77,11 @@ def parse_args(argv=None):
                 f"a cache of {args.cache} slots")
     if args.playing is not None and not 0 < args.playing <= args.rows:
         p.error(f"--playing {args.playing} must be between 1 and --rows {args.rows}")
+    if args.policy is not None and not (os.path.isfile(os.path.join(args.policy, "config.json"))
+                                        and os.path.isdir(os.path.join(args.policy, "checkpoints"))):
+        p.error(f"--policy {args.policy} is not a run folder (it needs config.json and checkpoints/)")
+    if args.policy is None and args.env is not None:
+        p.error("--env chooses the levels of --policy's validation rollout: give --policy too")
     if not os.path.isdir(os.path.join(args.tree, "starpo_jax")):
         p.error(f"--tree {args.tree} has no starpo_jax package: give the root of a starpo-jax checkout")
     return args
@@ -76,6 +99,8 @@ def time_side(args) -> dict:
     from starpo_jax.models import Decoder, ModelState, preset
     from starpo_jax.rollout import sampling
 
+    if args.policy is not None:
+        return time_validation(args)
     config = preset(args.model)
     model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
@@ -147,6 +172,45 @@ def time_responder(args, model, held_cache, tokens) -> dict:
     return {"tree": args.side, "turn_s": turn_s, "compile_s": compile_s}
 
 
+def time_validation(args) -> dict:
+    """``--policy``: the run's latest checkpoint on ``args.levels`` validation levels, one batch,
+    sampled from key 0 on every call (``experiments.evaluate``'s rollout of one env)."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    from experiments import evaluate
+    from starpo_jax.diagnostics import fixed_levels
+    from starpo_jax.rollout.sampling import sampling_policy
+    from starpo_jax.runtime import sharding
+
+    eval_args = evaluate.parse_args(["--model", args.policy, "--levels", str(args.levels), "--batch", str(args.levels)])
+    config = evaluate.evaluated_config(eval_args)
+    env = args.env or tuple(config.envs.val.tags)[0]
+    mesh = evaluate.check_evaluation(config, (env,), args.levels)
+    model, tokenizer = evaluate.load_evaluated_policy(config, args.policy)
+    with sharding.use_mesh(mesh):
+        policy = sharding.shard(sampling_policy(model.graphdef, model.params), mesh)
+        levels = evaluate.tag_levels(config, env, args.levels, args.levels, tokenizer, policy.merge().config.vocab_size,
+                                     int(config.envs.val.seed), False)
+
+        def play():
+            return fixed_levels.evaluate_levels(levels, policy, jax.random.PRNGKey(0),
+                                                float(config.rollout.val_temperature), "val")
+
+        first = play()
+        calls = [play() for _ in range(args.repeats)]
+    traj = jax.device_get(calls[0].traj)
+    tokens = np.asarray(traj.tokens)
+    assert all(np.array_equal(np.asarray(call.traj.tokens), tokens) for call in calls[1:])  # same key, same tokens
+    return {"tree": args.side, "rollout_s": [call.seconds for call in calls], "compile_s": first.seconds,
+            "env": env, "success": calls[0].metrics[f"val/{env}/success"],
+            "rows_playing_per_turn": np.asarray(traj.turn_played).sum(0).tolist(),
+            "response_tokens": int(np.asarray(traj.response_tokens).sum()),
+            "tokens_sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
+
+
 def run_side(args, tree: str, argv: list[str]) -> dict:
     """One side, timed in a fresh process (its own imports, its own compile caches)."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--side", tree],
@@ -173,24 +237,28 @@ def main(argv=None) -> dict:
             f"{part[:-2]} {statistics.median(record[part]):.2f} s" for part in parts(record)), flush=True)
     medians = {side: {part: statistics.median(t for r in records for t in r[part])
                       for part in parts(records[0])} for side, records in runs.items()}
-    report = {
+    workload = (("policy", "env", "levels", "repeats", "rounds") if args.policy else
+                ("model", "rows", "playing", "cache", "held", "append", "new", "repeats", "rounds"))
+    report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": {k: getattr(args, k)
-                     for k in ("model", "rows", "playing", "cache", "held", "append", "new", "repeats", "rounds")},
+        "workload": {k: getattr(args, k) for k in workload},
         "machine": {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "note": args.note},
         "trees": sides, "order": order, "runs": runs, "medians": medians,
         "other_over_this": {part: medians["other"][part] / medians["this"][part] for part in medians["this"]},
     }
+    if args.policy:  # did both trees sample the same tokens?
+        report["same_tokens"] = len({r["tokens_sha1"] for records in runs.values() for r in records}) == 1
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(json.dumps({"medians": medians, "other_over_this": report["other_over_this"]}, indent=1))
+    print(json.dumps({key: report[key] for key in ("medians", "other_over_this", "same_tokens") if key in report},
+                     indent=1))
     return report
 
 
 def parts(record: dict) -> list[str]:
-    """The timed parts of a side's record: append, decode and the turn, or the turn alone."""
-    return [part for part in ("append_s", "decode_s", "turn_s") if part in record]
+    """The timed parts of a side's record: append, decode and the turn, the turn alone, or the rollout."""
+    return [part for part in ("append_s", "decode_s", "turn_s", "rollout_s") if part in record]
 
 
 if __name__ == "__main__":
