@@ -8,9 +8,24 @@ import re
 import sys
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from experiments.bootstrap import HELP_FLAGS, join_processes
 from starpo_jax.runtime import distributed
+
+# What reading a config file and its overrides raises for bad input (ml_collections and absl).
+CONFIG_ERRORS = (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError)
+
+
+def define_config_flag(default: str = "configs/quickstart.py"):
+    """The command's ``--config`` flag, ``default`` when the command line names no config file.
+    ml_collections reads that default, with the command line's overrides, as the flag is defined,
+    at import: a misspelt override is then one line and exit status 2 here, not a traceback."""
+    try:
+        return config_flags.DEFINE_config_file("config", default, "Config file (configs/*.py[:preset]).")
+    except CONFIG_ERRORS as err:
+        print(f"error: {flag_error_message(err, sys.argv)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -23,7 +38,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         if "config" in flags.FLAGS:
             flags.FLAGS.config.keys()  # a config file that failed to load raises only when read
         return rest
-    except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as err:
+    except CONFIG_ERRORS as err:
         print(f"error: {flag_error_message(err, argv)}", file=sys.stderr)
         sys.exit(2)
 

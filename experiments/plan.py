@@ -31,12 +31,12 @@ import sys
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from experiments import cli
 from starpo_jax.runtime.experiment import ConfigError, build_experiment
 from starpo_jax.runtime.planning import PlanError, abstract_policy, parse_bytes, plan_memory
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
+_CONFIG = cli.define_config_flag()
 flags.DEFINE_integer("devices", 1, "Number of devices to plan for (simulated CPU devices).")
 _DEVICE_MEMORY = flags.DEFINE_string("device-memory", "80GiB", "Memory of one device, e.g. 80GiB, 24GB, 16e9.")
 FLAGS = flags.FLAGS
@@ -70,7 +70,4 @@ def main(argv) -> int:
 
 
 def run() -> None:
-    if {"-h", "--help"} & set(sys.argv[1:]):  # absl exits 1 after help; asking for help is no error
-        FLAGS(sys.argv[:1])
-        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=cli.parse_flags)  # --help exits 0; errors in one line

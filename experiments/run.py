@@ -41,7 +41,6 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
-from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import cli
@@ -62,7 +61,7 @@ from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_c
 from starpo_jax.runtime.planning import PlanError, check_fits, device_budget, device_peak
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
+_CONFIG = cli.define_config_flag()
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps this invocation (for smoke runs).")
 FLAGS = flags.FLAGS
 

@@ -37,7 +37,6 @@ from typing import Any, Callable, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 from absl import flags, logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import cli
@@ -50,7 +49,7 @@ from starpo_jax.runtime.planning import PlanError, check_fits, free_bytes_per_de
 from starpo_jax.runtime.settings import BY_KEY, LORA_LEARNING_RATES, SWEEPABLE  # config key -> Hyperparams field
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, replicate
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file (configs/*.py[:preset]).")
+_CONFIG = cli.define_config_flag()
 flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeatable); keys (default): " + ", ".join(
     f"{key} ({BY_KEY[key].default:g})" for key in SWEEPABLE))
 FLAGS = flags.FLAGS

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from experiments.bench import ceilings
 from helpers import REPO, command_env
 
@@ -37,3 +39,17 @@ def test_bad_input_is_one_line():
                           capture_output=True, text=True, timeout=120, env=command_env())
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         "--repeats must be a positive whole number, not 0")
+
+
+def test_a_bad_config_is_one_line_before_the_ceilings_are_measured(monkeypatch, capsys):
+    """A misspelt override of a ``--config`` is found before minutes of measuring; an override with
+    no ``--config`` to apply to is refused, not ignored."""
+    monkeypatch.setattr(ceilings, "matmul_ceiling", lambda *a: pytest.fail("measured before checking the config"))
+    with pytest.raises(SystemExit) as exit_:
+        ceilings.main(["--config", "configs/learn_bandit.py", "--config.rollout.max_trun=1"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip() == (
+        "error: --config.rollout.max_trun: config key 'max_trun' does not exist (see configs/base.py). "
+        'Did you mean "max_turn" instead of "max_trun"?')
+    with pytest.raises(SystemExit):
+        ceilings.main(["--config.rollout.max_turn=1"])
+    assert "--config.rollout.max_turn=1 overrides a config: give the --config it applies to" in capsys.readouterr().err

@@ -69,6 +69,13 @@ def test_the_starpo_side_starts_from_the_repository():
     assert (bench_peer.ROOT / "experiments" / "run.py").is_file()
 
 
+def test_a_misspelt_override_is_a_config_error_naming_it():
+    from starpo_jax.runtime.experiment import ConfigError
+
+    with pytest.raises(ConfigError, match="--config.actor.lrr: config key 'lrr' does not exist"):
+        load_config(QUICKSTART, ["--config.actor.lrr=1e-5"])
+
+
 def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
     config = load_config(QUICKSTART, ["--config.filter.ratio=0.5"])
     args = bench_peer.parse_args(["--steps", "7", "--points", "3"])

@@ -125,6 +125,11 @@ def test_cli_help_and_bad_input():
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --device-memory 'lots' is not a size; write e.g. 80GiB, 24GB or 16e9."
     ]
+    # No --config: ml_collections reads the default config with the overrides as the flag is defined.
+    proc = subprocess.run(cmd + ["--config.rollout.max_trun=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --config.rollout.max_trun: config key 'max_trun' does not exist (see configs/base.py). "
+        'Did you mean "max_turn" instead of "max_trun"?']
 
 
 def test_a_config_error_is_the_only_line_on_stderr():

@@ -153,7 +153,8 @@ def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     no_model = ["--config.model.source=/no/model.gguf", f"--config.trainer.output_dir={out}"]
     line = one_line_error(run(*no_model, "--config.rollout.max_trun=3", check=False))
     assert "rollout.max_trun" in line and 'Did you mean "max_turn"' in line
-    line = one_line_error(run(*no_model, "--config.foo.bar=1", check=False))
+    # Without --config the default config is read, with the overrides, as the flag is defined (at import).
+    line = one_line_error(run(*no_model, "--config.foo.bar=1", check=False, tiny=False))
     assert "config.foo.bar" in line and "'foo' does not exist" in line
     line = one_line_error(run(*no_model, "--config.envs.train.tags=('Sokobon',)", "--config.envs.train.n_groups=(2,)",
                               check=False))

@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from experiments.bench.common import (
     build_or_exit,
+    checked_or_exit,
     machine,
     markdown_table,
     parse_with_overrides,
@@ -80,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else ran)")
     p.add_argument("--out", default="bench_results/bench_ceilings.json")
     args = parse_with_overrides(p, argv)
+    if args.overrides and not args.config:
+        p.error(f"{args.overrides[0]} overrides a config: give the --config it applies to")
     defaults = {"size": 256, "copy_mib": 16, "repeats": 2} if args.quick else {"size": 2048, "copy_mib": 512, "repeats": 5}
     for name, default in defaults.items():
         if getattr(args, name) is None:
@@ -335,6 +338,8 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    for path in args.config:  # a bad config is found before the ceilings' minutes of work
+        checked_or_exit(path, args.overrides)
     report: dict[str, Any] = {"machine": machine(args.note), "matmul": matmul_ceiling(args.size, args.repeats),
               "copy": copy_ceiling(args.copy_mib, args.repeats)}
     report["machine_balance_flop_per_byte"] = report["matmul"]["gflop_per_s"] / report["copy"]["gb_per_s"]

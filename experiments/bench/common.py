@@ -16,6 +16,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments.bench.charts import write_chart
+from experiments.cli import CONFIG_ERRORS, flag_error_message, last_overrides_only
 from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
 
 # Peak memory bandwidth of known accelerators (vendor figures), bytes/s. Order matters: "H100 PCIe"
@@ -82,8 +83,11 @@ def load_config(path: str, overrides: list[str]):
     argv = ["bench", f"--config={path}", *overrides]
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)
-    values(argv)
-    return values.config
+    try:
+        values(last_overrides_only(argv))
+        return values.config
+    except CONFIG_ERRORS as err:
+        raise ConfigError(flag_error_message(err, argv)) from None
 
 
 def parse_with_overrides(parser, argv=None):
@@ -97,11 +101,22 @@ def parse_with_overrides(parser, argv=None):
     return args
 
 
-def build_or_exit(path: str, overrides: list[str]):
-    """The experiment of a config file plus overrides, its model loaded; a bad config is one line
-    on stderr and exit status 2."""
+def checked_or_exit(path: str, overrides: list[str]):
+    """The checked config of a file plus overrides (no model loaded: a check to make before slow
+    work); a bad config is one line on stderr and exit status 2."""
     try:
-        return build_experiment(check_config(load_config(path, overrides)))
+        return check_config(load_config(path, overrides))
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_or_exit(path: str, overrides: list[str]):
+    """The experiment of a config file plus overrides, its model loaded; a bad config or model is
+    one line on stderr and exit status 2."""
+    checked = checked_or_exit(path, overrides)
+    try:
+        return build_experiment(checked)
     except (ConfigError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
