@@ -16,7 +16,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 import envs_jax
-from starpo_jax.runtime.settings import SECTIONS, config_section
+from starpo_jax.runtime.settings import SECTIONS, ConfigError, config_section
 
 # The tags whose action budget the config lists (RAGEN's envs.yaml tags of the paper's envs).
 BUDGET_TAGS = ("SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "FrozenLake", "Bandit", "BanditTest")
@@ -53,7 +53,13 @@ def saved_config(path: str | Path) -> ConfigDict:
         return {**default, **{key: merged(default[key], value) if isinstance(value, dict)
                               and isinstance(default.get(key), dict) else value for key, value in saved.items()}}
 
-    return ConfigDict(merged(get_config().to_dict(), json.loads(Path(path).read_text())))
+    try:
+        saved = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not a run's config: it is not valid JSON ({err}).") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path} is not a run's config: it holds no JSON object.")
+    return ConfigDict(merged(get_config().to_dict(), saved))
 
 
 def get_config() -> ConfigDict:

@@ -156,6 +156,9 @@ def check_evaluation(config, tags, batch: int):
 def load_evaluated_policy(config, source: str, trained: bool = True):
     """``(model, tokenizer)``: a run folder's trained policy (its latest checkpoint; not read unless
     ``trained``), else the model ``config`` names."""
+    if trained and is_run_folder(source) and not checkpoint.saved_steps(Path(source) / "checkpoints"):
+        raise CheckpointError(f"{Path(source) / 'checkpoints'} holds no saved step: the run has no trained policy "
+                              "to evaluate yet.")  # found before the model loads
     model, tokenizer = load_policy(config)
     if trained and is_run_folder(source):
         run_dir = Path(source)
@@ -175,6 +178,9 @@ def evaluate(args, checked=lambda: None) -> dict:
     """The report of ``args``' evaluation; ``checked()`` is called once the inputs are checked and
     the policy loaded, before the rollouts."""
     tags = suite_tags(args.suite)
+    for flag, value in (("--levels", args.levels), ("--batch", args.batch)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, not {value}.")
     batch = min(args.batch, args.levels)
     if args.levels % batch:
         raise ConfigError(f"--levels ({args.levels}) must be a multiple of --batch ({batch}).")

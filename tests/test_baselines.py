@@ -47,6 +47,13 @@ def test_bad_input_is_one_line(config, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_a_damaged_run_config_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"envs": ')
+    assert baselines.main(["--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path / 'config.json'} is not a run's config" in err and len(err.splitlines()) == 1
+
+
 def test_help_exits_0(capsys):
     with pytest.raises(SystemExit) as exit_:
         baselines.parse_args(["--help"])

@@ -344,6 +344,25 @@ def test_evaluate_errors(full_run, tmp_path, capsys, monkeypatch):
     assert status == 2 and "No checkpoint folder or GGUF file exists at tests/nonexistent" in stderr
 
 
+def test_evaluate_refuses_bad_input_before_the_model_loads(tmp_path, capsys):
+    """Counts below 1, a run folder without a saved step or with a damaged config.json: one line,
+    status 2, before the model (here one that does not exist) is looked for."""
+    from configs import base
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    config = base.with_overrides(base.get_config(), {"model.source": str(tmp_path / "no-model")})
+    (run_dir / "config.json").write_text(config.to_json())
+    for args, message in ((["--levels", "0"], "--levels must be at least 1, not 0."),
+                          (["--batch", "0"], "--batch must be at least 1, not 0."),
+                          ([], f"{run_dir / 'checkpoints'} holds no saved step")):
+        status, _, stderr = evaluated_here(capsys, "--model", str(run_dir), "--suite", "bandit", *args)
+        assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    (run_dir / "config.json").write_text('{"model": ')
+    status, _, stderr = evaluated_here(capsys, "--model", str(run_dir), "--suite", "bandit")
+    assert status == 2 and f"{run_dir / 'config.json'} is not a run's config: it is not valid JSON" in stderr
+
+
 def test_a_sweep_of_a_setting_that_changes_the_programs_is_refused():
     """(The README's sweep command is run and its grid checked in tests/test_readme.py.)"""
     bad = subprocess.run([sys.executable, "-m", "experiments.sweep", *TINY, "--sweep", "rollout.max_turn=1,2"],
