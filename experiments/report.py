@@ -401,12 +401,17 @@ def make_server(run_dirs: list[Path], out: Path, port: int, interval: float, max
         def log_message(self, *args):  # one line per poll would drown the terminal
             pass
 
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)  # a taken port fails before the build
     refresh()
-    return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    return server
 
 
-def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None) -> None:
-    server = make_server(run_dirs, out, port, interval, max_levels)
+def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_levels: int | None) -> int:
+    try:
+        server = make_server(run_dirs, out, port, interval, max_levels)
+    except OSError as err:  # the port is taken, or not this user's to open
+        print(f"error: --port {port} cannot be opened: {err.strerror or err}.", file=sys.stderr)
+        return 2
     print(f"serving {out} at http://127.0.0.1:{server.server_address[1]}/ (refreshes every {interval:g} s "
           "while the run writes; Ctrl-C stops)", flush=True)
     try:
@@ -415,6 +420,7 @@ def serve(run_dirs: list[Path], out: Path, port: int, interval: float, max_level
         pass
     finally:
         server.server_close()
+    return 0
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -441,6 +447,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"not a run folder: {', '.join(missing)}")
     if args.max_levels is not None and args.max_levels < 1:
         parser.error("--max-levels must be at least 1")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, not {args.port}")
+    if not args.interval > 0:
+        parser.error(f"--interval must be positive, not {args.interval:g}")
     if args.out is None:
         args.out = args.run_dirs[0] / "report.html" if len(args.run_dirs) == 1 else Path("report.html")
     return args
@@ -449,8 +459,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve:
-        serve(args.run_dirs, args.out, args.port, args.interval, args.max_levels)
-        return 0
+        return serve(args.run_dirs, args.out, args.port, args.interval, args.max_levels)
     data = build_data(args.run_dirs, args.max_levels)
     for run in data["runs"]:  # what the page's notes say, on the terminal too
         for note in run["notes"]:

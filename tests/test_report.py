@@ -4,6 +4,7 @@
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -238,6 +239,27 @@ def test_cli_errors_and_help(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiments.report", str(tmp_path / "nope")],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "not a run folder" in proc.stderr and "nope" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "-5"], "--port must be in 0..65535, not -5"),
+    (["--interval", "0"], "--interval must be positive, not 0"),
+])
+def test_bad_serve_flags_are_one_line(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(tmp_path), "--serve", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_taken_port_is_one_line(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert report.main([str(tmp_path), "--serve", "--port", str(port), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --port {port} cannot be opened") and len(err.splitlines()) == 1
 
 
 def test_serve_refreshes_the_page_while_the_run_writes(tiny_run, browser, tmp_path):
