@@ -67,6 +67,11 @@ def parse_sweeps(specs: list[str]) -> dict[str, list[float]]:
             raise ValueError(f"--sweep {spec!r}: values must be numbers separated by commas.") from err
         if not sweeps[key]:
             raise ValueError(f"--sweep {spec!r} gives no values.")
+        try:  # each value as the config would check it, not only the one set there
+            for value in sweeps[key]:
+                BY_KEY[key].check(BY_KEY[key].cast(value))
+        except ValueError as err:
+            raise ValueError(f"--sweep {spec!r}: {err}") from None
     if not sweeps:
         raise ValueError("Give at least one --sweep KEY=V1,V2.")
     return sweeps

@@ -49,6 +49,16 @@ def test_every_setting_at_once_where_free_memory_is_unknown():
     assert size == 4 and sizes == [4]
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("actor.lr=-1e-6,1e-6", "--sweep 'actor.lr=-1e-6,1e-6': actor.lr must be >= 0, not -1e-06."),
+    ("filter.ratio=0,1", "--sweep 'filter.ratio=0,1': filter.ratio must be in (0, 1], not 0.0."),
+])
+def test_every_swept_value_is_checked_as_the_config_checks_it(spec, message):
+    with pytest.raises(ValueError) as err:
+        sweep.parse_sweeps([spec])
+    assert str(err.value) == message
+
+
 def test_an_earlier_sweep_log_is_kept_unless_overwrite(tmp_path):
     from starpo_jax.runtime.experiment import ConfigError
 

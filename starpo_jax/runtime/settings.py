@@ -49,6 +49,7 @@ class ConfigError(ValueError):
 # Rules beyond the type and the choices: (is valid, what the value must be).
 Rule = tuple[Callable[[Any], bool], str]
 POSITIVE: Rule = (lambda v: v > 0, "must be positive")
+NON_NEGATIVE: Rule = (lambda v: v >= 0, "must be >= 0")
 FRACTION: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
 LORA_RANK: Rule = (lambda v: isinstance(v, int) and v >= 0, "must be a whole number >= 0 (0 = full fine-tuning)")
 
@@ -151,7 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("algorithm.kl_in_reward_coef", 0.0, "Hyperparams.kl_in_reward_coef"),
     S("algorithm.kl_penalty", "kl", "TrainSettings.kl_penalty", losses.KL_KINDS),
     # actor (with LoRA its learning rate is lora.actor_lr)
-    S("actor.lr", 1e-6, "Hyperparams.actor_lr"),
+    S("actor.lr", 1e-6, "Hyperparams.actor_lr", rule=NON_NEGATIVE),
     S("actor.weight_decay", 0.01, "TrainSettings.actor_weight_decay"),
     S("actor.betas", (0.9, 0.999), "TrainSettings.actor_betas"),
     S("actor.grad_clip", 1.0, "TrainSettings.actor_grad_clip"),
@@ -172,7 +173,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("actor.format_warmup_steps", 0, "run.format_warmup_steps", rule=(lambda v: v >= 0, "must be >= 0 (0: none)")),
     S("actor.format_warmup_lr", 1e-5, "run.format_warmup_lr", rule=POSITIVE),
     # critic (with LoRA its learning rate is lora.critic_lr)
-    S("critic.lr", 1e-5, "Hyperparams.critic_lr"),
+    S("critic.lr", 1e-5, "Hyperparams.critic_lr", rule=NON_NEGATIVE),
     S("critic.weight_decay", 0.01, "TrainSettings.critic_weight_decay"),
     S("critic.betas", (0.9, 0.999), "TrainSettings.critic_betas"),
     S("critic.grad_clip", 1.0, "TrainSettings.critic_grad_clip"),
@@ -182,8 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
     # learning rates are lora.actor_lr / lora.critic_lr instead of actor.lr / critic.lr
     S("lora.rank", 0, "TrainSettings.lora_rank", rule=LORA_RANK),
     S("lora.alpha", 64, "TrainSettings.lora_alpha", cast_to=float),
-    S("lora.actor_lr", 1e-5, "Hyperparams.actor_lr"),
-    S("lora.critic_lr", 1e-4, "Hyperparams.critic_lr"),
+    S("lora.actor_lr", 1e-5, "Hyperparams.actor_lr", rule=NON_NEGATIVE),
+    S("lora.critic_lr", 1e-4, "Hyperparams.critic_lr", rule=NON_NEGATIVE),
     # Devices: a data × fsdp × model mesh (starpo_jax/runtime/sharding.py); one size may be -1 (the devices
     # the others leave). data splits rows; fsdp splits rows and stores weights, critic, reference and
     # Adam moments 1/fsdp per device; model splits attention heads, MLP and vocabulary. Checked
