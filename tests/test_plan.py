@@ -114,8 +114,9 @@ def test_parse_bytes():
     assert planner.parse_bytes("80GiB") == 80 * 2**30
     assert planner.parse_bytes("24GB") == 24 * 10**9
     assert planner.parse_bytes("16e9") == 16 * 10**9
-    with pytest.raises(planner.PlanError, match="is not a size"):
-        planner.parse_bytes("lots")
+    for text in ("lots", "0", "0GiB", "1.2.3GiB"):  # none of these is a memory to plan for
+        with pytest.raises(planner.PlanError, match="is not a size"):
+            planner.parse_bytes(text)
 
 
 def test_cli_help_and_bad_input():

@@ -53,10 +53,12 @@ class PlanError(ValueError):
 
 def parse_bytes(text: str) -> int:
     """``"80GiB"`` -> 85899345920; also GB (10^9), MiB, plain numbers (bytes)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    size = int(float(match.group(1)) * unit) if match and unit else 0
+    if size < 1:  # not a size, or none: nothing would fit
         raise PlanError(f"--device-memory {text!r} is not a size; write e.g. 80GiB, 24GB or 16e9.")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return size
 
 
 def gib(n: int) -> str:
