@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from experiments.bench import template_collapse
 from helpers import TINY_MODEL_FLAGS
 
@@ -19,3 +21,11 @@ def test_bench_template_collapse_times_the_figures_of_a_rollout(tmp_path):
     figures = report["figures"]
     assert set(figures) == {f"train/FrozenLake/{k}" for k in ("mi", "mi_seq", "retrieval_acc", "retrieval_chance")}
     assert abs(figures["train/FrozenLake/mi"]) <= math.log(3) + 1e-6
+
+
+def test_a_missing_config_file_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        template_collapse.main(["--config", "configs/missing.py"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("error: --config: ") and "configs/missing.py" in err
+    assert len(err.splitlines()) == 1, err

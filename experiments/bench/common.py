@@ -85,6 +85,7 @@ def load_config(path: str, overrides: list[str]):
     config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)
     try:
         values(last_overrides_only(argv))
+        values.config.keys()  # a config file that failed to load raises only when read
         return values.config
     except CONFIG_ERRORS as err:
         raise ConfigError(flag_error_message(err, argv)) from None
