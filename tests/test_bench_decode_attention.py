@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from experiments.bench import decode_attention
 
 
@@ -32,3 +34,12 @@ def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
     assert charts.kind_of(report) == "decode_attention" and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     bars = charts.draw_decode_attention(report).axes[0].patches
     assert [b.get_height() for b in bars] == [row["median_s"]["queries-first"], row["median_s"]["keys-first"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--repeats 0", "--repeats must be a positive whole number, not 0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        decode_attention.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

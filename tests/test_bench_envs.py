@@ -163,3 +163,12 @@ def test_cpu_devices_split_the_batch(tmp_path):
             assert r["active_share"] == 1
         else:  # one fresh level per device and step at these tiny batches
             assert r["reset_capacity"] == 1 and 0 < r["active_share"] <= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--seconds -1", "--seconds must be positive, not -1.0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_envs.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

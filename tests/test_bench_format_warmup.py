@@ -1,5 +1,7 @@
 """bench.format_warmup on a tiny random model: valid-answer counts before and after, consistent."""
 
+import pytest
+
 from experiments.bench import format_warmup
 from helpers import TINY_MODEL_FLAGS
 
@@ -20,3 +22,12 @@ def test_bench_format_warmup_reports_valid_answers_before_and_after(tmp_path):
         assert 0 <= counts["first_turn_valid"] <= counts["first_turns"] <= counts["turns"] <= 2 * counts["first_turns"]
         low, high = counts["first_turn_interval"]
         assert low <= counts["first_turn_rate"] <= high
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--lr 0", "--lr must be positive, not 0.0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        format_warmup.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -40,3 +40,15 @@ def test_cache_size_compares_windowed_and_whole_cache_decoding(tmp_path):
     (row,) = report["results"]
     assert report["workload"]["cache_size"] == 1024 and "transformers" not in row
     assert row["jax_whole_cache"]["tokens_per_s"] > 0 and "window_speedup" in row  # the whole cache ran too
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--models nosuch", "unknown model 'nosuch' in --models"),
+    ("--batch-sizes 1,0", "--batch-sizes takes positive whole numbers separated by commas, not '1,0'"),
+    ("--quick --cache-size 1", "--cache-size 1 holds fewer than --prompt-len + --new-tokens (16) slots"),
+    ("--hf-repeats 0", "--hf-repeats must be a positive whole number, not 0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_generate.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -36,3 +36,12 @@ def test_best_answers_open_a_shortest_solution():
 def test_one_frozen_lake_or_sokoban_tag_only():
     with pytest.raises(SystemExit, match="one FrozenLake or Sokoban env tag; this config trains on Bandit"):
         imitation.main(["--steps", "1", *TINY_MODEL_FLAGS, "--config.envs.train.tags=('Bandit',)"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--lr -1", "--lr must be positive, not -1.0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        imitation.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -113,3 +113,13 @@ def test_unknown_model_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         bench_rollout.parse_args(["--models", "gpt-9"])
     assert "unknown model 'gpt-9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--env NoSuchEnv", "unknown env 'NoSuchEnv' in --env"),
+    ("--groups 0", "--groups must be a positive whole number, not 0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_rollout.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -250,3 +250,14 @@ def test_gpu_window_runs_the_papers_command_and_its_resume(tmp_path):
         assert "resume (1 step, validation, export): rc=0" in read(tar, "paper_resume/log").decode()
         rows = [json.loads(line) for line in read(tar, "paper_resume/metrics.jsonl").splitlines()]
     assert [r["step"] for r in rows if "timing_s/step" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--tiny --model /nonexistent", "--tiny times a tiny random model"),
+    ("--hf-repeats 0", "--hf-repeats must be a positive whole number, not 0"),
+    ("--bandwidth -1", "--bandwidth must be positive, not -1.0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_step.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -24,3 +24,13 @@ def test_quick_benchmark_compares_full_and_lora(tmp_path):
     layout = report["results"]["layout"]
     assert layout["layout"]["prefix"] > 0 and layout["layout"]["width"] < 320
     assert layout["state_bytes"] == full["state_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--model nosuch", "unknown model 'nosuch' in --model"),
+    ("--groups 0", "--groups must be a positive whole number, not 0"),
+])
+def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_train.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

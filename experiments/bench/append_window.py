@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.bench.common import require_positive, require_presets
 from experiments.bench.generation_timing import median_time
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import sampling
@@ -33,7 +34,12 @@ def parse_args(argv=None):
     p.add_argument("--held", type=int, default=1200, help="tokens each row holds before the later turn")
     p.add_argument("--turn", type=int, default=64, help="later turn's tokens")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per setting (median)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    require_presets(p, [args.model])
+    require_positive(p, args, "batch", "cache", "prompt", "held", "turn", "repeats")
+    if max(args.prompt, args.held + args.turn) > args.cache:
+        p.error(f"--prompt {args.prompt}, or --held {args.held} + --turn {args.turn}, does not fit --cache {args.cache}")
+    return args
 
 
 def main(argv=None) -> list[dict]:

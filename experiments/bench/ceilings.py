@@ -57,6 +57,7 @@ from experiments.bench.common import (
     machine,
     markdown_table,
     parse_with_overrides,
+    require_positive,
     write_markdown,
     write_report,
 )
@@ -87,9 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, default in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    for name in ("size", "copy_mib", "repeats", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be a positive whole number, not {getattr(args, name)}")
+    require_positive(p, args, "size", "copy_mib", "repeats", "steps")
     return args
 
 

@@ -17,6 +17,7 @@ from ml_collections import config_flags
 
 from experiments.bench.charts import write_chart
 from experiments.cli import CONFIG_ERRORS, flag_error_message, last_overrides_only
+from starpo_jax.models import PRESETS
 from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
 
 # Peak memory bandwidth of known accelerators (vendor figures), bytes/s. Order matters: "H100 PCIe"
@@ -115,9 +116,42 @@ def checked_or_exit(path: str, overrides: list[str]):
 def build_or_exit(path: str, overrides: list[str]):
     """The experiment of a config file plus overrides, its model loaded; a bad config or model is
     one line on stderr and exit status 2."""
-    checked = checked_or_exit(path, overrides)
+    return built_or_exit(checked_or_exit(path, overrides))
+
+
+def built_or_exit(config):
+    """``build_experiment(config)``; a bad config or a model that does not load is one line on
+    stderr and exit status 2."""
     try:
-        return build_experiment(checked)
+        return build_experiment(config)
     except (ConfigError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def require_positive(parser, args, *names: str) -> None:
+    """``parser.error`` for the first of the options ``names`` (as ``args`` spells them) set to 0 or
+    less: a count or size the benchmark would only trip over once it has loaded or compiled."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            kind = "a positive whole number" if isinstance(value, int) else "positive"
+            parser.error(f"--{name.replace('_', '-')} must be {kind}, not {value}")
+
+
+def require_presets(parser, names: list[str], flag: str = "--model") -> None:
+    """``parser.error`` for the first of ``names`` that is no model preset (``starpo_jax.models.PRESETS``)."""
+    unknown = [name for name in names if name not in PRESETS]
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r} in {flag}; choose from: {', '.join(sorted(PRESETS))}")
+
+
+def whole_numbers(parser, text: str, flag: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32], each at least 1; anything else is ``parser.error``."""
+    try:
+        numbers = [int(n) for n in text.split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        parser.error(f"{flag} takes positive whole numbers separated by commas, not {text!r}")
+    return numbers

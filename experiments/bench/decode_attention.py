@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments.bench.common import machine, markdown_table, write_markdown, write_report
+from experiments.bench.common import machine, markdown_table, require_positive, write_markdown, write_report
 from starpo_jax.models import Decoder, ModelState, decoder, preset
 from starpo_jax.rollout import sampling
 
@@ -49,7 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny-llama only, one round: a smoke run")
     p.add_argument("--note", default="", help="free text for the report (machine load, ...)")
     p.add_argument("--out", default="bench_results/decode_attention.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    require_positive(p, args, "repeats")
+    return args
 
 
 def decode_program(config, batch: int, cache_slots: int, held: int, new: int, max_queries: int):

@@ -65,7 +65,7 @@ from envs_jax.countdown import MAX_NUMS, Countdown
 from envs_jax.countdown_score import ragen_score
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
 from envs_jax.hashing import hash_words
-from experiments.bench.common import machine, write_report
+from experiments.bench.common import machine, require_positive, write_report
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban", "Countdown")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
@@ -480,6 +480,7 @@ def parse_args(argv=None):
         parser.error(f"unknown mode(s) {', '.join(bad_modes)}; choose from {', '.join(MODES)}")
     if not args.batch_sizes or min(args.batch_sizes) < 1 or args.max_steps < 2 or args.repeats < 1:
         parser.error("batch sizes and --repeats must be positive, --max-steps at least 2")
+    require_positive(parser, args, "seconds", "numpy_seconds")
 
     return args
 

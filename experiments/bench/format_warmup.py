@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
+from experiments.bench.common import build_or_exit, machine, parse_with_overrides, require_positive, write_report
 from experiments.curves import wilson
 from starpo_jax.format_warmup import answer_pieces, format_warmup
 from starpo_jax.train import init_train_state, make_train_step
@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--rollouts", type=int, default=1, help="training rollouts measured before and after (default 1)")
     p.add_argument("--out", default="bench_results/format_warmup/bench_format_warmup.json")
     args = parse_with_overrides(p, argv)
+    require_positive(p, args, "lr")
     if args.steps < 1 or args.rollouts < 1:
         p.error("--steps and --rollouts must be at least 1")
     return args

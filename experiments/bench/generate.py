@@ -33,7 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench.common import hbm_bandwidth, machine, write_report
+from experiments.bench.common import (
+    hbm_bandwidth,
+    machine,
+    require_positive,
+    require_presets,
+    whole_numbers,
+    write_report,
+)
 from experiments.bench.generation_timing import bench_jax, bench_transformers, hf_model, transformers_device
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
 from starpo_jax.models.loading import load_model
@@ -83,6 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.models, args.batch_sizes, args.prompt_len, args.new_tokens = "tiny-llama", "2", 8, 8
         args.repeats = args.hf_repeats = 1
+    require_presets(parser, args.models.split(","), "--models")
+    whole_numbers(parser, args.batch_sizes, "--batch-sizes")
+    require_positive(parser, args, "prompt_len", "new_tokens", "cache_size", "repeats", "hf_repeats")
+    if args.cache_size is not None and args.cache_size < args.prompt_len + args.new_tokens:
+        parser.error(f"--cache-size {args.cache_size} holds fewer than --prompt-len + --new-tokens "
+                     f"({args.prompt_len + args.new_tokens}) slots")
     return args
 
 

@@ -40,7 +40,7 @@ from envs_jax.frozen_lake import FrozenLake
 from envs_jax.sokoban import Sokoban
 from envs_jax.solvers.frozen_lake_dp import best_first_answer
 from envs_jax.solvers.sokoban_bfs import shortest_solution
-from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
+from experiments.bench.common import build_or_exit, machine, parse_with_overrides, require_positive, write_report
 from experiments.curves import wilson
 from starpo_jax.diagnostics.dumps import trajectory_records
 from starpo_jax.diagnostics.fixed_levels import evaluate_levels, fixed_levels
@@ -69,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--arms", default="random,best", help="which answers to learn, in order (default random,best)")
     p.add_argument("--out", default="bench_results/imitation/bench_imitation.json")
     args = parse_with_overrides(p, argv)
+    require_positive(p, args, "lr")
     if args.steps < 1 or args.levels < 1:
         p.error("--steps and --levels must be at least 1")
     args.arms = tuple(a.strip() for a in args.arms.split(","))

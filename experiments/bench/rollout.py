@@ -78,7 +78,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import envs_jax
-from experiments.bench.common import hbm_bandwidth, machine, timed, write_report
+from experiments.bench.common import hbm_bandwidth, machine, require_positive, timed, write_report
 from experiments.bench.rollout_timing import Episodes, Subject, bench_baseline, decode_roofline, summarise
 from starpo_jax.models import Decoder, ModelState, bundled, preset
 from starpo_jax.models.loading import load_model, smollm2_tokenizer
@@ -177,8 +177,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench_results/bench_rollout.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 groups x 2, 2 turns, 8 tokens, 1 repeat")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    require_positive(parser, args, "groups", "group_size", "max_turn", "response_length", "max_actions_per_traj",
+                     "max_len", "repeats", "bucket")
+    if not envs_jax.is_known(args.env):
+        parser.error(f"unknown env {args.env!r} in --env; choose from: {envs_jax.known_names()}")
     if args.quick:
         args.groups, args.group_size, args.max_turn, args.response_length, args.repeats = 2, 2, 2, 8, 1
         args.models = args.models or "tiny-random"

@@ -77,13 +77,21 @@ from tqdm import tqdm
 
 from configs import base, sokoban
 from experiments.bench import generation_timing, rollout_timing
-from experiments.bench.common import hbm_bandwidth, machine, markdown_table, timed, write_markdown, write_report
+from experiments.bench.common import (
+    built_or_exit,
+    hbm_bandwidth,
+    machine,
+    markdown_table,
+    require_positive,
+    timed,
+    write_markdown,
+    write_report,
+)
 from experiments.bench.hlo_bytes import hlo_bytes
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import LLMResponder, initial_states_from_seeds
 from starpo_jax.rollout.sampling import decode_windows, sampling_policy
-from starpo_jax.runtime.experiment import build_experiment
 from starpo_jax.runtime.planning import device_peak, kv_bytes_per_token, program_memory
 from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
@@ -319,6 +327,9 @@ def parse_args(argv=None):
     limit = TINY["rollout.response_length"] if args.tiny else 400
     if any(not 0 < n <= limit for n in args.response_tokens):
         p.error(f"--response-tokens must lie in 1..{limit} (the response length)")
+    if args.tiny and args.model:
+        p.error("--tiny times a tiny random model: give --model without --tiny")
+    require_positive(p, args, "hf_repeats", "bandwidth")
     args.cost_analysis = args.cost_analysis or args.cost_only
     return args
 
@@ -377,7 +388,7 @@ def main(argv=None) -> dict:
     report: dict[str, Any] = {"date": _now(), "machine": machine(args.note), "hbm_bytes_per_s": bandwidth,
                               "results": []}
     if not args.cost_only:
-        exp = build_experiment(experiment_config(args))
+        exp = built_or_exit(experiment_config(args))
         report["workload"] = workload(exp, args)
         state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0))
         # per N: the iterations, three learn variants, and the host loop's first run and repeats

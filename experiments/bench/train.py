@@ -29,7 +29,7 @@ import jax
 from tqdm import tqdm
 
 from configs import bandit, base
-from experiments.bench.common import machine, write_report
+from experiments.bench.common import machine, require_positive, require_presets, write_report
 from starpo_jax.forward import share_rows, update_layout
 from starpo_jax.runtime.experiment import build_experiment
 from starpo_jax.runtime.planning import program_memory
@@ -113,6 +113,9 @@ def parse_args(argv=None):
     if args.quick:
         args.model, args.groups, args.group_size, args.response_length = "tiny-llama", 1, 2, 8
         args.micro_batch_size, args.lora_rank, args.repeats = 2, 4, 1
+    require_presets(p, [args.model])
+    require_positive(p, args, "groups", "group_size", "response_length", "max_len", "micro_batch_size", "lora_rank",
+                     "repeats")
     return args
 
 
