@@ -190,6 +190,32 @@ def test_bad_arguments_are_refused_before_work(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    ("--tree /nonexistent", "--tree /nonexistent has no starpo_jax package"),
+    ("--batch 0", "--batch and --max-len must be positive whole numbers, not 0 and 3600"),
+    ("--dtypes float8", "--dtypes takes float32 and bfloat16, separated by commas, not 'float8'"),
+])
+def test_decode_hlo_refuses_bad_input_before_it_imports_the_tree(argv, message, capsys):
+    from experiments.bench import decode_hlo
+
+    with pytest.raises(SystemExit) as exit_:
+        decode_hlo.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--model nosuch", "unknown model 'nosuch' in --model"),
+    ("--batch 0", "--batch must be a positive whole number, not 0"),
+    ("--cache 100", "--prompt 267, or --held 1200 + --turn 64, does not fit --cache 100"),
+])
+def test_append_window_refuses_bad_input_before_anything_loads(argv, message, capsys):
+    from experiments.bench import append_window
+
+    with pytest.raises(SystemExit) as exit_:
+        append_window.parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_append_window_times_both_appends_in_and_out_of_the_window(capsys):
     from experiments.bench import append_window
 

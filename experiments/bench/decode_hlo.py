@@ -30,7 +30,14 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--max-len", type=int, default=3600, help="cache size: every decode window of it is compiled")
     p.add_argument("--out", default="bench_results/decode_hlo", help="folder for figures.json and the HLO texts")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)  # checked here, without this tree's packages: --tree's are imported later
+    if not os.path.isdir(os.path.join(args.tree, "starpo_jax")):
+        p.error(f"--tree {args.tree} has no starpo_jax package: give the root of a starpo-jax checkout")
+    if args.batch < 1 or args.max_len < 1:
+        p.error(f"--batch and --max-len must be positive whole numbers, not {args.batch} and {args.max_len}")
+    if not set(args.dtypes.split(",")) <= {"float32", "bfloat16"}:
+        p.error(f"--dtypes takes float32 and bfloat16, separated by commas, not {args.dtypes!r}")
+    return args
 
 
 def main(argv=None) -> list[dict]:
@@ -46,9 +53,13 @@ def main(argv=None) -> list[dict]:
     jax.devices = lambda backend=None: all_devices(target.platform if backend == "cpu" else backend)
 
     from experiments.bench import step  # noqa: E402  (the tree's own)
-    from starpo_jax.models import preset  # noqa: E402
+    from starpo_jax.models import PRESETS, preset  # noqa: E402
     from starpo_jax.rollout.sampling import decode_windows  # noqa: E402
 
+    if args.model not in PRESETS:  # the tree's own presets, before anything compiles
+        print(f"error: unknown model {args.model!r} in --model; choose from: {', '.join(sorted(PRESETS))}",
+              file=sys.stderr)
+        sys.exit(2)
     os.makedirs(args.out, exist_ok=True)
     count_bytes, name = step.hlo_bytes, [""]
 
