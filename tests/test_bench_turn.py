@@ -44,7 +44,7 @@ def test_the_sides_alternate_and_the_ratio_is_other_over_this(tmp_path, monkeypa
 
 def test_a_policys_report_says_whether_the_trees_sampled_the_same_tokens(tmp_path, monkeypatch):
     """``--policy``: the sides' token hashes decide ``same_tokens``; the workload names the run."""
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
     (tmp_path / "run" / "config.json").write_text("{}")
     for hashes, same in ((("a", "a"), True), (("a", "b"), False)):
         def fake_side(args, tree, argv, hashes=hashes):
@@ -72,6 +72,11 @@ def test_bad_input_is_one_sentence_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         turn.main(["--policy", str(tmp_path)])
     assert f"--policy {tmp_path} is not a run folder" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        turn.main(["--policy", str(tmp_path)])
+    assert "holds no saved step" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         turn.main(["--env", "FrozenLake"])
     assert "give --policy too" in capsys.readouterr().err

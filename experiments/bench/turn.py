@@ -80,6 +80,8 @@ def parse_args(argv=None):
     if args.policy is not None and not (os.path.isfile(os.path.join(args.policy, "config.json"))
                                         and os.path.isdir(os.path.join(args.policy, "checkpoints"))):
         p.error(f"--policy {args.policy} is not a run folder (it needs config.json and checkpoints/)")
+    if args.policy is not None and not any(name.isdigit() for name in os.listdir(os.path.join(args.policy, "checkpoints"))):
+        p.error(f"--policy {args.policy} holds no saved step: the run has no trained policy yet")  # a step's folder
     if args.policy is None and args.env is not None:
         p.error("--env chooses the levels of --policy's validation rollout: give --policy too")
     if not os.path.isdir(os.path.join(args.tree, "starpo_jax")):
