@@ -209,3 +209,12 @@ class ScriptedResponder:
         lengths = jnp.where(active, jnp.asarray(self.lengths)[:, turn], 0)
         return DecodeOutput(tokens=tokens, logprobs=-jnp.ones(tokens.shape, jnp.float32), lengths=lengths, cache=cache,
                             last_logits=None)
+
+
+def assert_refused_in_one_line(parse_args, argv: str, message: str, capsys) -> None:
+    """``parse_args(argv.split())`` exits with status 2, ``message`` on stderr (argparse's one line)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv.split())
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

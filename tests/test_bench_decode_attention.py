@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments.bench import decode_attention
+from helpers import assert_refused_in_one_line
 
 
 def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
@@ -40,6 +41,4 @@ def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
     ("--repeats 0", "--repeats must be a positive whole number, not 0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        decode_attention.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(decode_attention.parse_args, argv, message, capsys)

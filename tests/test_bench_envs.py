@@ -12,7 +12,7 @@ import pytest
 import envs_jax
 from envs_jax.countdown_score import ragen_check_format, ragen_score
 from experiments.bench import envs as bench_envs
-from helpers import command_env
+from helpers import assert_refused_in_one_line, command_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,6 +169,4 @@ def test_cpu_devices_split_the_batch(tmp_path):
     ("--seconds -1", "--seconds must be positive, not -1.0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench_envs.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(bench_envs.parse_args, argv, message, capsys)

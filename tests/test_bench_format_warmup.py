@@ -3,7 +3,7 @@
 import pytest
 
 from experiments.bench import format_warmup
-from helpers import TINY_MODEL_FLAGS
+from helpers import TINY_MODEL_FLAGS, assert_refused_in_one_line
 
 TINY_FROZEN_LAKE = [
     *TINY_MODEL_FLAGS, "--config.envs.train.tags=('FrozenLake',)", "--config.envs.train.n_groups=(2,)",
@@ -28,6 +28,4 @@ def test_bench_format_warmup_reports_valid_answers_before_and_after(tmp_path):
     ("--lr 0", "--lr must be positive, not 0.0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        format_warmup.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(format_warmup.parse_args, argv, message, capsys)

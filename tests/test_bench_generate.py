@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments.bench import generate as bench_generate
+from helpers import assert_refused_in_one_line
 
 
 def test_quick_benchmark_writes_json(tmp_path):
@@ -49,6 +50,4 @@ def test_cache_size_compares_windowed_and_whole_cache_decoding(tmp_path):
     ("--hf-repeats 0", "--hf-repeats must be a positive whole number, not 0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench_generate.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(bench_generate.parse_args, argv, message, capsys)

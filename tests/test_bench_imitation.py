@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments.bench import imitation
-from helpers import TINY_MODEL_FLAGS
+from helpers import TINY_MODEL_FLAGS, assert_refused_in_one_line
 
 TINY_SOKOBAN = [*TINY_MODEL_FLAGS, "--config.envs.train.tags=('SimpleSokoban',)", "--config.envs.val.tags=('SimpleSokoban',)",
                 "--config.envs.val.n_groups=(2,)", "--config.rollout.max_turn=1", "--config.rollout.response_length=24",
@@ -42,6 +42,4 @@ def test_one_frozen_lake_or_sokoban_tag_only():
     ("--lr -1", "--lr must be positive, not -1.0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        imitation.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(imitation.parse_args, argv, message, capsys)

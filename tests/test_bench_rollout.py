@@ -7,6 +7,7 @@ import pytest
 
 from experiments.bench import rollout as bench_rollout
 from experiments.bench import rollout_timing
+from helpers import assert_refused_in_one_line
 
 ROWS, TURNS, RESPONSE = 2 * 2, 2, 8
 METRICS = {
@@ -120,6 +121,4 @@ def test_unknown_model_is_refused_by_name(capsys):
     ("--groups 0", "--groups must be a positive whole number, not 0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench_rollout.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(bench_rollout.parse_args, argv, message, capsys)

@@ -13,6 +13,7 @@ import pytest
 
 from experiments.bench import step as bench_step
 from experiments.bench.hlo_bytes import hlo_bytes
+from helpers import assert_refused_in_one_line
 
 ROWS, TURNS, N = 4 * 2, 2, 8  # bench_step.TINY: 4 groups x 2, 2 turns; --tiny forces N = 8
 
@@ -198,9 +199,7 @@ def test_bad_arguments_are_refused_before_work(argv, message, capsys):
 def test_decode_hlo_refuses_bad_input_before_it_imports_the_tree(argv, message, capsys):
     from experiments.bench import decode_hlo
 
-    with pytest.raises(SystemExit) as exit_:
-        decode_hlo.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(decode_hlo.parse_args, argv, message, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -211,9 +210,7 @@ def test_decode_hlo_refuses_bad_input_before_it_imports_the_tree(argv, message, 
 def test_append_window_refuses_bad_input_before_anything_loads(argv, message, capsys):
     from experiments.bench import append_window
 
-    with pytest.raises(SystemExit) as exit_:
-        append_window.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(append_window.parse_args, argv, message, capsys)
 
 
 def test_append_window_times_both_appends_in_and_out_of_the_window(capsys):
@@ -284,6 +281,4 @@ def test_gpu_window_runs_the_papers_command_and_its_resume(tmp_path):
     ("--bandwidth -1", "--bandwidth must be positive, not -1.0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench_step.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(bench_step.parse_args, argv, message, capsys)

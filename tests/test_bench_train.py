@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments.bench import train as bench_train
+from helpers import assert_refused_in_one_line
 
 
 def test_quick_benchmark_compares_full_and_lora(tmp_path):
@@ -31,6 +32,4 @@ def test_quick_benchmark_compares_full_and_lora(tmp_path):
     ("--groups 0", "--groups must be a positive whole number, not 0"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench_train.parse_args(argv.split())
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert_refused_in_one_line(bench_train.parse_args, argv, message, capsys)
