@@ -52,7 +52,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.bench.common import (
-    build_or_exit,
+    built_or_exit,
     checked_or_exit,
     machine,
     markdown_table,
@@ -264,9 +264,10 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
             "xla": xla_counts(learn), "runs_s": seconds}
 
 
-def account(path: str, overrides: list[str], steps: int, peak_flops: float, bandwidth: float, bar) -> dict:
-    """One iteration of a config as ``experiments.run`` runs it, phase by phase (the docstring)."""
-    exp = build_or_exit(path, overrides)
+def account(path: str, overrides: list[str], config, steps: int, peak_flops: float, bandwidth: float, bar) -> dict:
+    """One iteration of a config (``path`` plus ``overrides``, checked: ``config``) as
+    ``experiments.run`` runs it, phase by phase (the docstring)."""
+    exp = built_or_exit(config)
     plan, settings = exp.train_plan, exp.settings
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), settings, plan)
     state = init_train_state(settings, exp.model, jax.random.PRNGKey(0))
@@ -337,15 +338,15 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    for path in args.config:  # a bad config is found before the ceilings' minutes of work
-        checked_or_exit(path, args.overrides)
+    checked = [checked_or_exit(path, args.overrides) for path in args.config]  # before the ceilings' minutes of work
     report: dict[str, Any] = {"machine": machine(args.note), "matmul": matmul_ceiling(args.size, args.repeats),
               "copy": copy_ceiling(args.copy_mib, args.repeats)}
     report["machine_balance_flop_per_byte"] = report["matmul"]["gflop_per_s"] / report["copy"]["gb_per_s"]
     if args.config:
         peak, bandwidth = report["matmul"]["gflop_per_s"] * 1e9, report["copy"]["gb_per_s"] * 1e9
         with tqdm(total=len(args.config) * (args.steps + 2), desc="iterations", unit="it") as bar:
-            report["accounts"] = [account(path, args.overrides, args.steps, peak, bandwidth, bar) for path in args.config]
+            report["accounts"] = [account(path, args.overrides, config, args.steps, peak, bandwidth, bar)
+                                  for path, config in zip(args.config, checked)]
         report["load_average_after"] = list(os.getloadavg())
     text = markdown(report)
     print(text, flush=True)

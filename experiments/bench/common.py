@@ -103,30 +103,30 @@ def parse_with_overrides(parser, argv=None):
     return args
 
 
-def checked_or_exit(path: str, overrides: list[str]):
-    """The checked config of a file plus overrides (no model loaded: a check to make before slow
-    work); a bad config is one line on stderr and exit status 2."""
+def or_exit(make, *args):
+    """``make(*args)``; a bad config (a ``ConfigError`` is a ``ValueError``) or a file that does not
+    load is one line on stderr and exit status 2."""
     try:
-        return check_config(load_config(path, overrides))
-    except (ConfigError, ValueError, OSError) as err:
+        return make(*args)
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
+def checked_or_exit(path: str, overrides: list[str]):
+    """The checked config of a file plus overrides (no model loaded: a check to make before slow
+    work), or one line and exit status 2."""
+    return or_exit(lambda: check_config(load_config(path, overrides)))
+
+
 def build_or_exit(path: str, overrides: list[str]):
-    """The experiment of a config file plus overrides, its model loaded; a bad config or model is
-    one line on stderr and exit status 2."""
+    """The experiment of a config file plus overrides, its model loaded, or one line and exit status 2."""
     return built_or_exit(checked_or_exit(path, overrides))
 
 
 def built_or_exit(config):
-    """``build_experiment(config)``; a bad config or a model that does not load is one line on
-    stderr and exit status 2."""
-    try:
-        return build_experiment(config)
-    except (ConfigError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    """``build_experiment(config)``, or one line and exit status 2 (a bad config, a model that does not load)."""
+    return or_exit(build_experiment, config)
 
 
 def require_positive(parser, args, *names: str) -> None:
