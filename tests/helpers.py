@@ -218,3 +218,15 @@ def assert_refused_in_one_line(parse_args, argv: str, message: str, capsys) -> N
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv.split())
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def script_module(path: Path):
+    """A script that runs as a file, not from its package (``experiments/bench/turn.py``), imported
+    as a module for in-process calls."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,15 +1,11 @@
 """experiments/bench/turn.py: one rollout turn (append, decode) timed in two source trees, ABBA."""
 
-import importlib.util
-import os
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("bench_turn", os.path.join(REPO, "experiments", "bench", "turn.py"))
-assert spec is not None and spec.loader is not None
-turn = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(turn)
+import helpers
+
+REPO = str(helpers.REPO)
+turn = helpers.script_module(helpers.REPO / "experiments" / "bench" / "turn.py")
 
 
 def test_one_side_times_an_append_and_a_whole_decode():

@@ -18,6 +18,7 @@ from helpers import (
     evaluate,
     read_metrics,
     run,
+    script_module,
     tensorboard_scalars,
     train_lines,
 )
@@ -285,14 +286,9 @@ def test_bench_turn_times_the_validation_rollout_that_evaluate_plays(full_run, t
     """``experiments/bench/turn.py --policy``: one side plays the run's validation levels in one
     batch from key 0, as the evaluate command does with ``--batch`` equal to ``--levels``: the same
     program, so the same outcome exactly; every timed call samples the same tokens (the side checks)."""
-    import importlib.util
-
     from experiments import evaluate as evaluate_command
 
-    spec = importlib.util.spec_from_file_location("bench_turn", REPO / "experiments" / "bench" / "turn.py")
-    assert spec is not None and spec.loader is not None
-    turn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(turn)
+    turn = script_module(REPO / "experiments" / "bench" / "turn.py")
     record = turn.main(["--policy", str(full_run), "--levels", "2", "--repeats", "2", "--side", str(REPO)])
     out = tmp_path / "eval.json"
     assert evaluate_command.main(["--model", str(full_run), "--suite", "frozen_lake", "--levels", "2", "--batch", "2",
