@@ -186,13 +186,34 @@ def size_bucket(n: int, limit: int | None = None) -> int:
     return size if limit is None else min(size, limit)
 
 
-def update_layout(traj: Trajectories, max_len: int, share: int) -> UpdateLayout:
+def widest_layout(plan: RolloutPlan) -> UpdateLayout:
+    """The most any batch of ``plan`` can need, shared first prompts: a row plays only if its first
+    prompt leaves room for a full answer, so a split is at most ``max_len - response_length - 1``;
+    after it, a one-turn row holds the first prompt's last token and its answer (nothing follows the
+    last answer), a row of several turns up to the context's end."""
+    width = 1 + plan.response_length if plan.max_turn == 1 else plan.max_len
+    return UpdateLayout(prefix=plan.max_len - plan.response_length - 1, width=width)
+
+
+def _holding(needed: int, max_len: int, widest: int) -> int:
+    """``size_bucket(needed)``, or ``widest`` where that is smaller and still holds ``needed``."""
+    size = size_bucket(needed, max_len)
+    return min(size, widest) if needed <= widest else size
+
+
+def update_layout(traj: Trajectories, plan: RolloutPlan, share: int) -> UpdateLayout:
     """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
     picked on the host between rollout and update, so the update computes only what is there.
-    With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting."""
+    With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting.
+
+    A size is also allowed exactly at the most the plan can need (``widest_layout``): a one-turn
+    batch where any answer runs to the budget (most, early in training) computes 17 positions per
+    row for 16-token answers, not the next bucket's 24, and a first prompt of 209 tokens is
+    computed at 208, not at the context's 225."""
     length = np.asarray(distributed.to_host(traj.length))  # every process picks the same layout
     if share == 1:
-        return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), max_len))
+        return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
     split = np.asarray(distributed.to_host(first_prompt_split(traj)))
-    return UpdateLayout(prefix=size_bucket(int(split.max()), max_len),
-                        width=size_bucket(int((length - split).max()), max_len))
+    widest = widest_layout(plan)
+    return UpdateLayout(prefix=_holding(int(split.max()), plan.max_len, widest.prefix),
+                        width=_holding(int((length - split).max()), plan.max_len, widest.width))

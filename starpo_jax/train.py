@@ -218,7 +218,7 @@ def jit_iteration(step: TrainStep, settings: TrainSettings, plan: RolloutPlan, a
     share = share_rows(settings, plan.group_size)
     return JittedIteration(
         jax.jit(collect), jax.jit(learn, donate_argnums=0, static_argnums=3),
-        lambda traj: update_layout(traj, plan.max_len, share),
+        lambda traj: update_layout(traj, plan, share),
     )
 
 

@@ -6,6 +6,7 @@ which order, and which steps are taken. The batch is 4 groups × 8 trajectories 
 (no playing) and the model a tiny random decoder; compiling ``learn`` is most of each test's time.
 """
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -349,10 +350,28 @@ def test_update_layout_holds_the_batch_in_few_widths():
     traj = shared_prompt_batch()
     split = np.asarray(first_prompt_split(traj))
     assert set(split) == {PROMPT - 1}
-    layout = update_layout(traj, L, share=N)
+    layout = update_layout(traj, PLAN, share=N)
     assert layout.prefix == 24 and layout.width >= int((np.asarray(traj.length) - split).max())
     assert layout.width == 16  # rows hold at most 8 response + 2 closing tokens after the split
-    assert update_layout(traj, L, share=1) == (0, 32)  # nothing shared: every row from 0, to 30 tokens
+    assert update_layout(traj, PLAN, share=1) == (0, 32)  # nothing shared: every row from 0, to 30 tokens
+
+
+def test_a_layout_is_no_wider_than_the_plan_can_need():
+    """One turn: nothing follows an answer, so a row holds at most its first prompt's last token and
+    ``response_length`` answer tokens after the split. A batch whose longest answer fills the budget
+    is computed exactly that wide (9 positions here, not the bucket's 16), never wider; a plan of
+    several turns keeps the buckets."""
+    traj = shared_prompt_batch()
+    start = np.asarray(traj.turn_start)[:, 0]
+    answers = np.arange(traj.length.shape[0]) % PLAN.response_length + 1  # 1..8 tokens, 8 = the budget
+    full = traj.replace(length=jnp.asarray(start + answers, jnp.int32))
+    assert update_layout(full, PLAN, N) == (24, 1 + PLAN.response_length)
+    assert update_layout(full, dataclasses.replace(PLAN, max_turn=2), N) == (24, 16)
+    # A context just wide enough for the first prompt and one full answer (as ``fit_to_tables``
+    # leaves it): no row's split can pass max_len − response_length − 1, so the prefix is that too.
+    tight = dataclasses.replace(PLAN, max_len=PROMPT + PLAN.response_length)
+    assert update_layout(full, tight, N) == (PROMPT - 1, 1 + PLAN.response_length)
+    assert update_layout(full, PLAN, share=1).width == 32  # from position 0: the context's buckets
 
 
 def test_update_layout_of_stacked_batches_holds_every_setting():
@@ -364,10 +383,10 @@ def test_update_layout_of_stacked_batches_holds_every_setting():
     np.testing.assert_array_equal(first_prompt_split(stacked), np.stack([first_prompt_split(a), first_prompt_split(b)]))
     rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
     for share in (1, N):
-        one, other = update_layout(a, L, share), update_layout(b, L, share)
+        one, other = update_layout(a, PLAN, share), update_layout(b, PLAN, share)
         expected = (max(one.prefix, other.prefix), max(one.width, other.width))
-        assert update_layout(stacked, L, share) == update_layout(rows, L, share) == expected
-    assert update_layout(a, L, N) == (24, 16) and update_layout(stacked, L, N) == (32, 16)
+        assert update_layout(stacked, PLAN, share) == update_layout(rows, PLAN, share) == expected
+    assert update_layout(a, PLAN, N) == (24, 16) and update_layout(stacked, PLAN, N) == (32, 16)
 
 
 def assert_same_adam_step(params, expected, lr: float) -> None:
@@ -389,7 +408,7 @@ def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
         settings = settings_for(adv_estimator=estimator, micro_batch_size=micro, ppo_mini_batch_size=16)
         share = share_rows(settings, N)
         assert share == micro
-        layout = update_layout(traj, L, share)
+        layout = update_layout(traj, PLAN, share)
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
         learn = jax.jit(make_train_step(settings, model.graphdef, PLAN).learn, static_argnums=3)
         full_state, full_metrics = learn(state, traj, HYPER, full_layout(L))
