@@ -198,7 +198,7 @@ def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, war
             raise  # every step of a run holds the same arrays: an older one would not match either
         except CheckpointError as err:
             failed = err
-    raise CheckpointError(f"{failed} No intact checkpoint is left to resume from.")
+    raise CheckpointError(f"{failed} No intact checkpoint is left.")
 
 
 def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pending=None) -> Restored:
