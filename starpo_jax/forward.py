@@ -208,8 +208,8 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, share: int) -> UpdateLa
 
     A size is also allowed exactly at the most the plan can need (``widest_layout``): a one-turn
     batch where any answer runs to the budget (most, early in training) computes 17 positions per
-    row for 16-token answers, not the next bucket's 24, and a first prompt of 209 tokens is
-    computed at 208, not at the context's 225."""
+    row for 16-token answers, not the next bucket's 24, and the shared part of 209-token first
+    prompts is 208 positions, not the context's 225."""
     length = np.asarray(distributed.to_host(traj.length))  # every process picks the same layout
     if share == 1:
         return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
