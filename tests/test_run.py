@@ -135,6 +135,23 @@ def test_resume_from_a_truncated_checkpoint_is_one_line(full_run, tmp_path):
     assert "TensorStore" not in proc.stderr and "Traceback" not in proc.stderr and "Event loop" not in proc.stderr
 
 
+def test_evaluate_of_a_truncated_checkpoint_is_one_line(full_run, tmp_path, capsys):
+    """Every saved step truncated: evaluate says so in one line, status 2, in words that fit it
+    (not resuming's)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_run, run_dir)
+    for step in (run_dir / "checkpoints").iterdir():
+        data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    status, _, stderr = evaluated_here(capsys, "--model", str(run_dir), "--suite", "bandit", "--levels", "2")
+    errors = [line for line in stderr.splitlines() if line.strip() and "%|" not in line]
+    assert status == 2 and errors[-1].startswith("error: Checkpoint step ") and errors[-1].endswith(
+        "No intact checkpoint is left."), stderr
+    assert "resume" not in errors[-1] and "Traceback" not in stderr
+
+
 def one_line_error(proc) -> str:
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
