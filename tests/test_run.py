@@ -121,16 +121,26 @@ def test_resume_with_another_config_names_the_settings_and_changes_nothing(full_
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # config.json too
 
 
+def truncate_every_step(checkpoints: Path) -> None:
+    """Halve the largest file of every saved step's state: nothing intact to fall back to."""
+    for step in checkpoints.iterdir():
+        data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without blank lines and progress bars."""
+    return [line for line in stderr.splitlines() if line.strip() and "%|" not in line]
+
+
 def test_resume_from_a_truncated_checkpoint_is_one_line(full_run, tmp_path):
     import shutil
 
     shutil.copytree(full_run / "checkpoints", tmp_path / "checkpoints")
-    for step in (tmp_path / "checkpoints").iterdir():  # every kept step truncated: nothing to fall back to
-        data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    truncate_every_step(tmp_path / "checkpoints")
     proc = run(*FULL_RUN, f"--config.trainer.output_dir={tmp_path}", "--config.trainer.resume=True", check=False)
     assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.strip() and "%|" not in line]
+    errors = error_lines(proc.stderr)
     assert errors[-1].startswith("error: Checkpoint step 1 ") and "No intact checkpoint" in errors[-1]
     assert "TensorStore" not in proc.stderr and "Traceback" not in proc.stderr and "Event loop" not in proc.stderr
 
@@ -142,11 +152,9 @@ def test_evaluate_of_a_truncated_checkpoint_is_one_line(full_run, tmp_path, caps
 
     run_dir = tmp_path / "run"
     shutil.copytree(full_run, run_dir)
-    for step in (run_dir / "checkpoints").iterdir():
-        data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    truncate_every_step(run_dir / "checkpoints")
     status, _, stderr = evaluated_here(capsys, "--model", str(run_dir), "--suite", "bandit", "--levels", "2")
-    errors = [line for line in stderr.splitlines() if line.strip() and "%|" not in line]
+    errors = error_lines(stderr)
     assert status == 2 and errors[-1].startswith("error: Checkpoint step ") and errors[-1].endswith(
         "No intact checkpoint is left."), stderr
     assert "resume" not in errors[-1] and "Traceback" not in stderr
