@@ -485,6 +485,37 @@ def test_the_first_turn_prefills_each_distinct_first_prompt_once():
         np.testing.assert_allclose(shared.v, every_row.v, rtol=1e-5, atol=1e-6)
 
 
+def test_the_first_turn_reads_and_writes_only_the_head_it_can_reach():
+    """The first turn runs in the cache's first ``first prompt width + token budget`` slots: slots
+    past them, here NaN, are neither read (a NaN read by attention would reach every logit) nor
+    written, and the turn samples exactly what it samples from an empty cache (the same program)."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout.sampling import init_cache
+
+    model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+    plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 3, 1),), group_size=2, response_length=6,
+                       max_len=40)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(1, 200, (3, 12))[[0, 0, 1, 1, 2, 2]], jnp.int32)
+    num_new = jnp.asarray([12, 12, 9, 9, 12, 12], jnp.int32)
+    head = 12 + plan.response_length
+    empty = init_cache(model.merge().config, 6, plan.max_len)
+    poisoned = empty.replace(k=tuple(k.at[:, :, head:].set(jnp.nan) for k in empty.k),
+                             v=tuple(v.at[:, :, head:].set(jnp.nan) for v in empty.v))
+    responder = LLMResponder(plan, first_prompts=6)  # every row prefilled in the cache it is given
+    respond = jax.jit(lambda cache: responder.respond(model, cache, ids, num_new, jax.random.PRNGKey(1), 1.0,
+                                                      jnp.ones(6, bool), 0))
+    clean, dirty = jax.device_get(respond(empty)), jax.device_get(respond(poisoned))
+    assert (clean.lengths == plan.response_length).any()  # some rows use the whole budget
+    np.testing.assert_array_equal(dirty.tokens, clean.tokens)
+    np.testing.assert_array_equal(dirty.logprobs, clean.logprobs)
+    for got, want in zip(dirty.cache.k + dirty.cache.v, clean.cache.k + clean.cache.v):
+        np.testing.assert_array_equal(got[:, :, :head], want[:, :, :head])
+        assert np.isnan(got[:, :, head:]).all() and not want[:, :, head:].any()
+
+
 def test_distinct_first_prompts_counts_the_bandits_two_arm_orders(smollm2_tokenizer):
     """Validation's count: 8 Bandit levels show at most two first prompts (the arms' two orders)."""
     plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 8, 1),), group_size=1, max_turn=1,

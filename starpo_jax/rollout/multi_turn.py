@@ -605,10 +605,20 @@ class LLMResponder:
     def respond(self, model, cache, prompt_ids, num_new, key, temperature, active, turn):
         """Returns ``DecodeOutput`` (tokens, logprobs, lengths, cache) of this turn's responses."""
         if isinstance(turn, int) and turn == 0:
-            cache, logits = self.prefill_first_prompts(model, prompt_ids, num_new, cache)
-            return self.sample(model, cache, logits, key, temperature, active)
+            return self.first_turn(model, cache, prompt_ids, num_new, key, temperature, active)
         return on_live_rows(self.append_and_sample, self.min_live_rows, self.plan.pad_id, active,
                             model, cache, prompt_ids, num_new, key, temperature)
+
+    def first_turn(self, model, cache, prompt_ids, num_new, key, temperature, active):
+        """The first turn in the head of the cache it can reach: the first prompts' width plus the
+        token budget (a static size). The cache is sized for the last turn, and each decode step's
+        attention reads every slot it is given, so the first turn runs in its head (FrozenLake's
+        preset: 313 of 640 slots), which is then written back into the whole cache once."""
+        window = min(cache.max_len, prompt_ids.shape[1] + (self.fixed_length or self.plan.response_length))
+        head = cache.head(window) if window < cache.max_len else cache
+        head, logits = self.prefill_first_prompts(model, prompt_ids, num_new, head)
+        out = self.sample(model, head, logits, key, temperature, active)
+        return out if window == cache.max_len else out.replace(cache=cache.with_head(out.cache))
 
     def append_and_sample(self, model, cache, prompt_ids, num_new, key, temperature, active, rows=None, of_rows=0):
         """A later turn: the prompt appended to the cache, then the response sampled (``rows``,

@@ -36,7 +36,8 @@ of it. ``decode`` and ``append`` therefore run in the smallest of a few static w
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
 budget: the window's slots are copied out once per call, decoded in, and copied back, so each step
 reads only the window. One ``lax.switch`` per call picks it; the results are the same as decoding
-in the whole cache, since no live row can reach the window's end.
+in the whole cache, since no live row can reach the window's end. (A rollout's first turn knows its
+reach statically and runs in the head it can reach: ``multi_turn.LLMResponder.first_turn``.)
 """
 
 from __future__ import annotations
