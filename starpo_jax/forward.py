@@ -201,6 +201,13 @@ def _holding(needed: int, max_len: int, widest: int) -> int:
     return min(size, widest) if needed <= widest else size
 
 
+def first_prompt_width(split: np.ndarray, plan: RolloutPlan) -> int:
+    """The static width that holds every row's first prompt (``split``: ``first_prompt_split`` on
+    the host): the shared prefix of ``update_layout``, and the prompts' width wherever they are
+    computed once per group (``diagnostics.template_collapse``)."""
+    return _holding(int(split.max()), plan.max_len, widest_layout(plan).prefix)
+
+
 def update_layout(traj: Trajectories, plan: RolloutPlan, share: int) -> UpdateLayout:
     """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
     picked on the host between rollout and update, so the update computes only what is there.
@@ -214,6 +221,5 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, share: int) -> UpdateLa
     if share == 1:
         return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
     split = np.asarray(distributed.to_host(first_prompt_split(traj)))
-    widest = widest_layout(plan)
-    return UpdateLayout(prefix=_holding(int(split.max()), plan.max_len, widest.prefix),
-                        width=_holding(int((length - split).max()), plan.max_len, widest.width))
+    return UpdateLayout(prefix=first_prompt_width(split, plan),
+                        width=_holding(int((length - split).max()), plan.max_len, widest_layout(plan).width))

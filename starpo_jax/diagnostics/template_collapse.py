@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from starpo_jax.algo import losses
-from starpo_jax.forward import first_prompt_split, size_bucket
+from starpo_jax.forward import first_prompt_split, first_prompt_width
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories
 from starpo_jax.runtime import distributed
@@ -76,10 +76,10 @@ def sampled_groups(plan: RolloutPlan, max_prompts: int) -> list[tuple[str, np.nd
     return out
 
 
-def prompt_width(traj: Trajectories) -> int:
+def prompt_width(traj: Trajectories, plan: RolloutPlan) -> int:
     """The static width that holds every row's first prompt: the update layout's prefix
-    (``forward.update_layout``), picked on the host, a few compiled widths per run."""
-    return size_bucket(int(np.max(distributed.to_host(first_prompt_split(traj)))), traj.tokens.shape[-1])
+    (``forward.first_prompt_width``), picked on the host, a few compiled widths per run."""
+    return first_prompt_width(np.asarray(distributed.to_host(first_prompt_split(traj))), plan)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "groups", "width", "response_length",
@@ -138,7 +138,7 @@ def collapse_metrics(policy: ModelState, traj: Trajectories, plan: RolloutPlan, 
     per env tag with two prompts or more: the first answers of the tag's first ``max_prompts``
     groups scored by ``policy`` (the weights that sampled them, at their sampling ``temperature``)
     after each of those groups' first prompts."""
-    width = prompt_width(traj)
+    width = prompt_width(traj, plan)
     out: dict[str, float] = {}
     for name, groups in sampled_groups(plan, max_prompts):
         if len(groups) < 2:
