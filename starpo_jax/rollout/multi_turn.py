@@ -47,7 +47,7 @@ from envs_jax.base import TextEnv
 from starpo_jax.models.decoder import ModelState
 from starpo_jax.rollout import parsing, prompts
 from starpo_jax.rollout.env_turn import execute_turn
-from starpo_jax.rollout.sampling import DecodeOutput, append, decode, init_cache
+from starpo_jax.rollout.sampling import DecodeOutput, append, decode, in_head, init_cache
 from starpo_jax.runtime import distributed, sharding
 from starpo_jax.runtime.settings import setting_default
 
@@ -614,11 +614,14 @@ class LLMResponder:
         token budget (a static size). The cache is sized for the last turn, and each decode step's
         attention reads every slot it is given, so the first turn runs in its head (FrozenLake's
         preset: 313 of 640 slots), which is then written back into the whole cache once."""
-        window = min(cache.max_len, prompt_ids.shape[1] + (self.fixed_length or self.plan.response_length))
-        head = cache.head(window) if window < cache.max_len else cache
-        head, logits = self.prefill_first_prompts(model, prompt_ids, num_new, head)
-        out = self.sample(model, head, logits, key, temperature, active)
-        return out if window == cache.max_len else out.replace(cache=cache.with_head(out.cache))
+        def prefill_and_sample(head):
+            head, logits = self.prefill_first_prompts(model, prompt_ids, num_new, head)
+            out = self.sample(model, head, logits, key, temperature, active)
+            return out.cache, out
+
+        reach = prompt_ids.shape[1] + (self.fixed_length or self.plan.response_length)
+        cache, out = in_head(prefill_and_sample, cache, reach)
+        return out.replace(cache=cache)
 
     def append_and_sample(self, model, cache, prompt_ids, num_new, key, temperature, active, rows=None, of_rows=0):
         """A later turn: the prompt appended to the cache, then the response sampled (``rows``,

@@ -275,16 +275,18 @@ def in_smallest_window(run, cache: KVCache, needed: Array, windowed: bool = True
     windows = decode_windows(cache.max_len) if windowed else (cache.max_len,)
     if len(windows) == 1:
         return run(cache)
-
-    def in_window(size: int):
-        def run_in_head(full: KVCache):
-            head, out = run(full.head(size))
-            return full.with_head(head), out
-
-        return run if size == cache.max_len else run_in_head
-
     branch = jnp.searchsorted(jnp.asarray(windows), jnp.minimum(needed, cache.max_len))
-    return jax.lax.switch(branch, [in_window(size) for size in windows], cache)
+    return jax.lax.switch(branch, [functools.partial(in_head, run, size=size) for size in windows], cache)
+
+
+def in_head(run, cache: KVCache, size: int):
+    """``run(cache) -> (cache, out)`` in the first ``size`` slots of every row: they are copied
+    out, run in and written back (the whole cache as it is where ``size`` covers it). The caller
+    vouches that nothing ``run`` writes reaches past them."""
+    if size >= cache.max_len:
+        return run(cache)
+    head, out = run(cache.head(size))
+    return cache.with_head(head), out
 
 
 class DecodeState(struct.PyTreeNode):
