@@ -23,8 +23,13 @@ def test_charts_are_drawn_beside_the_json_and_redrawn_from_it(tmp_path, capsys):
 def test_unknown_json_is_reported_not_drawn(tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"results": 3}))
-    assert bench_charts.main([str(other)]) == 1
-    assert "not a benchmark report" in capsys.readouterr().err and not other.with_suffix(".png").exists()
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    assert bench_charts.main([str(other), str(broken)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0] == f"error: {other}: not a benchmark report this script knows"
+    assert err[1].startswith(f"error: {broken}: not a complete benchmark report (JSONDecodeError: ")
+    assert not other.with_suffix(".png").exists() and not broken.with_suffix(".png").exists()
 
 
 def test_bench_step_chart_stacks_the_phases_per_n(tmp_path):

@@ -205,11 +205,11 @@ def main(argv=None) -> int:
             png = write_chart(json.loads(path.read_text()), path.with_suffix(".png"))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             png, status = None, 1
-            print(f"{path}: not a complete benchmark report ({type(err).__name__}: {err})", file=sys.stderr)
+            print(f"error: {path}: not a complete benchmark report ({type(err).__name__}: {err})", file=sys.stderr)
         else:
             if png is None:
                 status = 1
-                print(f"{path}: not a benchmark report this script knows", file=sys.stderr)
+                print(f"error: {path}: not a benchmark report this script knows", file=sys.stderr)
         if png:
             print(f"wrote {png}")
     return status
