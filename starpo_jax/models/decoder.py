@@ -29,7 +29,10 @@ Layout choices:
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway. On CPU a decode step's scores are computed keys @ queries^T, which
   XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T runs
-  several times slower once the keys are large (``_keys_lead_the_product``).
+  several times slower once the keys are large (``_keys_lead_the_product``). A block of prompt
+  tokens on CPU attends a few rows at a time once its scores outgrow glibc's mmap threshold
+  (``rows_per_pass``): the matrix library's fresh buffer for them is then reused from the heap
+  instead of mapped and faulted in per layer. The update keeps every row in one pass.
 
 The decode step does not scan. The scan hands each block its weights and its slice of a stacked
 cache through dynamic slices, which XLA materialises at every decoded token: a copy of every weight
@@ -280,14 +283,50 @@ def _keys_lead_the_product(queries: int) -> bool:
     return jax.default_backend() == "cpu" and queries <= KEYS_LEAD_MAX_QUERIES
 
 
-def attend(q: Array, blocks: Sequence[KeyBlock]) -> Array:
+#: On CPU, attention whose float32 scores would take more bytes than this runs a few rows at a time.
+CPU_SCORES_BYTES_PER_PASS = 16 << 20
+
+
+def rows_per_pass(rows: int, kv_heads: int, queries: int, keys: int) -> int:
+    """How many of ``rows`` rows one pass of ``attend`` takes: all of them, except on CPU when their
+    float32 scores ([rows, kv_heads, queries, keys]) exceed ``CPU_SCORES_BYTES_PER_PASS``; then the
+    most rows, a divisor of ``rows``, whose scores fit. XLA:CPU hands the softmax and its products
+    to YNNPACK, which allocates the exponentials afresh per call: above glibc's 32 MiB mmap
+    threshold every such buffer is mapped, faulted in page by page and unmapped again, per layer of
+    every prompt append (docs/benchmarks.md, "Attention a few rows at a time"). Below it the heap
+    keeps and reuses them. Other backends take every row at once."""
+    if jax.default_backend() != "cpu":
+        return rows
+    fitting = max(1, CPU_SCORES_BYTES_PER_PASS // (kv_heads * queries * keys * 4))
+    return max(r for r in range(1, min(rows, fitting) + 1) if rows % r == 0)
+
+
+def attend(q: Array, blocks: Sequence[KeyBlock], in_row_passes: bool = False) -> Array:
     """Grouped-query softmax attention of q [B, T, heads, d] over key blocks, normalised jointly.
 
     Splitting keys into blocks lets the cached path attend to "the cache" and "the new tokens"
     without concatenating (copying) the cache. The T query steps and the heads sharing a kv head
     are folded into one axis, so each (row, kv head) is one plain matrix product with its keys.
     Scores and softmax are float32.
+
+    ``in_row_passes``: rows are independent, so large scores may be computed a few rows per pass
+    (``rows_per_pass``), in a loop over the row groups: the same sums. The rollout's prompt blocks
+    take it; the update does not, whose backward through the loop costs more than it saves
+    (docs/benchmarks.md, "Attention a few rows at a time").
     """
+    B, T, H, _ = q.shape
+    kv_heads = blocks[0][0].shape[1]
+    rows = rows_per_pass(B, kv_heads, T * H // kv_heads, sum(k.shape[2] for k, _, _ in blocks)) if in_row_passes else B
+    if rows == B:
+        return _attend_rows(q, blocks)
+    in_passes = lambda x: x.reshape(B // rows, rows, *x.shape[1:])  # noqa: E731
+    blocks = [(k, v, jnp.broadcast_to(allowed, (B, *allowed.shape[1:]))) for k, v, allowed in blocks]
+    out = jax.lax.map(lambda args: _attend_rows(*args), (in_passes(q), jax.tree.map(in_passes, blocks)))
+    return out.reshape(q.shape)
+
+
+def _attend_rows(q: Array, blocks: Sequence[KeyBlock]) -> Array:
+    """``attend`` of every row of q in one pass."""
     B, T, H, D = q.shape
     kv_heads = blocks[0][0].shape[1]
     G = H // kv_heads
@@ -363,12 +402,14 @@ def _rounded(x: Array) -> Array:
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def _attend_after(q: Array, k: Array, v: Array, k_prefix: Array, v_prefix: Array, visible: Array) -> Array:
+def _attend_after(q: Array, k: Array, v: Array, k_prefix: Array, v_prefix: Array, visible: Array,
+                  in_row_passes: bool = False) -> Array:
     """Attention of a block of T new tokens (q [B, T, H, d], k/v [B, T, kv_heads, d]) to a prefix of
-    keys/values [B, kv_heads, S, d] whose slots are ``visible`` [B, 1, S], and causally to each other."""
+    keys/values [B, kv_heads, S, d] whose slots are ``visible`` [B, 1, S], and causally to each other
+    (``attend`` says what ``in_row_passes`` does)."""
     causal = jnp.tril(jnp.ones((q.shape[1],) * 2, bool))[None]  # [1, T, T]
     new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
-    return attend(q, [(k_prefix, v_prefix, visible), new])
+    return attend(q, [(k_prefix, v_prefix, visible), new], in_row_passes)
 
 
 Attention = Callable[[Array, Array, Array], Array]  # (q [B,T,H,d], k, v [B,T,kv_heads,d]) -> [B,T,H,d]
@@ -530,11 +571,12 @@ class Decoder(nnx.Module):
         return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
 
     def _continue(self, tokens: Array, positions: Array, prefix_k: Array, prefix_v: Array, visible: Array,
-                  remat: str) -> tuple[Array, tuple[Array, Array]]:
+                  remat: str, in_row_passes: bool = False) -> tuple[Array, tuple[Array, Array]]:
         """Tokens [B, T] at ``positions`` after a prefix of keys/values [layers, B, kv_heads, S, d]
-        whose slots are ``visible`` [B, 1, S]; causal among themselves. Returns (x, each layer's k, v)."""
+        whose slots are ``visible`` [B, 1, S]; causal among themselves (``attend`` says what
+        ``in_row_passes`` does). Returns (x, each layer's k, v)."""
         def attention(q, k, v, layer_prefix: tuple[Array, Array]):
-            return _attend_after(q, k, v, *layer_prefix, visible)
+            return _attend_after(q, k, v, *layer_prefix, visible, in_row_passes)
 
         return self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v), remat=remat)
 
@@ -587,7 +629,7 @@ class Decoder(nnx.Module):
         program compiles once for every layer (module docstring)."""
         num_new = num_new.astype(jnp.int32)
         positions, cached = _appended(lengths, tokens.shape[1], k.shape[3])
-        x, (k_new, v_new) = self._continue(tokens, positions, k, v, cached, remat="none")
+        x, (k_new, v_new) = self._continue(tokens, positions, k, v, cached, remat="none", in_row_passes=True)
         slots = _write_slots(positions, num_new, k.shape[3])
         return x, _write_rows(k, k_new, slots), _write_rows(v, v_new, slots)
 

@@ -1,6 +1,7 @@
 """The decoder against transformers (PyTorch, CPU) on tiny random Qwen2 and Llama checkpoints."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -269,3 +270,86 @@ def test_decode_size_scores_computed_keys_first_agree_and_stay_keys_first(T, mon
     want = run(q, *cached, *new)
     # scores are sums of 16 float32 products in another order: ~16 eps relative; outputs are O(1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_per_pass_takes_the_most_rows_whose_scores_fit(monkeypatch):
+    """On CPU: every row while the float32 scores fit the budget, else the largest divisor of the
+    rows that fits (one row at the least); other backends always every row."""
+    from starpo_jax.models import decoder
+
+    monkeypatch.setattr(decoder, "CPU_SCORES_BYTES_PER_PASS", 1000)
+    per_row = 2 * 3 * 10 * 4  # kv heads × queries × keys × 4 bytes = 240: 4 rows fit in 1000 bytes
+    assert decoder.rows_per_pass(4, 2, 3, 10) == 4
+    assert decoder.rows_per_pass(12, 2, 3, 10) == 4
+    assert decoder.rows_per_pass(9, 2, 3, 10) == 3  # 4 does not divide 9
+    assert decoder.rows_per_pass(7, 2, 3, 10) == 1
+    assert decoder.rows_per_pass(8, 2, 3, 100) == 1  # one row is over the budget: still one row a pass
+    assert 4 * per_row <= 1000 < 5 * per_row
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decoder.rows_per_pass(12, 2, 3, 100) == 12
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_attention_in_row_passes_equals_one_pass(blocks, monkeypatch):
+    """Scores over the budget, with in_row_passes, are computed a few rows per pass, in a loop: the same attention and
+    the same gradient as every row at once (one sequence as in training, or a cache and new tokens
+    with a mask shared by every row), up to the order of float32 sums."""
+    from starpo_jax.models import decoder
+
+    B, T, H, kv, D, S = 6, 5, 4, 2, 16, 9
+    keys = jax.random.split(jax.random.key(blocks), 5)
+    q = jax.random.normal(keys[0], (B, T, H, D))
+    causal = jnp.tril(jnp.ones((T, T), bool))[None]  # [1, T, T]: broadcast over the rows
+    new = (jax.random.normal(keys[1], (B, kv, T, D)), jax.random.normal(keys[2], (B, kv, T, D)), causal)
+    visible = jnp.arange(S)[None, None, :] < jnp.array([0, 3, 9, 5, 1, 7])[:, None, None]  # row 0: empty cache
+    cached = (jax.random.normal(keys[3], (B, kv, S, D)), jax.random.normal(keys[4], (B, kv, S, D)), visible)
+    key_blocks = [new] if blocks == 1 else [cached, new]
+
+    masks = [allowed for _, _, allowed in key_blocks]
+
+    def loss(q, keys_values):
+        return jnp.sum(jnp.sin(decoder.attend(q, [(k, v, m) for (k, v), m in zip(keys_values, masks)])))
+
+    keys_values = [(k, v) for k, v, _ in key_blocks]
+    whole, whole_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(q, keys_values)
+    queries, slots = T * H // kv, sum(k.shape[2] for k, _, _ in key_blocks)
+    monkeypatch.setattr(decoder, "CPU_SCORES_BYTES_PER_PASS", 2 * kv * queries * slots * 4)  # two rows' scores
+    assert decoder.rows_per_pass(B, kv, queries, slots) == 2
+    one_pass = str(jax.jit(lambda q, b: decoder.attend(q, b)).lower(q, key_blocks).compile().as_text())
+    assert " while(" not in one_pass  # without in_row_passes: every row at once, whatever the budget
+    in_passes_attend = functools.partial(decoder.attend, in_row_passes=True)
+    program = str(jax.jit(in_passes_attend).lower(q, key_blocks).compile().as_text())
+    assert " while(" in program  # a loop over the row passes
+    monkeypatch.setattr(decoder, "attend", in_passes_attend)
+    in_passes, passes_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(q, keys_values)
+    # sums of 16 float32 products and softmaxes over ≤ 14 keys in another order: ~16 eps relative
+    np.testing.assert_allclose(in_passes, whole, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(passes_grad), jax.tree.leaves(whole_grad)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_does_not(pair, monkeypatch):
+    """``extend_stacked`` (the rollout's prefill and appends) attends in row passes; the update's
+    forward over a shared prefix (``hidden_states_after``) and full sequences do not."""
+    from starpo_jax.models import decoder
+
+    config, _, model = pair
+    seen: list[tuple[str, bool]] = []
+    attend = decoder.attend
+
+    def recorded(q, blocks, in_row_passes=False):
+        seen.append((caller, in_row_passes))
+        return attend(q, blocks, in_row_passes)
+
+    monkeypatch.setattr(decoder, "attend", recorded)
+    B, T, S = 2, 3, 8
+    tokens = jnp.ones((B, T), jnp.int32)
+    k, v = KVCache.init(config, B, S).stacked()
+    caller = "extend_stacked"
+    jax.eval_shape(lambda m: m.extend_stacked(tokens, jnp.full((B,), T), k, v, jnp.zeros((B,), jnp.int32)), model)
+    caller = "hidden_states_after"
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    jax.eval_shape(lambda m: m.hidden_states_after(tokens, positions + S, k, v, jnp.full((B,), 4)), model)
+    caller = "hidden_states"
+    jax.eval_shape(lambda m: m.hidden_states(tokens, positions), model)
+    assert set(seen) == {("extend_stacked", True), ("hidden_states_after", False), ("hidden_states", False)}
