@@ -152,7 +152,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from starpo_jax.rollout import sampling
 from starpo_jax.runtime import sharding
-from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.models import Decoder, ModelState, decoder, preset
 config, B, T = preset("tiny-llama"), 4, 8
 mesh = sharding.make_mesh(2, 1, 1)
 graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
@@ -175,23 +175,31 @@ with sharding.use_mesh(mesh):
     num_new = placed(jax.ShapeDtypeStruct((B,), jnp.int32), by_rows)
     extend = lambda m, c, t, n: m.merge().extend(t, n, c)[1]
     prefill = jax.jit(extend, donate_argnums=1).lower(model, cache, tokens, num_new).compile().as_text()
+    # A prompt block appended as the rollout appends it (the layer scan), its attention in passes
+    # of one row each (a budget below one row's scores): each pass takes a row of each device.
+    decoder.CPU_SCORES_BYTES_PER_PASS = 1
+    appended = lambda m, c, t, n: sampling.append(m, c, t, n, windowed=False)[0]
+    passes = jax.jit(appended, donate_argnums=1).lower(model, cache, tokens, num_new).compile().as_text()
 collective = r"= ([^=]+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
 local = f"{B // 2},{config.num_kv_heads},32,{config.head_dim}]"  # a device's half of a layer's cache
 print(json.dumps({"decode": re.findall(collective, decode), "prefill": re.findall(collective, prefill),
+                  "append_in_row_passes": re.findall(collective, passes), "loops": passes.count(" while("),
                   "partitioned": f"[{local}" in decode and f"[{local}" in prefill}))
 """
 
 
 def test_data_parallel_decoding_stays_on_each_device():
     """Each device holds its rows' cache and the whole policy, so neither a decoded token nor a
-    prefill block needs any communication. A KV-cache write that scatters by (row, slot) pairs made
+    prefill block (attending in row passes or not) needs any communication. A KV-cache write that scatters by (row, slot) pairs made
     the partitioner all-gather every row's new keys, values and slots to every device."""
     env = {**os.environ, **simulated_devices(2)}
     proc = subprocess.run([sys.executable, "-c", LOCAL_ROWS_SCRIPT], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"decode": [], "prefill": [], "partitioned": True}, out
+    loops = out.pop("loops")
+    assert out == {"decode": [], "prefill": [], "append_in_row_passes": [], "partitioned": True}, out
+    assert loops >= 2, loops  # the layer scan, and the row passes inside it
 
 
 def test_mesh_errors_name_what_to_change():

@@ -55,10 +55,12 @@ of the cache (``KVCache.head``) just large enough for the live rows.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Literal, Mapping, NamedTuple, Sequence, cast
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax import nnx, struct
 from flax.linen import with_logical_constraint
 
@@ -316,13 +318,32 @@ def attend(q: Array, blocks: Sequence[KeyBlock], in_row_passes: bool = False) ->
     """
     B, T, H, _ = q.shape
     kv_heads = blocks[0][0].shape[1]
-    rows = rows_per_pass(B, kv_heads, T * H // kv_heads, sum(k.shape[2] for k, _, _ in blocks)) if in_row_passes else B
-    if rows == B:
+    splits = _row_splits(B)
+    share = B // splits  # the rows on one device
+    rows = rows_per_pass(share, kv_heads, T * H // kv_heads, sum(k.shape[2] for k, _, _ in blocks)) if in_row_passes else share
+    if rows == share:
         return _attend_rows(q, blocks)
-    in_passes = lambda x: x.reshape(B // rows, rows, *x.shape[1:])  # noqa: E731
+    passes = share // rows
+    # Pass p takes rows [p·rows, (p+1)·rows) of every device's share, so a batch split over devices
+    # stays split (a pass of contiguous rows would gather them onto one device).
+    def in_passes(x: Array) -> Array:
+        by_pass = jnp.moveaxis(x.reshape(splits, passes, rows, *x.shape[1:]), 1, 0)
+        return by_pass.reshape(passes, splits * rows, *x.shape[1:])
+
     blocks = [(k, v, jnp.broadcast_to(allowed, (B, *allowed.shape[1:]))) for k, v, allowed in blocks]
     out = jax.lax.map(lambda args: _attend_rows(*args), (in_passes(q), jax.tree.map(in_passes, blocks)))
-    return out.reshape(q.shape)
+    return jnp.moveaxis(out.reshape(passes, splits, rows, *q.shape[1:]), 0, 1).reshape(q.shape)
+
+
+def _row_splits(rows: int) -> int:
+    """How many ways the current mesh splits a batch of ``rows`` rows (the logical axis "batch",
+    ``sharding.RULES``): 1 without a mesh, or where the split would not be even."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = dict(nn.get_logical_axis_rules()).get("batch")
+    if mesh.empty or axes is None:
+        return 1
+    splits = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    return splits if rows % splits == 0 else 1
 
 
 def _attend_rows(q: Array, blocks: Sequence[KeyBlock]) -> Array:
