@@ -32,7 +32,8 @@ Layout choices:
   several times slower once the keys are large (``_keys_lead_the_product``). A block of prompt
   tokens on CPU attends a few rows at a time once its scores outgrow glibc's mmap threshold
   (``rows_per_pass``): the matrix library's fresh buffer for them is then reused from the heap
-  instead of mapped and faulted in per layer. The update keeps every row in one pass.
+  instead of mapped and faulted in per layer. The update and the decode step keep every row in
+  one pass.
 
 The decode step does not scan. The scan hands each block its weights and its slice of a stacked
 cache through dynamic slices, which XLA materialises at every decoded token: a copy of every weight
@@ -45,9 +46,11 @@ and updates it in place. (A read the write does not wait for makes XLA copy the 
 Holding the cache stacked between calls and splitting it per layer around each decode call copied
 the whole cache twice per turn, at a few GB/s on the CPU (docs/benchmarks.md). The price is a second
 copy of the weights while a call runs, and compile time that grows with depth. A block of prompt
-tokens (``extend_stacked``: prefill and each turn's append) keeps the layer scan, over the cache
-stacked once per call: those copies are a few % of a block's work, where unrolling 30 blocks made its
-program compile ~2.5x longer. The training passes keep the scan too. Attention reads every
+tokens (``sampling.append``: prefill and each turn's append) runs the same unrolled blocks: through
+the layer scan its program compiled ~2x faster, but stacking the cache for the scan, slicing each
+layer out and splitting it back cost more at every call than the compile once attention ran in row
+passes (docs/benchmarks.md, "Attention a few rows at a time"). The training passes keep the scan.
+Attention reads every
 slot of the cache it is given; ``sampling.decode`` and ``sampling.append`` therefore run in a window
 of the cache (``KVCache.head``) just large enough for the live rows.
 """
@@ -177,16 +180,6 @@ class KVCache(struct.PyTreeNode):
         """The cache of rows ``index`` [N] (a gather: rows may repeat)."""
         return KVCache(k=tuple(k[index] for k in self.k), v=tuple(v[index] for v in self.v),
                        lengths=self.lengths[index])
-
-    def stacked(self) -> tuple[Array, Array]:
-        """Keys and values as ``[layers, batch, kv_heads, max_len, head_dim]`` arrays (a copy): the
-        operands of ``Decoder.extend_stacked``."""
-        return jnp.stack(self.k), jnp.stack(self.v)
-
-    @classmethod
-    def from_stacked(cls, k: Array, v: Array, lengths: Array) -> "KVCache":
-        """The inverse of ``stacked`` (a copy)."""
-        return cls(k=tuple(k), v=tuple(v), lengths=lengths)
 
 
 def _appended(lengths: Array, T: int, max_len: int) -> tuple[Array, Array]:
@@ -592,12 +585,11 @@ class Decoder(nnx.Module):
         return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
 
     def _continue(self, tokens: Array, positions: Array, prefix_k: Array, prefix_v: Array, visible: Array,
-                  remat: str, in_row_passes: bool = False) -> tuple[Array, tuple[Array, Array]]:
+                  remat: str) -> tuple[Array, tuple[Array, Array]]:
         """Tokens [B, T] at ``positions`` after a prefix of keys/values [layers, B, kv_heads, S, d]
-        whose slots are ``visible`` [B, 1, S]; causal among themselves (``attend`` says what
-        ``in_row_passes`` does). Returns (x, each layer's k, v)."""
+        whose slots are ``visible`` [B, 1, S]; causal among themselves. Returns (x, each layer's k, v)."""
         def attention(q, k, v, layer_prefix: tuple[Array, Array]):
-            return _attend_after(q, k, v, *layer_prefix, visible, in_row_passes)
+            return _attend_after(q, k, v, *layer_prefix, visible)
 
         return self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v), remat=remat)
 
@@ -612,7 +604,8 @@ class Decoder(nnx.Module):
         return x
 
     def extend(self, tokens: Array, num_new: Array, cache: KVCache,
-               weights: Sequence[Mapping[str, Array]] | None = None) -> tuple[Array, KVCache]:
+               weights: Sequence[Mapping[str, Array]] | None = None,
+               in_row_passes: bool = False) -> tuple[Array, KVCache]:
         """Append a block of tokens [B, T] (the decode step: T = 1) to each row of the cache, the blocks
         unrolled; row b's real tokens are the first ``num_new[b]`` (right padding). Returns the block's
         final-normed hidden states [B, T, D] and the cache with the block written at each row's offset
@@ -626,7 +619,8 @@ class Decoder(nnx.Module):
         place. Each writes its new keys and values into its buffer first and then attends to the
         written buffer (the new slots stay masked: the new block is attended to apart). Reading after
         the write orders the two, so XLA updates the buffer in place; a read that the write does not
-        wait for makes it copy the buffer first."""
+        wait for makes it copy the buffer first. ``in_row_passes``: as ``attend`` says (a block of
+        prompt tokens takes it, ``sampling.append``; the decode step's scores are small)."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
         num_new = num_new.astype(jnp.int32)
@@ -637,22 +631,9 @@ class Decoder(nnx.Module):
             q, k, v = block_qkv(c, p, x, positions)
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
-            x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached)))
+            x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
-
-    def extend_stacked(self, tokens: Array, num_new: Array, k: Array, v: Array,
-                       lengths: Array) -> tuple[Array, Array, Array]:
-        """``extend`` on a cache stacked ``[layers, B, kv_heads, S, d]`` (``KVCache.stacked``), the
-        blocks in one lax.scan: the same values, compiled once for every layer. Returns (hidden
-        states [B, T, D], k, v). The scan slices (copies) each layer's cache out of the stack once per
-        call: for a block of prompt tokens (``sampling.append``) that is a few % of its work, and the
-        program compiles once for every layer (module docstring)."""
-        num_new = num_new.astype(jnp.int32)
-        positions, cached = _appended(lengths, tokens.shape[1], k.shape[3])
-        x, (k_new, v_new) = self._continue(tokens, positions, k, v, cached, remat="none", in_row_passes=True)
-        slots = _write_slots(positions, num_new, k.shape[3])
-        return x, _write_rows(k, k_new, slots), _write_rows(v, v_new, slots)
 
 
 class ModelState(struct.PyTreeNode):

@@ -26,9 +26,9 @@ reduction loop it cannot vectorise.
 
 The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights per
 layer once per call, and the cache is one buffer per layer (``KVCache``) from its creation to the
-rollout's end; each step runs the blocks unrolled (``Decoder.extend``). ``append`` stacks the cache
-once per call and runs its prompt chunks through the layer scan (``Decoder.extend_stacked``), which
-compiles once for every layer (models/decoder.py says why, and what each costs).
+rollout's end; each step runs the blocks unrolled (``Decoder.extend``). ``append`` runs its prompt
+chunks through the same unrolled blocks, their attention a few rows at a time on CPU
+(models/decoder.py says why, and what each costs).
 
 Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
@@ -98,18 +98,19 @@ def append(
     chunks = jnp.pad(tokens, ((0, 0), (0, num_chunks * size - T))).reshape(B, num_chunks, size).swapaxes(0, 1)
 
     def append_in(cache: KVCache) -> tuple[KVCache, Array]:
+        weights = decoder.layers.per_layer()  # split once, read by every chunk
+
         def step(carry, xs):
-            k, v, lengths, last_hidden = carry
+            cache, last_hidden = carry
             index, chunk = xs
             real = jnp.clip(num_new - index * size, 0, size)
-            hidden, k, v = decoder.extend_stacked(chunk, real, k, v, lengths)
+            hidden, cache = decoder.extend(chunk, real, cache, weights, in_row_passes=True)
             at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
-            return (k, v, lengths + real, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
+            return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
 
-        init = (*cache.stacked(), cache.lengths,
-                jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
-        (k, v, lengths, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
-        return KVCache.from_stacked(k, v, lengths), last_hidden
+        init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
+        (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+        return cache, last_hidden
 
     needed = jnp.max(jnp.where(num_new > 0, cache.lengths + num_new, 0))
     cache, last_hidden = in_smallest_window(append_in, cache, needed, windowed)

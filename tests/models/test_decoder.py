@@ -16,6 +16,7 @@ from starpo_jax.models import (
     Decoder,
     KVCache,
     ModelConfig,
+    ModelState,
     decoder_from_hf_tensors,
     decoder_to_hf_tensors,
     preset,
@@ -328,10 +329,12 @@ def test_attention_in_row_passes_equals_one_pass(blocks, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_does_not(pair, monkeypatch):
-    """``extend_stacked`` (the rollout's prefill and appends) attends in row passes; the update's
-    forward over a shared prefix (``hidden_states_after``) and full sequences do not."""
+def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do_not(pair, monkeypatch):
+    """``sampling.append`` (the rollout's prefill and appends) attends in row passes; the decode
+    step, the update's forward over a shared prefix (``hidden_states_after``) and full sequences
+    do not."""
     from starpo_jax.models import decoder
+    from starpo_jax.rollout import sampling
 
     config, _, model = pair
     seen: list[tuple[str, bool]] = []
@@ -344,12 +347,18 @@ def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_does_not(pair
     monkeypatch.setattr(decoder, "attend", recorded)
     B, T, S = 2, 3, 8
     tokens = jnp.ones((B, T), jnp.int32)
-    k, v = KVCache.init(config, B, S).stacked()
-    caller = "extend_stacked"
-    jax.eval_shape(lambda m: m.extend_stacked(tokens, jnp.full((B,), T), k, v, jnp.zeros((B,), jnp.int32)), model)
+    state = ModelState.split(model)
+    cache = KVCache.init(config, B, S)
+    caller = "append"
+    unjitted_append = sampling.append.__wrapped__  # type: ignore[attr-defined]  # traced anew, not from jit's cache
+    jax.eval_shape(lambda m, c: unjitted_append(m, c, tokens, jnp.full((B,), T)), state, cache)
+    caller = "decode step"
+    jax.eval_shape(lambda m, c: m.merge().extend(tokens[:, :1], jnp.ones((B,)), c), state, cache)
     caller = "hidden_states_after"
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    k = v = jnp.zeros((config.num_layers, B, config.num_kv_heads, S, config.head_dim))
     jax.eval_shape(lambda m: m.hidden_states_after(tokens, positions + S, k, v, jnp.full((B,), 4)), model)
     caller = "hidden_states"
     jax.eval_shape(lambda m: m.hidden_states(tokens, positions), model)
-    assert set(seen) == {("extend_stacked", True), ("hidden_states_after", False), ("hidden_states", False)}
+    assert set(seen) == {("append", True), ("decode step", False), ("hidden_states_after", False),
+                         ("hidden_states", False)}
