@@ -175,7 +175,7 @@ with sharding.use_mesh(mesh):
     num_new = placed(jax.ShapeDtypeStruct((B,), jnp.int32), by_rows)
     extend = lambda m, c, t, n: m.merge().extend(t, n, c)[1]
     prefill = jax.jit(extend, donate_argnums=1).lower(model, cache, tokens, num_new).compile().as_text()
-    # A prompt block appended as the rollout appends it (the layer scan), its attention in passes
+    # A prompt block appended as the rollout appends it (sampling.append), its attention in passes
     # of one row each (a budget below one row's scores): each pass takes a row of each device.
     decoder.CPU_SCORES_BYTES_PER_PASS = 1
     appended = lambda m, c, t, n: sampling.append(m, c, t, n, windowed=False)[0]
@@ -199,7 +199,7 @@ def test_data_parallel_decoding_stays_on_each_device():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     loops = out.pop("loops")
     assert out == {"decode": [], "prefill": [], "append_in_row_passes": [], "partitioned": True}, out
-    assert loops >= 2, loops  # the layer scan, and the row passes inside it
+    assert loops >= 2, loops  # the append's loop over chunks, and the row passes inside it
 
 
 def test_mesh_errors_name_what_to_change():
