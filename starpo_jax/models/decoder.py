@@ -309,11 +309,13 @@ def attend(q: Array, blocks: Sequence[KeyBlock], in_row_passes: bool = False) ->
     take it; the update does not, whose backward through the loop costs more than it saves
     (docs/benchmarks.md, "Attention a few rows at a time").
     """
+    if not in_row_passes:
+        return _attend_rows(q, blocks)
     B, T, H, _ = q.shape
     kv_heads = blocks[0][0].shape[1]
     splits = _row_splits(B)
     share = B // splits  # the rows on one device
-    rows = rows_per_pass(share, kv_heads, T * H // kv_heads, sum(k.shape[2] for k, _, _ in blocks)) if in_row_passes else share
+    rows = rows_per_pass(share, kv_heads, T * H // kv_heads, sum(k.shape[2] for k, _, _ in blocks))
     if rows == share:
         return _attend_rows(q, blocks)
     passes = share // rows
@@ -584,15 +586,6 @@ class Decoder(nnx.Module):
         _, (k, v) = self._scan_blocks(self._embed(tokens), positions, attention, remat=self.config.remat)
         return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
 
-    def _continue(self, tokens: Array, positions: Array, prefix_k: Array, prefix_v: Array, visible: Array,
-                  remat: str) -> tuple[Array, tuple[Array, Array]]:
-        """Tokens [B, T] at ``positions`` after a prefix of keys/values [layers, B, kv_heads, S, d]
-        whose slots are ``visible`` [B, 1, S]; causal among themselves. Returns (x, each layer's k, v)."""
-        def attention(q, k, v, layer_prefix: tuple[Array, Array]):
-            return _attend_after(q, k, v, *layer_prefix, visible)
-
-        return self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v), remat=remat)
-
     def hidden_states_after(self, tokens: Array, positions: Array, prefix_k: Array, prefix_v: Array,
                             prefix_length: Array) -> Array:
         """Final-normed hidden states [B, T, D] of tokens [B, T] at ``positions`` that follow each
@@ -600,7 +593,12 @@ class Decoder(nnx.Module):
         same values as ``hidden_states`` of the whole sequences at those positions, without
         recomputing the prefix. Rematerialised under ``jax.grad`` as ``hidden_states``."""
         visible = (jnp.arange(prefix_k.shape[3]) < prefix_length[:, None])[:, None, :]  # [B, 1, S]
-        x, _ = self._continue(tokens, positions, prefix_k, prefix_v, visible, self.config.remat)
+
+        def attention(q, k, v, layer_prefix: tuple[Array, Array]):
+            return _attend_after(q, k, v, *layer_prefix, visible)
+
+        x, _ = self._scan_blocks(self._embed(tokens), positions, attention, (prefix_k, prefix_v),
+                                 remat=self.config.remat)
         return x
 
     def extend(self, tokens: Array, num_new: Array, cache: KVCache,
