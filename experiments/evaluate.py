@@ -156,9 +156,11 @@ def check_evaluation(config, tags, batch: int):
 def load_evaluated_policy(config, source: str, trained: bool = True):
     """``(model, tokenizer)``: a run folder's trained policy (its latest checkpoint; not read unless
     ``trained``), else the model ``config`` names."""
-    if trained and is_run_folder(source) and not checkpoint.saved_steps(Path(source) / "checkpoints"):
-        raise CheckpointError(f"{Path(source) / 'checkpoints'} holds no saved step: the run has no trained policy "
-                              "to evaluate yet.")  # found before the model loads
+    if trained and is_run_folder(source):  # found before the model loads
+        if not checkpoint.saved_steps(Path(source) / "checkpoints"):
+            raise CheckpointError(f"{Path(source) / 'checkpoints'} holds no saved step: the run has no trained "
+                                  "policy to evaluate yet.")
+        checkpoint.check_saved_files(Path(source) / "checkpoints")
     model, tokenizer = load_policy(config)
     if trained and is_run_folder(source):
         run_dir = Path(source)

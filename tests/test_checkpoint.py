@@ -40,8 +40,13 @@ def test_restore_checks_every_array_and_falls_back_from_a_damaged_step(tmp_path)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # the abandoned reads' tracebacks
-def test_a_truncated_only_step_is_one_sentence(tmp_path, capfd):
+@pytest.mark.parametrize("listed", [True, False], ids=["file sizes", "orbax's read"])
+def test_a_truncated_only_step_is_one_sentence(tmp_path, capfd, listed):
+    """Found from the step's list of file sizes, or, for a step without one (many hosts), by the
+    read that fails."""
     saved(tmp_path, steps=(1,))
+    if not listed:
+        (tmp_path / "checkpoints" / "1" / checkpoint.FILE_SIZES).unlink()
     os.truncate(data_file(tmp_path, 1), data_file(tmp_path, 1).stat().st_size // 2)
     with pytest.raises(checkpoint.CheckpointError) as err:
         checkpoint.restore(checkpoint.manager(tmp_path / "checkpoints"), STATE)
@@ -50,6 +55,27 @@ def test_a_truncated_only_step_is_one_sentence(tmp_path, capfd):
     assert len(message) < 600
     printed = capfd.readouterr()
     assert "TensorStore" not in printed.err + printed.out and "Traceback" not in printed.err + printed.out
+
+
+def test_a_step_cut_short_on_disk_is_found_from_its_file_sizes_alone(tmp_path):
+    """No state to restore into is needed (the model need not be loaded): a truncated or missing file
+    is named; an older whole step passes, and restore falls back to it."""
+    saved(tmp_path)
+    folder = tmp_path / "checkpoints"
+    checkpoint.check_saved_files(folder)  # both steps whole
+    truncated = data_file(tmp_path, 2)
+    os.truncate(truncated, truncated.stat().st_size - 1)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 2 .* is truncated: its file state/.* holds \d+ of the"):
+        checkpoint.check_files(folder, 2)
+    checkpoint.check_saved_files(folder)  # step 1 is whole
+    warnings: list[str] = []
+    assert checkpoint.restore(checkpoint.manager(folder), STATE, warn=warnings.append).step == 1
+    assert len(warnings) == 1 and "is truncated" in warnings[0] and "Falling back to step 1" in warnings[0]
+    data_file(tmp_path, 1).unlink()
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.check_saved_files(folder)
+    assert "step 1" in str(err.value) and "is incomplete: its file state/" in str(err.value)
+    assert str(err.value).endswith("No intact checkpoint is left.")
 
 
 def test_damaged_steps_are_set_aside_not_deleted(tmp_path):

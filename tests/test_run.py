@@ -145,14 +145,17 @@ def test_resume_from_a_truncated_checkpoint_is_one_line(full_run, tmp_path):
     assert "TensorStore" not in proc.stderr and "Traceback" not in proc.stderr and "Event loop" not in proc.stderr
 
 
-def test_evaluate_of_a_truncated_checkpoint_is_one_line(full_run, tmp_path, capsys):
+def test_evaluate_of_a_truncated_checkpoint_is_one_line(full_run, tmp_path, capsys, monkeypatch):
     """Every saved step truncated: evaluate says so in one line, status 2, in words that fit it
-    (not resuming's)."""
+    (not resuming's), before it loads the model."""
     import shutil
+
+    from experiments import evaluate as evaluate_command
 
     run_dir = tmp_path / "run"
     shutil.copytree(full_run, run_dir)
     truncate_every_step(run_dir / "checkpoints")
+    monkeypatch.setattr(evaluate_command, "load_policy", lambda config: pytest.fail("the model was loaded"))
     status, _, stderr = evaluated_here(capsys, "--model", str(run_dir), "--suite", "bandit", "--levels", "2")
     errors = error_lines(stderr)
     assert status == 2 and errors[-1].startswith("error: Checkpoint step ") and errors[-1].endswith(

@@ -9,6 +9,11 @@ step is used instead. A step whose arrays have other shapes or another structure
 the run builds (another model or config) is no damage: ``restore`` raises ``CheckpointMismatch``,
 found from orbax's metadata before anything is read, and tries no older step.
 
+A finished step also lists its files' sizes (``FILE_SIZES``, single-process runs), so that a step
+cut short on disk (a full disk, an interrupted copy) is found from the sizes alone, before a model
+is loaded to restore into (``check_saved_files``); the checksums still catch damaged bytes when the
+step is read.
+
 A ``TrainState``'s frozen copies of the initial weights (``FROZEN``: the KL reference, LoRA's base)
 are not written: every start rebuilds them from ``model.source``, and a checkpoint holds only
 their checksums, so that a resume whose ``model.source`` now holds other weights is refused as a
@@ -23,7 +28,9 @@ function of its weights, step and key); they are checked like the state.
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
 import shutil
 import sys
 import zlib
@@ -171,6 +178,51 @@ def save(mgr: ocp.CheckpointManager, step: int, state, host: dict, pending=None)
         items["pending"] = ocp.args.StandardSave(pending)
     mgr.save(step, args=ocp.args.Composite(host=ocp.args.JsonSave(host), **items))
     mgr.wait_until_finished()
+    if jax.process_count() == 1:  # with many hosts each writes its own files, maybe to its own disk
+        _write_file_sizes(Path(str(mgr.directory)) / str(step))
+
+
+FILE_SIZES = "file_sizes.json"  # {path in the step's folder: bytes}, written once the step is complete
+
+
+def _write_file_sizes(step_dir: Path) -> None:
+    sizes = {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
+    partial = step_dir / (FILE_SIZES + ".partial")
+    partial.write_text(json.dumps(sizes, indent=0))
+    os.replace(partial, step_dir / FILE_SIZES)  # a step without the list is read (and checked) as before
+
+
+def check_files(directory: str | Path, step: int) -> None:
+    """Raise ``CheckpointError`` if a file of step ``step`` is missing or has another size than when
+    it was written; a step saved without the list (many hosts) passes."""
+    step_dir = Path(directory) / str(step)
+    where = f"Checkpoint step {step} in {Path(directory).absolute()}"
+    try:
+        sizes = json.loads((step_dir / FILE_SIZES).read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{where} is damaged: its {FILE_SIZES} cannot be read ({err}).") from None
+    for name, size in sizes.items():
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{where} is incomplete: its file {name} is missing.")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{where} is truncated: its file {name} holds {path.stat().st_size} of the "
+                                  f"{size} bytes written.")
+
+
+def check_saved_files(directory: str | Path) -> None:
+    """Raise the last ``check_files`` error if no saved step in ``directory`` is whole on
+    disk: what ``restore`` would find after the model is built, from the files' sizes alone."""
+    failed = None
+    for step in saved_steps(directory):
+        try:
+            return check_files(directory, step)
+        except CheckpointError as err:
+            failed = err  # as restore reports it: the oldest step tried last
+    if failed is not None:
+        raise CheckpointError(f"{failed} No intact checkpoint is left.")
 
 
 def _warn(message: str) -> None:
@@ -203,6 +255,7 @@ def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, war
 
 def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pending=None) -> Restored:
     where = f"Checkpoint step {step} in {mgr.directory}"
+    check_files(str(mgr.directory), step)
     like_stored, frozen = _split(like_state)
     likes = {"state": like_stored}
     if like_pending is not None and (Path(str(mgr.directory)) / str(step) / "pending").is_dir():
