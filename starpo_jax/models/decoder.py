@@ -313,7 +313,8 @@ def attend(q: Array, blocks: Sequence[KeyBlock], in_row_passes: bool = False) ->
         return _attend_rows(q, blocks)
     B, T, H, _ = q.shape
     kv_heads = blocks[0][0].shape[1]
-    splits = _row_splits(B)
+    splits = batch_splits()
+    splits = splits if B % splits == 0 else 1  # an uneven split is not the mesh's layout
     share = B // splits  # the rows on one device
     rows = rows_per_pass(share, kv_heads, T * H // kv_heads, sum(k.shape[2] for k, _, _ in blocks))
     if rows == share:
@@ -330,15 +331,14 @@ def attend(q: Array, blocks: Sequence[KeyBlock], in_row_passes: bool = False) ->
     return jnp.moveaxis(out.reshape(passes, splits, rows, *q.shape[1:]), 0, 1).reshape(q.shape)
 
 
-def _row_splits(rows: int) -> int:
-    """How many ways the current mesh splits a batch of ``rows`` rows (the logical axis "batch",
-    ``sharding.RULES``): 1 without a mesh, or where the split would not be even."""
+def batch_splits() -> int:
+    """How many ways the current mesh splits the rows of a batch (the logical axis "batch" under the
+    current rules, ``sharding.RULES``): 1 without a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = dict(nn.get_logical_axis_rules()).get("batch")
     if mesh.empty or axes is None:
         return 1
-    splits = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-    return splits if rows % splits == 0 else 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def _attend_rows(q: Array, blocks: Sequence[KeyBlock]) -> Array:

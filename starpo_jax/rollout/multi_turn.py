@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs_jax.base import TextEnv
-from starpo_jax.models.decoder import ModelState
+from starpo_jax.models.decoder import ModelState, batch_splits
 from starpo_jax.rollout import parsing, prompts
 from starpo_jax.rollout.env_turn import execute_turn
 from starpo_jax.rollout.sampling import DecodeOutput, append, decode, in_head, init_cache
@@ -523,7 +523,7 @@ def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prom
     Rows are gathered within each device's share of the batch (``[shards, rows]``, a batched
     gather), so a row-sharded batch moves no row between devices."""
     B = active.shape[0]
-    shards = _row_shards()
+    shards = batch_splits()
     per = B // shards
     sizes = live_batch_sizes(per, min_rows)
 
@@ -555,12 +555,6 @@ def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prom
         return in_batch_of(per)(cache)
     most_live = jnp.max(jnp.sum(active.reshape(shards, per), axis=1))
     return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), most_live), [in_batch_of(n) for n in sizes], cache)
-
-
-def _row_shards() -> int:
-    """How many ways the current mesh splits rows (1 without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else sharding.rows_per_mesh(mesh)
 
 
 def _gather_local_rows(local, x):
