@@ -158,7 +158,7 @@ class KVCache(struct.PyTreeNode):
     @classmethod
     def init(cls, config: ModelConfig, batch_size: int, max_len: int) -> "KVCache":
         shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
-        zeros = [jnp.zeros(shape, jnp.dtype(config.dtype)) for _ in range(2 * config.num_layers)]
+        zeros = [jnp.zeros(shape, cache_dtype(config)) for _ in range(2 * config.num_layers)]
         return cls(k=tuple(zeros[0::2]), v=tuple(zeros[1::2]), lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
@@ -180,6 +180,14 @@ class KVCache(struct.PyTreeNode):
         """The cache of rows ``index`` [N] (a gather: rows may repeat)."""
         return KVCache(k=tuple(k[index] for k in self.k), v=tuple(v[index] for v in self.v),
                        lengths=self.lengths[index])
+
+
+def cache_dtype(config: ModelConfig) -> jnp.dtype:
+    """The KV cache's dtype: the compute dtype, except float32 on CPU. XLA:CPU computes a bfloat16
+    scatter in float32, so each write of a decode step (``_write_rows``) would convert its layer's
+    whole cache to float32 and back (docs/benchmarks.md, "A bfloat16 KV cache on CPU"). The keys and
+    values hold the compute dtype's values either way: the cast to float32 widens them exactly."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else config.dtype)
 
 
 def _appended(lengths: Array, T: int, max_len: int) -> tuple[Array, Array]:

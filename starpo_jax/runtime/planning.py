@@ -36,7 +36,7 @@ from flax import nnx
 from starpo_jax.forward import full_layout
 from starpo_jax.models import bundled
 from starpo_jax.models.config import PRESETS, ModelConfig, preset
-from starpo_jax.models.decoder import Decoder, ModelState
+from starpo_jax.models.decoder import Decoder, ModelState, cache_dtype
 from starpo_jax.models.gguf_reader import hf_config_from_gguf, open_gguf
 from starpo_jax.models.loading import load_tokenizer, smollm2_tokenizer
 from starpo_jax.runtime import batches, sharding
@@ -310,9 +310,9 @@ def sampler_inputs(exp, state) -> tuple:
 
 def kv_bytes_per_token(model_config) -> int:
     """Bytes one token takes in the KV cache (``KVCache``): a key and a value per layer and kv
-    head, in the compute dtype."""
+    head, in the cache's dtype (``decoder.cache_dtype``)."""
     c = model_config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache_dtype(c).itemsize
 
 
 def kv_cache_bytes(model_config, rows: int, length: int) -> int:

@@ -41,7 +41,7 @@ def right_padded(rows: list[np.ndarray], width: int) -> tuple[np.ndarray, np.nda
 
 def prefill(model, rows, width=8):
     tokens, lengths = right_padded(rows, width)
-    return sampling.append(model, sampling.init_cache(preset("tiny-qwen2"), len(rows), CACHE), tokens, lengths)
+    return sampling.append(model, sampling.init_cache(model.merge().config, len(rows), CACHE), tokens, lengths)
 
 
 def run(model, rows, key=0, **kwargs):
@@ -205,15 +205,22 @@ def test_chunked_prefill_equals_one_block(tiny):
         np.testing.assert_allclose(np.stack(chunked_cache.k)[:, b, :, :n], np.stack(whole_cache.k)[:, b, :, :n], atol=1e-5)
 
 
-def test_bfloat16_sampling_runs_and_follows_fp32(tiny, prompts):
-    config, hf, model = tiny
+def in_bfloat16(hf) -> ModelState:
+    """The tiny model's weights, computing and stored in bfloat16."""
     tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    bf16 = ModelState.split(
+    return ModelState.split(
         decoder_from_hf_tensors(preset("tiny-qwen2", dtype="bfloat16", param_dtype="bfloat16"), tensors)
     )
+
+
+def test_bfloat16_sampling_runs_and_follows_fp32(tiny, prompts):
+    config, hf, model = tiny
+    bf16 = in_bfloat16(hf)
     tokens, lengths = right_padded(prompts, 8)
     cache, logits = sampling.append(bf16, sampling.init_cache(bf16.merge().config, B, CACHE), tokens, lengths)
-    assert cache.k[0].dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    # the cache keeps the compute dtype, except on CPU (float32: decoder.cache_dtype)
+    assert cache.k[0].dtype == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    assert logits.dtype == jnp.float32
     out = sampling.decode(bf16, cache, logits, jax.random.key(0), max_new_tokens=NEW, temperature=0.0)
     reference = run(model, prompts, temperature=0.0)
     np.testing.assert_array_equal(out.lengths, [NEW] * B)
@@ -320,7 +327,8 @@ def _first_group(pattern: str, text: str) -> str:
     return match.group(1)
 
 
-def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prompts):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prompts, dtype):
     """In the compiled decode loop (its body and everything it calls) nothing is sliced, gathered or
     copied to the shape of a layer's weights or cache, and every array of a layer's cache shape is
     that buffer updated in place (a scatter). Decoding through the layer scan dynamic-sliced (copied)
@@ -329,8 +337,12 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
 
     Nor does the loop carry anything of the logits' shape [B, V]: carried logits (sampled at the
     start of a step, rewritten at its end) were copied at every token, and the Gumbel noise's
-    [B, V] counters, hoisted out of the loop by XLA, were read back at every token."""
-    config, _, model = tiny
+    [B, V] counters, hoisted out of the loop by XLA, were read back at every token.
+
+    In bfloat16 too: a bfloat16 cache on CPU made XLA convert each layer's whole cache to float32
+    and back around every write (``decoder.cache_dtype``)."""
+    config, hf, model = tiny
+    model = model if dtype == "float32" else in_bfloat16(hf)
     cache, logits = prefill(model, prompts)
     hlo = sampling.decode.lower(model, cache, logits, jax.random.key(0), max_new_tokens=NEW).compile(AS_A_RUN_COMPILES).as_text()
     assert hlo is not None
