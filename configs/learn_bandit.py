@@ -31,9 +31,10 @@ Choices, each for the budget or for what the probe runs showed (docs/results.md)
   within a few dozen tokens; 16 new tokens per turn: it names an arm in its first few tokens
   (`` Phoenix </answer>``) and then rambles on until the budget cuts it, so a longer budget only
   costs decode steps and update width;
-- full weights in float32 (CPUs gain nothing from bfloat16), no rematerialisation (the update's
-  memory is small), log-probs from the sampler (no recomputation pass), micro-batches of 8 rows:
-  one group per micro-batch, so its first prompt is computed once (``forward.UpdateLayout``);
+- full weights in float32 (bfloat16 runs slower under XLA:CPU: docs/benchmarks.md), no
+  rematerialisation (the update's memory is small), log-probs from the sampler (no recomputation
+  pass), micro-batches of 8 rows: one group per micro-batch, so its first prompt is computed once
+  (``forward.UpdateLayout``);
 - the learning rate from ``experiments.sweep`` (docs/results.md).
 """
 

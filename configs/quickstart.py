@@ -13,8 +13,8 @@ learn nothing measurable. Sizes:
   equal and every GRPO advantage zero; answering directly it names an arm often enough for the
   update to get a signal;
 - 48 new tokens per turn, 320 tokens per trajectory (the Bandit prompt is at most 225 SmolLM2
-  tokens; the update's cost grows with this length); float32, since CPUs gain nothing from
-  bfloat16.
+  tokens; the update's cost grows with this length); float32, since bfloat16 runs slower
+  under XLA:CPU (docs/benchmarks.md, "A bfloat16 update on CPU").
 
     python -m experiments.run --config configs/quickstart.py
 """
