@@ -50,7 +50,8 @@ from starpo_jax.runtime.planning import kv_bytes_per_token
 def roofline(config: ModelConfig, num_params: int, batch: int, prompt_len: int, new_tokens: int, bandwidth: float):
     param_bytes = num_params * jnp.dtype(config.param_dtype).itemsize
     avg_context = prompt_len + (new_tokens - 1) / 2
-    bytes_per_step = param_bytes + batch * avg_context * kv_bytes_per_token(config)
+    # an accelerator's roofline (its HBM bandwidth), whose cache holds the compute dtype
+    bytes_per_step = param_bytes + batch * avg_context * kv_bytes_per_token(config, backend="gpu")
     return {
         "hbm_bytes_per_s": bandwidth,
         "bytes_per_step": bytes_per_step,

@@ -308,11 +308,11 @@ def sampler_inputs(exp, state) -> tuple:
     return _abstract(view, sharding.shardings(view, mesh)), tables, key
 
 
-def kv_bytes_per_token(model_config) -> int:
-    """Bytes one token takes in the KV cache (``KVCache``): a key and a value per layer and kv
-    head, in the cache's dtype (``decoder.cache_dtype``)."""
+def kv_bytes_per_token(model_config, backend: str | None = None) -> int:
+    """Bytes one token takes in the KV cache (``KVCache``) on ``backend`` (default: the current
+    one): a key and a value per layer and kv head, in the cache's dtype (``decoder.cache_dtype``)."""
     c = model_config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache_dtype(c).itemsize
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache_dtype(c, backend).itemsize
 
 
 def kv_cache_bytes(model_config, rows: int, length: int) -> int:
