@@ -206,7 +206,8 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
         if overwrite:
             raise ConfigError("trainer.resume and trainer.overwrite exclude each other; set one of them.")
         if checkpoint.saved_steps(out / "checkpoints"):
-            return checkpoint.check_saved_files(out / "checkpoints")
+            checkpoint.check_saved_files(out / "checkpoints")  # one whole step, found before the model loads
+            return
         if earlier:  # a run that stopped before its first checkpoint
             raise checkpoint.CheckpointError(
                 f"No checkpoint in {out / 'checkpoints'}: the run in {out} saved none, so there is nothing to "

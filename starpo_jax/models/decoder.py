@@ -184,11 +184,10 @@ class KVCache(struct.PyTreeNode):
 
 def cache_dtype(config: ModelConfig, backend: str | None = None) -> jnp.dtype:
     """The KV cache's dtype on ``backend`` (default: JAX's current one): the compute dtype, except
-    float32 on CPU. XLA:CPU computes a bfloat16
-    scatter in float32, so each write of a decode step (``_write_rows``) would convert its layer's
-    whole cache to float32 and back (docs/benchmarks.md, "A decode step's attention runs on one
-    core; a bfloat16 KV cache on CPU"). The keys and values hold the compute dtype's values either
-    way: the cast to float32 widens them exactly."""
+    float32 on CPU. XLA:CPU computes a bfloat16 scatter in float32, so each write of a decode step
+    (``_write_rows``) would convert its layer's whole cache to float32 and back (docs/benchmarks.md,
+    "A decode step's attention runs on one core; a bfloat16 KV cache on CPU"). The keys and values
+    hold the compute dtype's values either way: the cast to float32 widens them exactly."""
     return jnp.dtype(jnp.float32 if (backend or jax.default_backend()) == "cpu" else config.dtype)
 
 

@@ -196,7 +196,7 @@ def check_files(directory: str | Path, step: int) -> None:
     """Raise ``CheckpointError`` if a file of step ``step`` is missing or has another size than when
     it was written; a step saved without the list (many hosts) passes."""
     step_dir = Path(directory) / str(step)
-    where = f"Checkpoint step {step} in {Path(directory).absolute()}"
+    where = _step_label(directory, step)
     try:
         sizes = json.loads((step_dir / FILE_SIZES).read_text())
     except FileNotFoundError:
@@ -210,6 +210,11 @@ def check_files(directory: str | Path, step: int) -> None:
         if path.stat().st_size != size:
             raise CheckpointError(f"{where} is truncated: its file {name} holds {path.stat().st_size} of the "
                                   f"{size} bytes written.")
+
+
+def _step_label(directory: str | Path, step: int) -> str:
+    """How errors name a step: "Checkpoint step N in /abs/dir"."""
+    return f"Checkpoint step {step} in {Path(str(directory)).absolute()}"
 
 
 def check_saved_files(directory: str | Path) -> None:
@@ -254,7 +259,7 @@ def restore(mgr: ocp.CheckpointManager, like_state, step: int | None = None, war
 
 
 def _restore_step(mgr: ocp.CheckpointManager, like_state, step: int, like_pending=None) -> Restored:
-    where = f"Checkpoint step {step} in {mgr.directory}"
+    where = _step_label(mgr.directory, step)
     check_files(str(mgr.directory), step)
     like_stored, frozen = _split(like_state)
     likes = {"state": like_stored}
