@@ -76,6 +76,13 @@ def test_a_misspelt_override_is_a_config_error_naming_it():
         load_config(QUICKSTART, ["--config.actor.lrr=1e-5"])
 
 
+def test_an_override_without_its_config_prefix_is_a_config_error_not_ignored():
+    from starpo_jax.runtime.experiment import ConfigError
+
+    with pytest.raises(ConfigError, match="an override is --config.KEY=VALUE, not 'model.dtype=bfloat16'"):
+        load_config(QUICKSTART, ["model.dtype=bfloat16"])
+
+
 def test_bench_overrides_set_steps_checkpoints_and_filter(tmp_path):
     config = load_config(QUICKSTART, ["--config.filter.ratio=0.5"])
     args = bench_peer.parse_args(["--steps", "7", "--points", "3"])

@@ -157,15 +157,18 @@ def draw_step(report: dict):
 
 
 def draw_decode_attention(report: dict):
-    """Seconds per decode call with the scores queries-first and keys-first, per workload."""
+    """Seconds per decode call with each attention variant (queries-first, keys-first, the CPU
+    kernel where it ran), per workload."""
     results = report["results"]
-    fig, (ax,) = _figure(width=1.6 + 1.4 * len(results))
     names = list(results)
-    for i, orientation in enumerate(("queries-first", "keys-first")):
-        ax.bar([j + i * 0.4 for j in range(len(names))], [results[n]["median_s"][orientation] for n in names], 0.4,
-               label=orientation)
-    ax.set_xticks([j + 0.2 for j in range(len(names))], [f"{n}\n{results[n]['speedup']:.2f}x" for n in names])
-    ax.set(ylabel="seconds per decode call", title="decode attention's score product on this device")
+    variants = [v for v in ("queries-first", "keys-first", "kernel") if v in results[names[0]]["median_s"]]
+    fig, (ax,) = _figure(width=1.6 + 0.7 * len(variants) * len(results))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        ax.bar([j + i * width for j in range(len(names))], [results[n]["median_s"][variant] for n in names], width,
+               label=variant)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+    ax.set(ylabel="seconds per decode call", title="decode attention on this device")
     ax.legend(fontsize=7)
     return fig
 

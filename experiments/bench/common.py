@@ -81,6 +81,9 @@ def write_markdown(text: str, json_path: str | os.PathLike) -> Path:
 
 def load_config(path: str, overrides: list[str]):
     """The config as ``experiments.run`` reads it: file[:preset] plus ``--config.KEY=VALUE`` overrides."""
+    unprefixed = [o for o in overrides if not o.startswith("--config.")]
+    if unprefixed:  # absl would read them as positional arguments and drop them
+        raise ConfigError(f"an override is --config.KEY=VALUE, not {unprefixed[0]!r}")
     argv = ["bench", f"--config={path}", *overrides]
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", path, "config", flag_values=values, sys_argv=argv)

@@ -1,5 +1,5 @@
-"""A decode loop with its attention scores keys-first (what a CPU runs) against
-queries-first (the other order), side by side in one process.
+"""A decode loop with its attention as the CPU kernel (what a CPU runs), and as XLA's products
+with the scores keys-first and queries-first, side by side in one process.
 
     python -m experiments.bench.decode_attention                      # the three workloads below
     python -m experiments.bench.decode_attention --quick              # tiny-llama, seconds, any machine
@@ -7,10 +7,12 @@ queries-first (the other order), side by side in one process.
 A decode step's attention has a few queries per (row, kv head) (Qwen2.5: 7, SmolLM2: 3) against
 every cached key. XLA:CPU gives the score product to YNNPACK, which runs queries @ keys^T far below
 the speed of reading the keys once they are large, and keys @ queries^T (the same sums, another
-order) at the speed of reading them (``models.decoder._keys_lead_the_product``; docs/benchmarks.md,
-"Decode attention on CPU", has the figures). Each workload decodes ``new`` tokens for
-``batch`` rows that already hold ``held`` tokens in a ``cache``-slot cache (random weights, float32,
-stop tokens off), once per orientation per repeat, alternating (ABBA); medians reported.
+order) at the speed of reading them (``models.decoder._keys_lead_the_product``), but on one core;
+the kernel (``models.cpu_attention``) spreads it over the cores and reads only the held slots
+(docs/benchmarks.md, "Decode attention on CPU", has the figures). Each workload decodes ``new``
+tokens for ``batch`` rows that already hold ``held`` tokens in a ``cache``-slot cache (random
+weights, float32, stop tokens off), once per variant per repeat, in the order A B C C B A; medians
+reported. The kernel is timed where it is available (a CPU with a C++ compiler).
 
 - ``frozen-lake``: ``configs/learn_frozen_lake.py``'s decode (SmolLM2-135M, 64 rows, 640 slots).
 - ``generate``: ``bench.generate``'s CPU row (SmolLM2-135M, 32 rows, a 256-token prompt), 64 new tokens.
@@ -30,7 +32,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments.bench.common import machine, markdown_table, require_positive, write_markdown, write_report
-from starpo_jax.models import Decoder, ModelState, decoder, preset
+from starpo_jax.models import Decoder, ModelState, cpu_attention, decoder, preset
 from starpo_jax.rollout import sampling
 
 WORKLOADS = {  # name: (model, batch, cache slots, tokens held, new tokens)
@@ -39,7 +41,11 @@ WORKLOADS = {  # name: (model, batch, cache slots, tokens held, new tokens)
     "qwen": ("qwen2.5-0.5b", 128, 896, 512, 16),
 }
 QUICK = {"tiny": ("tiny-llama", 4, 64, 16, 8)}
-ORIENTATIONS = {"keys-first": decoder.KEYS_LEAD_MAX_QUERIES, "queries-first": 0}
+VARIANTS = {  # name: (the most queries per kv head whose scores are keys-first, the CPU kernel on)
+    "kernel": (decoder.KEYS_LEAD_MAX_QUERIES, True),
+    "keys-first": (decoder.KEYS_LEAD_MAX_QUERIES, False),
+    "queries-first": (0, False),
+}
 
 
 def parse_args(argv=None):
@@ -54,14 +60,16 @@ def parse_args(argv=None):
     return args
 
 
-def decode_program(config, batch: int, cache_slots: int, held: int, new: int, max_queries: int):
-    """The decode call compiled with the scores oriented by ``max_queries``, and its arguments."""
+def decode_program(config, batch: int, cache_slots: int, held: int, new: int, max_queries: int, kernel: bool):
+    """The decode call compiled with the scores oriented by ``max_queries``, or with the CPU kernel,
+    and its arguments."""
     model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
     cache = sampling.init_cache(config, batch, cache_slots).replace(lengths=np.full((batch,), held, np.int32))
     logits = np.random.default_rng(0).standard_normal((batch, config.vocab_size)).astype(np.float32)
     args = (model, cache, logits, jax.random.key(0))
-    with mock.patch.object(decoder, "KEYS_LEAD_MAX_QUERIES", max_queries):
-        jax.clear_caches()  # sampling.decode is jitted: without this it reuses the other orientation's trace
+    with mock.patch.object(decoder, "KEYS_LEAD_MAX_QUERIES", max_queries), \
+            mock.patch.object(cpu_attention, "available", lambda: kernel):
+        jax.clear_caches()  # sampling.decode is jitted: without this it reuses the other variant's trace
         start = time.perf_counter()
         compiled = jax.jit(lambda m, c, logits, k: sampling.decode(m, c, logits, k, max_new_tokens=new)).lower(*args).compile()
     return compiled, args, time.perf_counter() - start
@@ -70,10 +78,10 @@ def decode_program(config, batch: int, cache_slots: int, held: int, new: int, ma
 def run_workload(spec, repeats: int) -> dict:
     name, batch, cache_slots, held, new = spec
     config = preset(name, dtype="float32", param_dtype="float32")
-    programs = {o: decode_program(config, batch, cache_slots, held, new, q) for o, q in ORIENTATIONS.items()}
-    outputs: dict = {}  # orientation -> the warm-up's decoded output
-    times: dict[str, list[float]] = {o: [] for o in ORIENTATIONS}
-    order = list(ORIENTATIONS)
+    order = [v for v, (_, kernel) in VARIANTS.items() if not kernel or cpu_attention.available()]
+    programs = {o: decode_program(config, batch, cache_slots, held, new, *VARIANTS[o]) for o in order}
+    outputs: dict = {}  # variant -> the warm-up's decoded output
+    times: dict[str, list[float]] = {o: [] for o in order}
     for o in order:  # warm-up; keeps the tokens to compare
         compiled, args, _ = programs[o]
         outputs[o] = jax.block_until_ready(compiled(*args))
@@ -83,14 +91,20 @@ def run_workload(spec, repeats: int) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(compiled(*args))
             times[o].append(time.perf_counter() - start)
-    a, b = (outputs[o] for o in order)
+    def alike(a, b):
+        return float(np.mean(np.asarray(outputs[a].tokens) == np.asarray(outputs[b].tokens)))
+
+    median = {o: statistics.median(times[o]) for o in order}
+    kernel = {"kernel_speedup": median["keys-first"] / median["kernel"],
+              "kernel_same_tokens": alike("kernel", "keys-first")} if "kernel" in order else {}
     return {
         "model": name, "batch": batch, "cache": cache_slots, "held": held, "new_tokens": new,
         "seconds": {o: times[o] for o in order},
-        "median_s": {o: statistics.median(times[o]) for o in order},
+        "median_s": median,
         "compile_s": {o: programs[o][2] for o in order},
-        "speedup": statistics.median(times["queries-first"]) / statistics.median(times["keys-first"]),
-        "same_tokens": float(np.mean(np.asarray(a.tokens) == np.asarray(b.tokens))),
+        "speedup": median["queries-first"] / median["keys-first"],
+        "same_tokens": alike("keys-first", "queries-first"),
+        **kernel,
     }
 
 
@@ -102,15 +116,19 @@ def main(argv=None) -> dict:
     for workload, spec in tqdm(specs.items(), desc="workloads", unit="workload"):
         results[workload] = run_workload(spec, repeats)
         r = results[workload]
-        tqdm.write(f"{workload}: keys-first {r['median_s']['keys-first']:.2f} s, queries-first "
-                   f"{r['median_s']['queries-first']:.2f} s ({r['speedup']:.2f}x)")
+        tqdm.write(f"{workload}: " + ", ".join(f"{o} {s:.2f} s" for o, s in r["median_s"].items()))
     report = {"machine": machine(args.note), "repeats": repeats, "results": results}
     path = write_report(report, args.out)
+    def kernel_cells(r):
+        return [f"{r['median_s']['kernel']:.2f}", f"{r['kernel_speedup']:.2f}x", f"{r['kernel_same_tokens']:.3f}"] \
+            if "kernel" in r["median_s"] else ["", "", ""]
+
     rows = [[w, f"{r['model']}, {r['batch']} rows, {r['cache']} slots ({r['held']} held), {r['new_tokens']} new",
              f"{r['median_s']['queries-first']:.2f}", f"{r['median_s']['keys-first']:.2f}", f"{r['speedup']:.2f}x",
-             f"{r['same_tokens']:.3f}"] for w, r in results.items()]
-    write_markdown(markdown_table(["workload", "decode", "queries-first s", "keys-first s", "speed-up",
-                                   "tokens alike"], rows), path)
+             f"{r['same_tokens']:.3f}", *kernel_cells(r)] for w, r in results.items()]
+    write_markdown(markdown_table(["workload", "decode", "queries-first s", "keys-first s", "keys-first speed-up",
+                                   "tokens alike", "kernel s", "kernel over keys-first", "tokens alike (kernel)"],
+                                  rows), path)
     print(f"wrote {path}")
     return report
 

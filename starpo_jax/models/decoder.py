@@ -67,6 +67,7 @@ from flax import linen as nn
 from flax import nnx, struct
 from flax.linen import with_logical_constraint
 
+from starpo_jax.models import cpu_attention
 from starpo_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -626,19 +627,26 @@ class Decoder(nnx.Module):
         place. Each writes its new keys and values into its buffer first and then attends to the
         written buffer (the new slots stay masked: the new block is attended to apart). Reading after
         the write orders the two, so XLA updates the buffer in place; a read that the write does not
-        wait for makes it copy the buffer first. ``in_row_passes``: as ``attend`` says (a block of
-        prompt tokens takes it, ``sampling.append``; the decode step's scores are small)."""
+        wait for makes it copy the buffer first. A decode step on a CPU attends with the kernel of
+        ``cpu_attention`` where it is available (XLA:CPU runs this attention on one core), which reads
+        only each row's held slots. ``in_row_passes``: as ``attend`` says (a block of prompt tokens
+        takes it, ``sampling.append``; the decode step's scores are small)."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
         num_new = num_new.astype(jnp.int32)
         positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
         slots = _write_slots(positions, num_new, cache.max_len)
         x, ks, vs = self._embed(tokens), [], []
+        on_cpu_kernel = tokens.shape[1] == 1 and cpu_attention.available()  # a decode step on a CPU
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
             q, k, v = block_qkv(c, p, x, positions)
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
-            x = _rounded(block_output(c, p, x, _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)))
+            if on_cpu_kernel:
+                attended = cpu_attention.decode_attention(q, k, v, ks[-1], vs[-1], cache.lengths)
+            else:
+                attended = _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)
+            x = _rounded(block_output(c, p, x, attended))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
 

@@ -1,0 +1,125 @@
+"""A decode step's attention on CPU as a compiled kernel, spread over the cores.
+
+XLA:CPU runs a decode step's attention, one batched product per layer ([S, d] × [d, q] per row and
+kv head), on one core whatever library it hands it to, and reads every slot of the cache, empty or
+not: on the FrozenLake preset it was half of each decode step (docs/benchmarks.md, "A decode step's
+attention runs on one core" and "The decode's attention as a kernel"). ``decode_attention.cc`` does
+the same sums as an XLA FFI kernel: every (row, kv head) is a task on XLA's intra-op threads, and
+only a row's first ``length`` slots are read.
+
+It is built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
+(``-march=native``), into the cache folder (``runtime.caches``: ``kernels/``, keyed by the source,
+the compiler and the CPU), and registered with XLA. ``Decoder.extend`` uses it for a decode step
+(one new token per row) on a CPU when ``available()``; everywhere else, and where it cannot be
+built (one warning saying why), attention is XLA's (``decoder._attend_after``). The two agree to
+float32 rounding (tests/models/test_cpu_attention.py), so sampled tokens can differ where two
+candidates tie to that precision.
+
+``STARPO_JAX_CPU_KERNEL=off`` (or ``0``, ``false``, ``no``) keeps XLA's attention: a benchmark's
+other side, or a machine without a compiler that should not try.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from starpo_jax.runtime import caches
+
+ENV = "STARPO_JAX_CPU_KERNEL"
+TARGET = "starpo_decode_attention"
+SOURCE = Path(__file__).with_name("decode_attention.cc")
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+
+
+def enabled(environ=None) -> bool:
+    """Whether ``STARPO_JAX_CPU_KERNEL`` leaves the kernel on (it is unless set to off)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV, "").strip().lower() not in caches.OFF
+
+
+def available() -> bool:
+    """Whether a decode step traced now takes the kernel: on a CPU, on one device (a kernel knows
+    no sharding: XLA would gather a split batch onto every device), switched on, and built."""
+    if jax.default_backend() != "cpu" or not enabled():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return (mesh.empty or mesh.size == 1) and _registered()
+
+
+def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths):
+    """Attention of one new token per row, q [B, 1, heads, d], to the first ``lengths[b]`` slots of
+    its layer cache k_cache, v_cache [B, kv_heads, S, d] and to its own key and value k_new, v_new
+    [B, 1, kv_heads, d]: what ``decoder._attend_after`` computes for a decode step. Returns
+    [B, 1, heads, d] in q's dtype. Call it where ``available()``: it builds the kernel if need be,
+    and raises RuntimeError where it cannot be built."""
+    if not _registered():
+        raise RuntimeError("starpo-jax's CPU decode-attention kernel could not be built (the warning says why)")
+    B, _, H, D = q.shape
+    kv_heads = k_cache.shape[1]
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, kv_heads, H // kv_heads, D), f32),
+                            vmap_method="broadcast_all")
+    out = call(q.reshape(B, kv_heads, H // kv_heads, D).astype(f32), k_cache.astype(f32), v_cache.astype(f32),
+               jnp.minimum(lengths, k_cache.shape[2]).astype(jnp.int32), k_new[:, 0].astype(f32),
+               v_new[:, 0].astype(f32), scale=np.float32(D**-0.5))
+    return out.reshape(B, 1, H, D).astype(q.dtype)
+
+
+@functools.cache
+def _registered() -> bool:
+    """Build (or find) the kernel's library and register it with XLA, once per process; False, with
+    one warning, where it cannot be built or loaded."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.starpo_decode_attention), platform="cpu")
+        return True
+    except (OSError, subprocess.SubprocessError) as err:
+        warnings.warn(f"starpo-jax could not build its CPU decode-attention kernel ({err}); decoding with "
+                      f"XLA's attention, which uses one core (set {ENV}=off to skip the attempt)", stacklevel=2)
+        return False
+
+
+def build(folder: Path | None = None) -> Path:
+    """The kernel's shared library, compiled into ``folder`` (default: the cache's ``kernels/``, or a
+    temporary folder when the caches are off) unless a build of the same source, compiler and CPU is
+    there. Raises OSError or a ``subprocess`` error when the compiler is missing or fails."""
+    compiler = shlex.split(os.environ.get("CXX") or "c++")
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(compiler + FLAGS), version,
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    root = caches.cache_root()
+    folder = folder or (root / "kernels" if root else Path(tempfile.gettempdir()) / f"starpo-jax-kernels-{os.getuid()}")
+    library = folder / f"decode_attention-{key}.so"
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{library.name}.{os.getpid()}"  # renamed when whole: a reader never sees half a file
+    command = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        partial.unlink(missing_ok=True)
+        raise subprocess.SubprocessError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(partial, library)
+    return library
+
+
+def _cpu_flags() -> str:
+    """The CPU's model and feature flags (``-march=native`` compiles for them), where Linux lists them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))

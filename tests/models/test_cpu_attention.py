@@ -1,0 +1,117 @@
+"""The CPU decode-attention kernel: XLA's sums to float32 rounding, only the held slots read, used by
+the decode step where it is available, and XLA's attention where it is not."""
+
+import subprocess
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from starpo_jax.models import ModelState, cpu_attention, decoder, preset
+from starpo_jax.rollout import sampling
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the kernel runs on a CPU with a C++ compiler")
+
+B, KV_HEADS, GROUP, SLOTS, D = 5, 2, 3, 24, 16
+
+
+def inputs(seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (B, 1, KV_HEADS * GROUP, D), dtype)
+    k_new, v_new = (jax.random.normal(k, (B, 1, KV_HEADS, D), dtype) for k in ks[1:3])
+    k_cache, v_cache = (jax.random.normal(k, (B, KV_HEADS, SLOTS, D)) for k in ks[3:5])
+    lengths = jnp.array([0, 1, 7, SLOTS - 1, SLOTS], jnp.int32)  # none held to all held
+    return q, k_new, v_new, k_cache, v_cache, lengths
+
+
+def xla_attention(q, k_new, v_new, k_cache, v_cache, lengths):
+    visible = (jnp.arange(k_cache.shape[2]) < lengths[:, None])[:, None, :]
+    return decoder._attend_after(q, k_new, v_new, k_cache, v_cache, visible)
+
+
+# Both sum ≤ SLOTS + 1 float32 products of O(1) terms in other orders, and normalise once: a few
+# ulps of the O(1) outputs.
+ATOL = 1e-5
+
+
+def test_the_kernel_computes_xlas_attention_for_every_length():
+    args = inputs()
+    got = jax.jit(cpu_attention.decode_attention)(*args)
+    np.testing.assert_allclose(got, jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
+
+
+def test_slots_past_a_rows_length_are_never_read():
+    q, k_new, v_new, k_cache, v_cache, lengths = inputs()
+    past = jnp.arange(SLOTS)[None, None, :, None] >= lengths[:, None, None, None]
+    poisoned = [jnp.where(past, jnp.nan, c) for c in (k_cache, v_cache)]
+    clean = jax.jit(cpu_attention.decode_attention)(q, k_new, v_new, k_cache, v_cache, lengths)
+    assert np.array_equal(jax.jit(cpu_attention.decode_attention)(q, k_new, v_new, *poisoned, lengths), clean)
+
+
+def test_bfloat16_queries_come_back_in_bfloat16():
+    args = inputs(dtype=jnp.bfloat16)
+    got = jax.jit(cpu_attention.decode_attention)(*args)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), xla_attention(*args).astype(jnp.float32), atol=1e-2)
+
+
+def test_vmapped_it_computes_each_member_alone():
+    members = [inputs(seed) for seed in (1, 2)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+    got = jax.jit(jax.vmap(cpu_attention.decode_attention))(*stacked)
+    for i, args in enumerate(members):
+        assert np.array_equal(got[i], jax.jit(cpu_attention.decode_attention)(*args))
+
+
+def decode_hlo(model, config, kernel: bool, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "available", lambda: kernel)
+    jax.clear_caches()  # decode is jitted: retrace with the patched choice
+    cache = sampling.init_cache(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32))
+    logits = jnp.zeros((2, config.vocab_size))
+    decode = jax.jit(lambda m, c, x: sampling.decode(m, c, x, jax.random.key(0), max_new_tokens=3, top_k=1))
+    return decode.lower(model, cache, logits).as_text(), decode(model, cache, logits)
+
+
+def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same(monkeypatch):
+    config = preset("tiny-qwen2")
+    model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
+    with_kernel, kernel_out = decode_hlo(model, config, True, monkeypatch)
+    without, xla_out = decode_hlo(model, config, False, monkeypatch)
+    assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
+    assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
+    np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
+
+
+def test_off_by_the_environment_variable(monkeypatch):
+    monkeypatch.setenv(cpu_attention.ENV, "off")
+    assert not cpu_attention.enabled() and not cpu_attention.available()
+    monkeypatch.setenv(cpu_attention.ENV, "")
+    assert cpu_attention.enabled()
+
+
+def test_not_under_a_mesh_that_splits_the_batch():
+    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert not cpu_attention.available()
+
+
+def test_a_compiler_that_fails_is_one_warning_and_xlas_attention(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # runs, prints no version, and fails every compile
+    with pytest.raises(subprocess.SubprocessError):
+        cpu_attention.build(tmp_path)
+    monkeypatch.setattr(cpu_attention, "_registered", cpu_attention._registered.__wrapped__)  # uncached
+    monkeypatch.setenv("STARPO_JAX_CACHE", str(tmp_path))  # no library built before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not cpu_attention._registered()
+    assert len(caught) == 1 and "could not build its CPU decode-attention kernel" in str(caught[0].message)
+
+
+def test_a_build_is_found_again_not_recompiled(tmp_path):
+    first = cpu_attention.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_attention.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
