@@ -1,4 +1,4 @@
-"""The decode-attention benchmark's smoke mode: both orientations compiled as asked, timed, compared."""
+"""The decode-attention benchmark's smoke mode: the kernel and both orientations compiled as asked, timed, compared."""
 
 import json
 
@@ -8,8 +8,8 @@ from experiments.bench import decode_attention
 from helpers import assert_refused_in_one_line
 
 
-def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
-    from starpo_jax.models import decoder
+def test_quick_benchmark_times_the_kernel_and_both_orientations(tmp_path, monkeypatch):
+    from starpo_jax.models import cpu_attention, decoder
 
     seen: list[tuple[int, bool]] = []
     choose = decoder._keys_lead_the_product
@@ -24,8 +24,12 @@ def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     (row,) = report["results"].values()
     assert (row["model"], row["batch"], row["new_tokens"]) == ("tiny-llama", 4, 8)
-    assert all(len(row["seconds"][o]) == 2 for o in ("keys-first", "queries-first"))  # one ABBA round
+    variants = ["kernel", "keys-first", "queries-first"] if cpu_attention.available() else ["keys-first", "queries-first"]
+    assert list(row["seconds"]) == variants and all(len(row["seconds"][o]) == 2 for o in variants)  # one round
     assert row["speedup"] == row["median_s"]["queries-first"] / row["median_s"]["keys-first"]
+    if "kernel" in variants:
+        assert row["kernel_speedup"] == row["median_s"]["keys-first"] / row["median_s"]["kernel"]
+        assert 0.0 <= row["kernel_same_tokens"] <= 1.0
     # tiny-llama decodes with 2 queries per kv head: keys-first under the library's threshold, not under 0
     assert {(limit, keys_first) for limit, keys_first in seen} == {(decoder.KEYS_LEAD_MAX_QUERIES, True), (0, False)}
     assert 0.0 <= row["same_tokens"] <= 1.0
@@ -34,7 +38,8 @@ def test_quick_benchmark_times_both_orientations(tmp_path, monkeypatch):
 
     assert charts.kind_of(report) == "decode_attention" and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     bars = charts.draw_decode_attention(report).axes[0].patches
-    assert [b.get_height() for b in bars] == [row["median_s"]["queries-first"], row["median_s"]["keys-first"]]
+    assert [b.get_height() for b in bars] == [row["median_s"][o] for o in ("queries-first", "keys-first", "kernel")
+                                              if o in variants]
 
 
 @pytest.mark.parametrize("argv, message", [
