@@ -21,6 +21,7 @@ other side, or a machine without a compiler that should not try.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -50,13 +51,29 @@ def enabled(environ=None) -> bool:
     return environ.get(ENV, "").strip().lower() not in caches.OFF
 
 
+_held_off = 0  # how many ``xla_attention`` blocks are open
+
+
 def available() -> bool:
     """Whether a decode step traced now takes the kernel: on a CPU, on one device (a kernel knows
-    no sharding: XLA would gather a split batch onto every device), switched on, and built."""
-    if jax.default_backend() != "cpu" or not enabled():
+    no sharding: XLA would gather a split batch onto every device), switched on, not inside
+    ``xla_attention``, and built."""
+    if jax.default_backend() != "cpu" or not enabled() or _held_off:
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return (mesh.empty or mesh.size == 1) and _registered()
+
+
+@contextlib.contextmanager
+def xla_attention():
+    """Decode steps traced inside take XLA's attention: a benchmark's other side, or a CPU program
+    that stands for an accelerator's (``bench.step``'s decode cost)."""
+    global _held_off
+    _held_off += 1
+    try:
+        yield
+    finally:
+        _held_off -= 1
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths):

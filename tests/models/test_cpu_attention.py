@@ -1,6 +1,7 @@
 """The CPU decode-attention kernel: XLA's sums to float32 rounding, only the held slots read, used by
 the decode step where it is available, and XLA's attention where it is not."""
 
+import contextlib
 import subprocess
 import warnings
 
@@ -66,23 +67,31 @@ def test_vmapped_it_computes_each_member_alone():
         assert np.array_equal(got[i], jax.jit(cpu_attention.decode_attention)(*args))
 
 
-def decode_hlo(model, config, kernel: bool, monkeypatch):
-    monkeypatch.setattr(cpu_attention, "available", lambda: kernel)
-    jax.clear_caches()  # decode is jitted: retrace with the patched choice
+def decode_hlo(model, config, kernel: bool):
+    jax.clear_caches()  # decode is jitted: retrace with this choice
     cache = sampling.init_cache(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32))
     logits = jnp.zeros((2, config.vocab_size))
     decode = jax.jit(lambda m, c, x: sampling.decode(m, c, x, jax.random.key(0), max_new_tokens=3, top_k=1))
-    return decode.lower(model, cache, logits).as_text(), decode(model, cache, logits)
+    with contextlib.nullcontext() if kernel else cpu_attention.xla_attention():
+        return decode.lower(model, cache, logits).as_text(), decode(model, cache, logits)
 
 
-def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same(monkeypatch):
+def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same():
     config = preset("tiny-qwen2")
     model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
-    with_kernel, kernel_out = decode_hlo(model, config, True, monkeypatch)
-    without, xla_out = decode_hlo(model, config, False, monkeypatch)
+    with_kernel, kernel_out = decode_hlo(model, config, True)
+    without, xla_out = decode_hlo(model, config, False)
     assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
     assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
     np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
+
+
+def test_xla_attention_holds_the_kernel_off_until_its_outermost_block_ends():
+    with cpu_attention.xla_attention():
+        with cpu_attention.xla_attention():
+            assert not cpu_attention.available()
+        assert not cpu_attention.available()
+    assert cpu_attention.available()
 
 
 def test_off_by_the_environment_variable(monkeypatch):
