@@ -399,10 +399,11 @@ def update_actor(program: UpdateProgram, state: TrainState, batch: UpdateBatch, 
     (actor, actor_opt, skipped), metrics = ppo_update(
         settings, loss_fn, tx, state.actor, state.actor_opt, batch, hyper.actor_lr, hyper, "actor"
     )
-    train_actor = state.step >= settings.critic_warmup
-    actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
-    actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
-    skipped = jnp.where(train_actor, skipped, 0)
+    if settings.critic_warmup > 0:  # the actor's step kept or dropped whole: a pass over its weights
+        train_actor = state.step >= settings.critic_warmup
+        actor = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor, state.actor)
+        actor_opt = jax.tree.map(lambda n, o: jnp.where(train_actor, n, o), actor_opt, state.actor_opt)
+        skipped = jnp.where(train_actor, skipped, 0)
     metrics["actor/lr"] = hyper.actor_lr
     metrics["actor/skipped_steps"] = (state.skipped_steps + skipped).astype(jnp.float32)
     return actor, actor_opt, skipped, metrics
@@ -504,12 +505,15 @@ def apply_update(tx, params, opt_state, grads, lr, live=True):
     it too); ``live=False`` (a mini-batch of padding rows only) leaves them untouched uncounted."""
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(grad_norm)
-    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-    updates, new_opt = tx.update(safe_grads, opt_state, params)
-    new_params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), params, updates)
-    take = finite & live
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)  # noqa: E731
-    return keep(new_params, params), keep(new_opt, opt_state), grad_norm, live & ~finite
+
+    def step(params, opt_state):
+        updates, new_opt = tx.update(grads, opt_state, params)
+        return jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), params, updates), new_opt
+
+    # A branch, not a select of new against old: a select is one more pass over every weight and
+    # moment at every step (under vmap, as in a sweep, the branch becomes that select again)
+    new_params, new_opt = jax.lax.cond(finite & live, step, lambda *state: state, params, opt_state)
+    return new_params, new_opt, grad_norm, live & ~finite
 
 
 # ---- helpers: the update batch -------------------------------------------------------------------
