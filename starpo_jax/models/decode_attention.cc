@@ -11,8 +11,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -25,44 +27,166 @@ struct Sizes {
   int64_t kv_heads, group, slots, dim;
 };
 
-// One (row, kv head): scores against the `length` cached keys and the new key, their exponentials,
-// then the weighted sum of the values. `p` is scratch of group * (length + 1) floats.
-void attend_one(const Sizes& s, float scale, int64_t length, const float* q, const float* keys,
-                const float* values, const float* k_new, const float* v_new, float* out,
-                std::vector<float>& p) {
-  const int64_t G = s.group, D = s.dim, n = length + 1;
-  p.resize(G * n);
-  for (int64_t i = 0; i < n; ++i) {
+// Eight floats, in the compiler's vector registers (AVX2's, or two NEON registers on Arm): the
+// loops below keep their sums in registers rather than in memory.
+constexpr int64_t W = 8;
+constexpr int64_t AHEAD = 16;  // keys ahead of the scores' loop whose key and value rows are prefetched
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum(vf v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+// exp(x) for x <= 0 (scores less their maximum), to about 2 float32 ulps: Cephes' expf, the exponent
+// split off as a power of two. Below -87.3 it returns exp(-87.3), ~1e-38, where the exact value is
+// smaller still: nothing a softmax whose largest term is 1 can see.
+inline vf exp_nonpositive(vf x) {
+  const vf lowest = vf{} - 87.3f, round = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < lowest ? lowest : x;
+  const vf n = (x * 1.44269504f + round) - round;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf poly = vf{} + 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const vf e = poly * r * r + r + 1.f;
+  const vi two_to_n = (__builtin_convertvector(n, vi) + 127) << 23;
+  return e * reinterpret_cast<const vf&>(two_to_n);
+}
+
+// Scores of GB queries [GB, D] (scaled) against key i: p[g * stride + i].
+template <int GB>
+void scores(const float* q, const float* keys, const float* values, const float* k_new, int64_t length,
+            int64_t D, float* p, int64_t stride) {
+  for (int64_t i = 0; i <= length; ++i) {
+    const float* k = i < length ? keys + i * D : k_new;
+    if (i + AHEAD < length)
+      for (int64_t c = 0; c < D; c += 16) {
+        __builtin_prefetch(keys + (i + AHEAD) * D + c);
+        __builtin_prefetch(values + (i + AHEAD) * D + c, 0, 2);
+      }
+    vf acc[GB] = {};
+    for (int64_t c = 0; c < D; c += W) {
+      const vf kc = load(k + c);
+      for (int g = 0; g < GB; ++g) acc[g] += load(q + g * D + c) * kc;
+    }
+    for (int g = 0; g < GB; ++g) p[g * stride + i] = sum(acc[g]);
+  }
+}
+
+// Weighted sums of the values for GB queries, C vectors of the dim at a time, the sums in registers:
+// out[g] = sum_i p[g * stride + i] * value_i / total[g].
+template <int GB, int C>
+void weighted_values(const float* p, int64_t stride, const float* values, const float* v_new, int64_t length,
+                     int64_t D, const float* total, float* out) {
+  for (int64_t c0 = 0; c0 < D; c0 += C * W) {
+    vf acc[GB][C] = {};
+    for (int64_t i = 0; i <= length; ++i) {
+      const float* v = (i < length ? values + i * D : v_new) + c0;
+      vf vc[C];
+      for (int j = 0; j < C; ++j) vc[j] = load(v + j * W);
+      for (int g = 0; g < GB; ++g) {
+        const vf w = vf{} + p[g * stride + i];
+        for (int j = 0; j < C; ++j) acc[g][j] += w * vc[j];
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < C; ++j) store(out + g * D + c0 + j * W, acc[g][j] / total[g]);
+  }
+}
+
+// The same two passes one float at a time, for a head size the vectors do not divide.
+void scores_scalar(int64_t G, const float* q, const float* keys, const float* k_new, int64_t length,
+                   int64_t D, float* p, int64_t stride) {
+  for (int64_t i = 0; i <= length; ++i) {
     const float* k = i < length ? keys + i * D : k_new;
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
       float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-      p[g * n + i] = dot * scale;
+      for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * k[d];
+      p[g * stride + i] = dot;
     }
   }
-  std::vector<float> total(G, 0.f);
-  for (int64_t g = 0; g < G; ++g) {
-    float* pg = p.data() + g * n;
-    const float top = *std::max_element(pg, pg + n);
-    for (int64_t i = 0; i < n; ++i) {
-      pg[i] = std::exp(pg[i] - top);
-      total[g] += pg[i];
-    }
-  }
+}
+
+void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const float* values, const float* v_new,
+                            int64_t length, int64_t D, const float* total, float* out) {
   std::fill(out, out + G * D, 0.f);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i <= length; ++i) {
     const float* v = i < length ? values + i * D : v_new;
-    for (int64_t g = 0; g < G; ++g) {
-      const float w = p[g * n + i];
-      float* o = out + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
-    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * stride + i] * v[d];
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] /= total[g];
+}
+
+// f(block size, first query) over the queries in blocks of up to four, so that a block's sums fit
+// in the registers; the block size is a compile-time constant (std::integral_constant).
+template <class F>
+void in_blocks(int64_t G, F f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) switch (std::min<int64_t>(4, G - g0)) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      default: f(std::integral_constant<int, 4>{}, g0);
+    }
+}
+
+// Each query's softmax weights in place of its scores, unnormalised; total[g] their sum.
+void softmax_weights(int64_t G, int64_t n, float* p, float* total) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p + g * n;
+    const float top = *std::max_element(pg, pg + n);
+    vf totals = {};
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const vf e = exp_nonpositive(load(pg + i) - top);
+      store(pg + i, e);
+      totals += e;
+    }
+    total[g] = sum(totals);
+    for (; i < n; ++i) total[g] += pg[i] = std::exp(pg[i] - top);
+  }
+}
+
+// One (row, kv head): scores against the `length` cached keys and the new key, their exponentials,
+// then the weighted sum of the values. `scratch` holds the scaled queries, the scores and the totals.
+void attend_one(const Sizes& s, float scale, int64_t length, const float* q, const float* keys,
+                const float* values, const float* k_new, const float* v_new, float* out,
+                std::vector<float>& scratch) {
+  const int64_t G = s.group, D = s.dim, n = length + 1;
+  scratch.resize(G * D + G * n + G);
+  float *q_scaled = scratch.data(), *p = q_scaled + G * D, *total = p + G * n;
+  for (int64_t i = 0; i < G * D; ++i) q_scaled[i] = q[i] * scale;
+  if (D % W != 0) {
+    scores_scalar(G, q_scaled, keys, k_new, length, D, p, n);
+    softmax_weights(G, n, p, total);
+    return weighted_values_scalar(G, p, n, values, v_new, length, D, total, out);
+  }
+  in_blocks(G, [&](auto gb, int64_t g0) {
+    scores<decltype(gb)::value>(q_scaled + g0 * D, keys, values, k_new, length, D, p + g0 * n, n);
+  });
+  softmax_weights(G, n, p, total);
+  in_blocks(G, [&](auto gb, int64_t g0) {
+    constexpr int GB = decltype(gb)::value;
+    const float *pb = p + g0 * n, *tb = total + g0;
+    if (D % (2 * W) == 0) return weighted_values<GB, 2>(pb, n, values, v_new, length, D, tb, out + g0 * D);
+    weighted_values<GB, 1>(pb, n, values, v_new, length, D, tb, out + g0 * D);
+  });
 }
 
 // The tasks handed out one at a time to whichever thread asks next; the caller waits for all of
@@ -94,13 +218,13 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
   float* op = out->typed_data();
   auto tasks = std::make_shared<Tasks>();
   auto work = [=]() {
-    std::vector<float> p;
+    std::vector<float> scratch;
     int64_t done = 0;
     for (int64_t t; (t = tasks->next.fetch_add(1)) < count; ++done) {
       const int64_t length = std::clamp<int64_t>(lp[t / s.kv_heads], 0, s.slots);
       const int64_t cache = t * s.slots * s.dim, query = t * s.group * s.dim;
       attend_one(s, scale, length, qp + query, kp + cache, vp + cache, knp + t * s.dim, vnp + t * s.dim,
-                 op + query, p);
+                 op + query, scratch);
     }
     if (done) {
       std::lock_guard<std::mutex> lock(tasks->mu);

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the kerne
 B, KV_HEADS, GROUP, SLOTS, D = 5, 2, 3, 24, 16
 
 
-def inputs(seed=0, dtype=jnp.float32):
+def inputs(seed=0, dtype=jnp.float32, group=GROUP, d=D):
     ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (B, 1, KV_HEADS * GROUP, D), dtype)
-    k_new, v_new = (jax.random.normal(k, (B, 1, KV_HEADS, D), dtype) for k in ks[1:3])
-    k_cache, v_cache = (jax.random.normal(k, (B, KV_HEADS, SLOTS, D)) for k in ks[3:5])
+    q = jax.random.normal(ks[0], (B, 1, KV_HEADS * group, d), dtype)
+    k_new, v_new = (jax.random.normal(k, (B, 1, KV_HEADS, d), dtype) for k in ks[1:3])
+    k_cache, v_cache = (jax.random.normal(k, (B, KV_HEADS, SLOTS, d)) for k in ks[3:5])
     lengths = jnp.array([0, 1, 7, SLOTS - 1, SLOTS], jnp.int32)  # none held to all held
     return q, k_new, v_new, k_cache, v_cache, lengths
 
@@ -38,8 +38,11 @@ def xla_attention(q, k_new, v_new, k_cache, v_cache, lengths):
 ATOL = 1e-5
 
 
-def test_the_kernel_computes_xlas_attention_for_every_length():
-    args = inputs()
+# The kernel's paths: heads of 16 (two vectors of 8 at a time) or 8 (one), or 12 (one float at a
+# time); queries per kv head in blocks of up to four (7 = 4 + 3, as Qwen2.5-0.5B's); one query.
+@pytest.mark.parametrize("group, d", [(GROUP, D), (7, 64), (5, 8), (1, 16), (2, 12)])
+def test_the_kernel_computes_xlas_attention_for_every_length(group, d):
+    args = inputs(group=group, d=d)
     got = jax.jit(cpu_attention.decode_attention)(*args)
     np.testing.assert_allclose(got, jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
 
