@@ -4,8 +4,8 @@ XLA:CPU runs a decode step's attention, one batched product per layer ([S, d] ×
 kv head), on one core whatever library it hands it to, and reads every slot of the cache, empty or
 not: on the FrozenLake preset it was half of each decode step (docs/benchmarks.md, "A decode step's
 attention runs on one core" and "The decode's attention as a kernel"). ``decode_attention.cc`` does
-the same sums as an XLA FFI kernel: every (row, kv head) is a task on XLA's intra-op threads, and
-only a row's first ``length`` slots are read.
+the same sums as an XLA FFI kernel: every (row, kv head) is a task on XLA's intra-op threads, its sums
+kept in vector registers, and only a row's first ``length`` slots are read.
 
 It is built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
 (``-march=native``), into the cache folder (``runtime.caches``: ``kernels/``, keyed by the source,
@@ -42,7 +42,7 @@ from starpo_jax.runtime import caches
 ENV = "STARPO_JAX_CPU_KERNEL"
 TARGET = "starpo_decode_attention"
 SOURCE = Path(__file__).with_name("decode_attention.cc")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
 def enabled(environ=None) -> bool:
