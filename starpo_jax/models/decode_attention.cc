@@ -68,12 +68,17 @@ inline vf exp_nonpositive(vf x) {
   return e * reinterpret_cast<const vf&>(two_to_n);
 }
 
+// Row i of a (row, kv head)'s keys or values: the cache's first `length` rows, then the new token's.
+inline const float* row(const float* cache, const float* fresh, int64_t i, int64_t length, int64_t D) {
+  return i < length ? cache + i * D : fresh;
+}
+
 // Scores of GB queries [GB, D] (scaled) against key i: p[g * stride + i].
 template <int GB>
 void scores(const float* q, const float* keys, const float* values, const float* k_new, int64_t length,
             int64_t D, float* p, int64_t stride) {
   for (int64_t i = 0; i <= length; ++i) {
-    const float* k = i < length ? keys + i * D : k_new;
+    const float* k = row(keys, k_new, i, length, D);
     if (i + AHEAD < length)
       for (int64_t c = 0; c < D; c += 16) {
         __builtin_prefetch(keys + (i + AHEAD) * D + c);
@@ -96,7 +101,7 @@ void weighted_values(const float* p, int64_t stride, const float* values, const 
   for (int64_t c0 = 0; c0 < D; c0 += C * W) {
     vf acc[GB][C] = {};
     for (int64_t i = 0; i <= length; ++i) {
-      const float* v = (i < length ? values + i * D : v_new) + c0;
+      const float* v = row(values, v_new, i, length, D) + c0;
       vf vc[C];
       for (int j = 0; j < C; ++j) vc[j] = load(v + j * W);
       for (int g = 0; g < GB; ++g) {
@@ -113,7 +118,7 @@ void weighted_values(const float* p, int64_t stride, const float* values, const 
 void scores_scalar(int64_t G, const float* q, const float* keys, const float* k_new, int64_t length,
                    int64_t D, float* p, int64_t stride) {
   for (int64_t i = 0; i <= length; ++i) {
-    const float* k = i < length ? keys + i * D : k_new;
+    const float* k = row(keys, k_new, i, length, D);
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * k[d];
@@ -126,7 +131,7 @@ void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const flo
                             int64_t length, int64_t D, const float* total, float* out) {
   std::fill(out, out + G * D, 0.f);
   for (int64_t i = 0; i <= length; ++i) {
-    const float* v = i < length ? values + i * D : v_new;
+    const float* v = row(values, v_new, i, length, D);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * stride + i] * v[d];
   }
