@@ -10,8 +10,9 @@ change to the KV-cached path, side by side in one run.
 
 Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows
 that hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append`` tokens (the next
-turn's prompt), then decode ``--new`` tokens (stop tokens off, temperature 1; random float32 weights
-of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
+turn's prompt; with ``--prompt N``, a block ``--append`` wide of which each row's first N are real,
+as the rollout's block is as wide as its tables' longest prompt), then decode ``--new`` tokens
+(stop tokens off, temperature 1; random float32 weights of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
 the next. With ``--playing N`` only N of the rows play the turn (the others' episodes have ended)
 and the side times the rollout's own turn, ``LLMResponder.respond``, as one call: the append and
 the decode are not timed apart.
@@ -59,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--held", type=int, default=300, help="tokens each row holds before the turn")
     p.add_argument("--append", type=int, default=90, help="tokens each row appends (the turn's prompt)")
     p.add_argument("--new", type=int, default=48, help="tokens each row decodes")
+    p.add_argument("--prompt", type=int, help="real tokens of each row's appended block (default: all --append "
+                   "of them); a rollout's block is as wide as the longest prompt its tables allow")
     p.add_argument("--playing", type=int, help="rows that play the turn (default: all): times LLMResponder.respond")
     p.add_argument("--policy", help="a run folder: time its policy's whole validation rollout instead of one turn")
     p.add_argument("--env", help="with --policy: the env whose levels it plays (default: the run's first validation env)")
@@ -75,6 +78,8 @@ def parse_args(argv=None):
     if args.held + args.append + args.new > args.cache:
         p.error(f"--held {args.held} + --append {args.append} + --new {args.new} tokens do not fit "
                 f"a cache of {args.cache} slots")
+    if args.prompt is not None and not 0 < args.prompt <= args.append:
+        p.error(f"--prompt {args.prompt} must be between 1 and --append {args.append}")
     if args.playing is not None and not 0 < args.playing <= args.rows:
         p.error(f"--playing {args.playing} must be between 1 and --rows {args.rows}")
     if args.policy is not None and not (os.path.isfile(os.path.join(args.policy, "config.json"))
@@ -107,7 +112,7 @@ def time_side(args) -> dict:
     model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, config.vocab_size, (args.rows, args.append)).astype(np.int32)
-    num_new = np.full((args.rows,), args.append, np.int32)
+    num_new = np.full((args.rows,), args.prompt or args.append, np.int32)
 
     def held_cache():
         cache = sampling.init_cache(config, args.rows, args.cache)
@@ -156,7 +161,7 @@ def time_responder(args, model, held_cache, tokens) -> dict:
     plan = RolloutPlan(tags=(TagPlan("FrozenLake", envs_jax.make("FrozenLake"), args.rows, 10),), group_size=1,
                        response_length=args.new, max_len=args.cache)
     active = np.random.default_rng(1).permutation(args.rows) < args.playing
-    num_new = np.where(active, args.append, 0).astype(np.int32)
+    num_new = np.where(active, args.prompt or args.append, 0).astype(np.int32)
     respond = jax.jit(lambda m, c, t, n, k, a: LLMResponder(plan, fixed_length=args.new).respond(
         m, c, t, n, k, 1.0, a, jnp.int32(1)), donate_argnums=1)
     start = time.perf_counter()
@@ -240,7 +245,7 @@ def main(argv=None) -> dict:
     medians = {side: {part: statistics.median(t for r in records for t in r[part])
                       for part in parts(records[0])} for side, records in runs.items()}
     workload = (("policy", "env", "levels", "repeats", "rounds") if args.policy else
-                ("model", "rows", "playing", "cache", "held", "append", "new", "repeats", "rounds"))
+                ("model", "rows", "playing", "cache", "held", "append", "prompt", "new", "repeats", "rounds"))
     report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": {k: getattr(args, k) for k in workload},

@@ -78,6 +78,29 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
     return KVCache.init(config, batch_size, max_len)
 
 
+def even_chunks(width: int, most: int) -> tuple[int, int]:
+    """(count, size): the fewest chunks of at most ``most`` tokens that hold ``width``, all of one
+    size. A 275-token prompt runs as 3 × 92 positions, where chunks of 128 would compute 384."""
+    count = -(-width // most)
+    return count, -(-width // count)
+
+
+CPU_CHUNK_POSITIONS = 1024  # rows × tokens from which XLA:CPU's weight products run at full rate
+CPU_CHUNK_TOKENS = 16
+
+
+def chunk_tokens(rows: int, most: int) -> int:
+    """The most tokens a chunk of ``rows`` rows' prompt block holds: ``most`` on an accelerator;
+    on a CPU as few as keep ``CPU_CHUNK_POSITIONS`` positions in each chunk's products (no fewer
+    than ``CPU_CHUNK_TOKENS``). ``append`` stops after the last chunk that holds a real token, so
+    smaller chunks compute less of the padding past the longest row's prompt (a later FrozenLake
+    turn's block is 123 tokens wide, its prompts 96–99); on a CPU a chunk of 64 rows × 16 tokens
+    costs no more than its share of one large chunk (docs/benchmarks.md)."""
+    if jax.default_backend() != "cpu":
+        return most
+    return min(most, max(CPU_CHUNK_TOKENS, -(-CPU_CHUNK_POSITIONS // rows)))
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "windowed"))
 def append(
     model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = 128, windowed: bool = True
@@ -86,31 +109,32 @@ def append(
 
     Returns the cache and the float32 logits [B, V] after each row's last new token. A row with
     ``num_new == 0`` is left unchanged and its logits are meaningless: mark it inactive in ``decode``.
-    Long blocks go through the model ``chunk_size`` tokens at a time (a lax.scan), so attention
-    scores never exceed [B, heads, chunk_size, cache length] whatever the prompt length. Like
-    ``decode``, it runs in the smallest window holding every row it writes (``windowed=False``: the
-    whole cache).
+    Long blocks go through the model in chunks of at most ``chunk_size`` tokens, so attention scores
+    never exceed [B, heads, chunk_size, cache length] whatever the prompt length; on a CPU the chunks
+    are smaller (``chunk_tokens``). The chunks share the block evenly (``even_chunks``), and a loop
+    runs them only as far as the longest row's real tokens reach: a block's static width is a bound
+    on every prompt it may hold, and the padding past the longest is never computed. Like ``decode``,
+    it runs in the smallest window holding every row it writes (``windowed=False``: the whole
+    cache).
     """
     decoder = model.merge()
     B, T = tokens.shape
-    num_chunks = -(-T // chunk_size)
-    size = min(T, chunk_size)
+    num_chunks, size = even_chunks(T, chunk_tokens(B, chunk_size))
     chunks = jnp.pad(tokens, ((0, 0), (0, num_chunks * size - T))).reshape(B, num_chunks, size).swapaxes(0, 1)
+    used = (jnp.max(num_new) + size - 1) // size  # the chunks that hold a real token of some row
 
     def append_in(cache: KVCache) -> tuple[KVCache, Array]:
         weights = decoder.layers.per_layer()  # split once, read by every chunk
 
-        def step(carry, xs):
+        def step(index, carry):
             cache, last_hidden = carry
-            index, chunk = xs
             real = jnp.clip(num_new - index * size, 0, size)
-            hidden, cache = decoder.extend(chunk, real, cache, weights, in_row_passes=True)
+            hidden, cache = decoder.extend(chunks[index], real, cache, weights, in_row_passes=True)
             at_last = jnp.take_along_axis(hidden, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
-            return (cache, jnp.where((real > 0)[:, None], at_last, last_hidden)), None
+            return cache, jnp.where((real > 0)[:, None], at_last, last_hidden)
 
         init = (cache, jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype)))
-        (cache, last_hidden), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
-        return cache, last_hidden
+        return jax.lax.fori_loop(0, used, step, init)
 
     needed = jnp.max(jnp.where(num_new > 0, cache.lengths + num_new, 0))
     cache, last_hidden = in_smallest_window(append_in, cache, needed, windowed)

@@ -195,14 +195,35 @@ def test_first_argmax_is_jnps_argmax():
 def test_chunked_prefill_equals_one_block(tiny):
     _, _, model = tiny
     rows = [np.random.default_rng(5).integers(0, 256, n) for n in (17, 12, 3)]
-    tokens, lengths = right_padded(rows, 18)
+    tokens, lengths = right_padded(rows, 30)  # the block wider than its longest row: the last chunks are skipped
     empty = sampling.init_cache(preset("tiny-qwen2"), B, CACHE)
     whole_cache, whole = sampling.append(model, empty, tokens, lengths)
-    chunked_cache, chunked = sampling.append(model, empty, tokens, lengths, chunk_size=4)  # 5 chunks, some empty
-    np.testing.assert_array_equal(chunked_cache.lengths, lengths)
-    np.testing.assert_allclose(chunked, whole, atol=1e-5)
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(np.stack(chunked_cache.k)[:, b, :, :n], np.stack(whole_cache.k)[:, b, :, :n], atol=1e-5)
+    for chunk_size in (4, 7):  # 5 of 8 chunks of 4 run, some rows empty in them; 3 of 5 chunks of 6
+        chunked_cache, chunked = sampling.append(model, empty, tokens, lengths, chunk_size=chunk_size)
+        np.testing.assert_array_equal(chunked_cache.lengths, lengths)
+        np.testing.assert_allclose(chunked, whole, atol=1e-5)
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(np.stack(chunked_cache.k)[:, b, :, :n], np.stack(whole_cache.k)[:, b, :, :n],
+                                       atol=1e-5)
+
+
+def test_a_long_block_is_split_into_even_chunks():
+    for most in (1, 4, 128):
+        for width in range(1, 400):
+            count, size = sampling.even_chunks(width, most)
+            assert size <= most and count == -(-width // most)  # as few chunks as the bound allows
+            assert width <= count * size < width + count  # padding under one token a chunk
+    assert sampling.even_chunks(275, 128) == (3, 92)
+
+
+def test_a_cpu_chunk_keeps_its_products_full():
+    assert jax.default_backend() == "cpu"
+    for rows in (1, 8, 63, 64, 512):
+        size = sampling.chunk_tokens(rows, 128)
+        assert size == 128 or rows * size >= sampling.CPU_CHUNK_POSITIONS  # enough positions for full-rate products
+        assert size == sampling.CPU_CHUNK_TOKENS or rows * (size - 1) < sampling.CPU_CHUNK_POSITIONS  # and no more
+    assert sampling.chunk_tokens(64, 128) == 16 and sampling.chunk_tokens(8, 128) == 128
+    assert sampling.chunk_tokens(64, 8) == 8  # never above the caller's bound
 
 
 def in_bfloat16(hf) -> ModelState:
