@@ -190,7 +190,8 @@ print(json.dumps({"decode": re.findall(collective, decode), "prefill": re.findal
 
 def test_data_parallel_decoding_stays_on_each_device():
     """Each device holds its rows' cache and the whole policy, so neither a decoded token nor a
-    prefill block (attending in row passes or not) needs any communication. A KV-cache write that scatters by (row, slot) pairs made
+    prefill block (attending in row passes or not) needs any communication beyond the append's one
+    scalar (its chunk count). A KV-cache write that scatters by (row, slot) pairs made
     the partitioner all-gather every row's new keys, values and slots to every device."""
     env = {**os.environ, **simulated_devices(2)}
     proc = subprocess.run([sys.executable, "-c", LOCAL_ROWS_SCRIPT], cwd=REPO, capture_output=True, text=True,
@@ -198,7 +199,9 @@ def test_data_parallel_decoding_stays_on_each_device():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     loops = out.pop("loops")
-    assert out == {"decode": [], "prefill": [], "append_in_row_passes": [], "partitioned": True}, out
+    # The append agrees on one scalar, how many chunks hold a real token of some row (sampling.append)
+    assert out == {"decode": [], "prefill": [], "append_in_row_passes": [["s32[]", "all-reduce"]],
+                   "partitioned": True}, out
     assert loops >= 2, loops  # the append's loop over chunks, and the row passes inside it
 
 
