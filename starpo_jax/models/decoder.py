@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx, struct
 from flax.linen import with_logical_constraint
+from jax.ad_checkpoint import checkpoint_name
 
 from starpo_jax.models import cpu_attention
 from starpo_jax.models.config import ModelConfig
@@ -414,8 +415,48 @@ def sequence_mask(segment_ids: Array) -> Array:
     return (causal & same) | jnp.eye(T, dtype=bool)
 
 
+#: The name ``checkpoint_name`` gives every weight product's output (what ``model.remat=dots`` keeps).
+WEIGHT_PRODUCT = "weight_product"
+
+
+def weight_product(x: Array, w: Array) -> Array:
+    """x [B, T, in...] @ w [in..., out...] -> [B, T, out...] in x's dtype: every weight product of
+    a block. Its backward (``_weight_product_bwd``) is written out so that the weight's gradient is
+    x^T @ g, the activations first."""
+    return checkpoint_name(_weight_product(x, w.astype(x.dtype)), WEIGHT_PRODUCT)
+
+
+def _contracting(x: Array) -> tuple[int, ...]:
+    return tuple(range(2, x.ndim))  # x's feature axes: all but batch and time
+
+
+@jax.custom_vjp
+def _weight_product(x: Array, w: Array) -> Array:
+    return jax.lax.dot_general(x, w, ((_contracting(x), tuple(range(x.ndim - 2))), ((), ())))
+
+
+def _weight_product_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _weight_product(x, w), (x, w)
+
+
+def _weight_product_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    """The same two products as jax's own transpose, but the weight's gradient with the activations
+    as the left operand. jax computes it as g^T @ x, transposed: XLA:CPU then first copies g, the
+    wider of the two in the MLP ([rows, 1536] against [rows, 576]), into [1536, rows], a strided
+    pass fused with silu's derivative that ran at ~0.5 GB/s, ~12 % of the FrozenLake update's time
+    (docs/benchmarks.md, "The weight gradient's orientation")."""
+    x, w = residuals
+    n_in = x.ndim - 2
+    dx = jax.lax.dot_general(g, w, ((_contracting(g), tuple(range(n_in, w.ndim))), ((), ())))
+    dw = jax.lax.dot_general(x, g, (((0, 1), (0, 1)), ((), ())))
+    return dx, dw
+
+
+_weight_product.defvjp(_weight_product_fwd, _weight_product_bwd)
+
+
 def _project(x: Array, w: Array, bias: Array | None) -> Array:
-    y = jnp.einsum("btd,dhk->bthk", x, w.astype(x.dtype))
+    y = weight_product(x, w)
     return y if bias is None else y + bias.astype(x.dtype)
 
 
@@ -458,13 +499,12 @@ def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: Array
 
 def block_output(c: ModelConfig, p: Mapping[str, Array], x: Array, attended: Array) -> Array:
     """A block's second half: x [B, T, D] plus the projected attention output [B, T, heads, d], then the MLP."""
-    dtype = x.dtype
-    x = x + jnp.einsum("bthk,hkd->btd", attended, p["o_proj"].astype(dtype))
+    x = x + weight_product(attended, p["o_proj"])
     h = rms_norm(x, p["post_attn_norm"], c.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, p["gate_proj"].astype(dtype))
-    up = jnp.einsum("btd,df->btf", h, p["up_proj"].astype(dtype))
+    gate = weight_product(h, p["gate_proj"])
+    up = weight_product(h, p["up_proj"])
     mlp = _constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
-    x = x + jnp.einsum("btf,fd->btd", mlp, p["down_proj"].astype(dtype))
+    x = x + weight_product(mlp, p["down_proj"])
     return _constrain(x, ("batch", None, "embed"))
 
 
@@ -474,9 +514,9 @@ def block_output(c: ModelConfig, p: Mapping[str, Array], x: Array, attended: Arr
 # [rows, heads, T, T] included, until the backward pass reaches that layer.
 REMAT_POLICIES = {
     "layer": jax.checkpoint_policies.nothing_saveable,  # one block's intermediates at a time
-    # The weight projections' outputs too (dots without batch dimensions; attention's products have
-    # them): recomputes attention and elementwise work only, keeps [rows, T, features] per layer.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The weight products' outputs too (``weight_product``): recomputes attention and elementwise
+    # work only, keeps [rows, T, features] per layer.
+    "dots": jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT),
 }
 
 

@@ -273,6 +273,30 @@ def test_decode_size_scores_computed_keys_first_agree_and_stay_keys_first(T, mon
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("x_shape, w_shape", [
+    ((2, 5, 8), (8, 12)),  # gate, up, down
+    ((2, 5, 8), (8, 3, 4)),  # q, k, v: [embed, heads, kv]
+    ((2, 5, 3, 4), (3, 4, 8)),  # o: [heads, kv, embed]
+])
+def test_weight_product_and_its_backward_equal_jaxs_own(x_shape, w_shape):
+    """``weight_product`` writes its backward out (the weight's gradient as x^T g): the same
+    products as jax's transpose of the einsum, in another order, so equal to float32 rounding."""
+    from starpo_jax.models.decoder import weight_product
+
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    n_in = len(x_shape) - 2
+    letters = "hijk"
+    spec = f"bt{letters[:n_in]},{letters[:len(w_shape)]}->bt{letters[n_in:len(w_shape)]}"
+    reference = lambda x, w: jnp.einsum(spec, x, w)  # noqa: E731
+    weight = jax.random.normal(kg, reference(x, w).shape)
+    got, want = (jax.value_and_grad(lambda x, w, f=f: (f(x, w) * weight).sum(), argnums=(0, 1))(x, w)
+                 for f in (weight_product, reference))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
 def test_rows_per_pass_takes_the_most_rows_whose_scores_fit(monkeypatch):
     """On CPU: every row while the float32 scores fit the budget, else the largest divisor of the
     rows that fits (one row at the least); other backends always every row."""

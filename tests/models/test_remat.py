@@ -47,6 +47,21 @@ def test_gradients_with_remat_equal_gradients_without(name, remat):
         assert float(jnp.max(jnp.abs(g_r - g))) <= 1e-5 * scale, jax.tree_util.keystr(path[0])
 
 
+def test_dots_recomputes_only_attention_and_layer_recomputes_the_weight_products():
+    """Counted in the gradient's program as jax lowers it: "dots" keeps every weight product's output
+    (``decoder.weight_product``, found by its name) and recomputes only attention's two products
+    (scores and values, which have batch dimensions); "layer" recomputes the weight products too."""
+    tokens = jnp.zeros((2, 24), jnp.int32)
+
+    def products(remat: str) -> int:
+        graphdef, params = split_model("tiny-qwen2", remat)
+        return grad_fn.lower(params, graphdef, tokens, tokens, tokens).as_text().count("stablehlo.dot_general")
+
+    none, layer, dots = products("none"), products("layer"), products("dots")
+    assert dots == none + 2
+    assert layer > dots
+
+
 def test_remat_lowers_the_compiled_gradients_memory():
     """XLA:CPU's working memory of the gradient of a 3-layer model on 2 rows of 256 tokens. Without
     remat the scan keeps every layer's float32 attention probabilities [rows, heads, T, T] for the
