@@ -21,6 +21,9 @@ Layout choices:
   (``slot < length``) plus the new block (causal); only the real tokens of the block are written.
   Nothing is recomputed for the prefix, which is what lets a multi-turn rollout append the next
   observation to a live cache.
+- Every weight product of a block is ``weight_product``, whose backward computes the weight's
+  gradient as x^T @ g: jax's own transpose takes g^T @ x, for which XLA:CPU first copies g into a
+  transposed layout, slowly where g is the MLP's wide [rows, 1536].
 - A gradient through ``hidden_states`` recomputes each block's forward in the backward pass
   (``ModelConfig.remat``, default "layer"): the scan then keeps one [rows, T, embed] input per layer
   instead of every layer's intermediates, whose float32 attention scores grow with T².
