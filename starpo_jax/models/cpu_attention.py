@@ -40,8 +40,8 @@ import numpy as np
 from starpo_jax.runtime import caches
 
 ENV = "STARPO_JAX_CPU_KERNEL"
-TARGET = "starpo_decode_attention"
-SOURCE = Path(__file__).with_name("decode_attention.cc")
+TARGET = "starpo_cached_attention"
+SOURCE = Path(__file__).with_name("cached_attention.cc")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -76,23 +76,25 @@ def xla_attention():
         _held_off -= 1
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths):
-    """Attention of one new token per row, q [B, 1, heads, d], to the first ``lengths[b]`` slots of
-    its layer cache k_cache, v_cache [B, kv_heads, S, d] and to its own key and value k_new, v_new
-    [B, 1, kv_heads, d]: what ``decoder._attend_after`` computes for a decode step. Returns
-    [B, 1, heads, d] in q's dtype. Call it where ``available()``: it builds the kernel if need be,
-    and raises RuntimeError where it cannot be built."""
+def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new):
+    """Attention of a block of T new tokens per row, q [B, T, heads, d], to the first ``lengths[b]``
+    slots of its layer cache k_cache, v_cache [B, kv_heads, S, d] and causally to the block's own
+    keys and values k_new, v_new [B, T, kv_heads, d]: what ``decoder._attend_after`` computes for a
+    decode step (T = 1) or a prompt chunk. Row b's first ``num_new[b]`` tokens are real; the rest
+    are padding, and come back as zeros. Returns [B, T, heads, d] in q's dtype. Call it where
+    ``available()``: it builds the kernel if need be, and raises RuntimeError where it cannot be
+    built."""
     if not _registered():
-        raise RuntimeError("starpo-jax's CPU decode-attention kernel could not be built (the warning says why)")
-    B, _, H, D = q.shape
+        raise RuntimeError("starpo-jax's CPU attention kernel could not be built (the warning says why)")
+    B, T, H, D = q.shape
     kv_heads = k_cache.shape[1]
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, kv_heads, H // kv_heads, D), f32),
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, T, kv_heads, H // kv_heads, D), f32),
                             vmap_method="broadcast_all")
-    out = call(q.reshape(B, kv_heads, H // kv_heads, D).astype(f32), k_cache.astype(f32), v_cache.astype(f32),
-               jnp.minimum(lengths, k_cache.shape[2]).astype(jnp.int32), k_new[:, 0].astype(f32),
-               v_new[:, 0].astype(f32), scale=np.float32(D**-0.5))
-    return out.reshape(B, 1, H, D).astype(q.dtype)
+    out = call(q.reshape(B, T, kv_heads, H // kv_heads, D).astype(f32), k_cache.astype(f32), v_cache.astype(f32),
+               jnp.minimum(lengths, k_cache.shape[2]).astype(i32), jnp.broadcast_to(num_new, (B,)).astype(i32),
+               k_new.astype(f32), v_new.astype(f32), scale=np.float32(D**-0.5))
+    return out.reshape(B, T, H, D).astype(q.dtype)
 
 
 @functools.cache
@@ -101,10 +103,10 @@ def _registered() -> bool:
     one warning, where it cannot be built or loaded."""
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.starpo_decode_attention), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.starpo_cached_attention), platform="cpu")
         return True
     except (OSError, subprocess.SubprocessError) as err:
-        warnings.warn(f"starpo-jax could not build its CPU decode-attention kernel ({err}); decoding with "
+        warnings.warn(f"starpo-jax could not build its CPU attention kernel ({err}); attending with "
                       f"XLA's attention, which uses one core (set {ENV}=off to skip the attempt)", stacklevel=2)
         return False
 
@@ -119,7 +121,7 @@ def build(folder: Path | None = None) -> Path:
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     root = caches.cache_root()
     folder = folder or (root / "kernels" if root else Path(tempfile.gettempdir()) / f"starpo-jax-kernels-{os.getuid()}")
-    library = folder / f"decode_attention-{key}.so"
+    library = folder / f"cached_attention-{key}.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)

@@ -680,13 +680,13 @@ class Decoder(nnx.Module):
         positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
         slots = _write_slots(positions, num_new, cache.max_len)
         x, ks, vs = self._embed(tokens), [], []
-        on_cpu_kernel = tokens.shape[1] == 1 and cpu_attention.available()  # a decode step on a CPU
+        on_cpu_kernel = cpu_attention.available()
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
             q, k, v = block_qkv(c, p, x, positions)
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
             if on_cpu_kernel:
-                attended = cpu_attention.decode_attention(q, k, v, ks[-1], vs[-1], cache.lengths)
+                attended = cpu_attention.cached_attention(q, k, v, ks[-1], vs[-1], cache.lengths, num_new)
             else:
                 attended = _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)
             x = _rounded(block_output(c, p, x, attended))

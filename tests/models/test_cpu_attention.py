@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel: XLA's sums to float32 rounding, only the held slots read, used by
-the decode step where it is available, and XLA's attention where it is not."""
+"""The CPU cached-attention kernel: XLA's sums to float32 rounding, only the held slots read, used by
+the decode step and the prompt chunks where it is available, and XLA's attention where it is not."""
 
 import contextlib
 import subprocess
@@ -19,18 +19,21 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the kerne
 B, KV_HEADS, GROUP, SLOTS, D = 5, 2, 3, 24, 16
 
 
-def inputs(seed=0, dtype=jnp.float32, group=GROUP, d=D):
+def inputs(seed=0, dtype=jnp.float32, group=GROUP, d=D, tokens=1):
     ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (B, 1, KV_HEADS * group, d), dtype)
-    k_new, v_new = (jax.random.normal(k, (B, 1, KV_HEADS, d), dtype) for k in ks[1:3])
+    q = jax.random.normal(ks[0], (B, tokens, KV_HEADS * group, d), dtype)
+    k_new, v_new = (jax.random.normal(k, (B, tokens, KV_HEADS, d), dtype) for k in ks[1:3])
     k_cache, v_cache = (jax.random.normal(k, (B, KV_HEADS, SLOTS, d)) for k in ks[3:5])
     lengths = jnp.array([0, 1, 7, SLOTS - 1, SLOTS], jnp.int32)  # none held to all held
-    return q, k_new, v_new, k_cache, v_cache, lengths
+    return q, k_new, v_new, k_cache, v_cache, lengths, jnp.full((B,), tokens, jnp.int32)
 
 
-def xla_attention(q, k_new, v_new, k_cache, v_cache, lengths):
+def xla_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new):
     visible = (jnp.arange(k_cache.shape[2]) < lengths[:, None])[:, None, :]
     return decoder._attend_after(q, k_new, v_new, k_cache, v_cache, visible)
+
+
+kernel = jax.jit(cpu_attention.cached_attention)
 
 
 # Both sum ≤ SLOTS + 1 float32 products of O(1) terms in other orders, and normalise once: a few
@@ -43,31 +46,43 @@ ATOL = 1e-5
 @pytest.mark.parametrize("group, d", [(GROUP, D), (7, 64), (5, 8), (1, 16), (2, 12)])
 def test_the_kernel_computes_xlas_attention_for_every_length(group, d):
     args = inputs(group=group, d=d)
-    got = jax.jit(cpu_attention.decode_attention)(*args)
-    np.testing.assert_allclose(got, jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(kernel(*args), jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
+
+
+def test_a_block_of_tokens_attends_causally_and_its_padding_comes_back_as_zeros():
+    q, k_new, v_new, k_cache, v_cache, lengths, _ = inputs(tokens=4)
+    num_new = jnp.array([4, 1, 0, 3, 2], jnp.int32)
+    got = kernel(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
+    want = jax.jit(xla_attention)(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
+    real = (jnp.arange(4)[None, :] < num_new[:, None])[:, :, None, None]
+    np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0), atol=ATOL, rtol=0)
+    assert not np.any(np.where(real, 0, got))
+    # a token's output does not depend on the block's later keys: the first token's is the decode step's
+    alone = kernel(q[:, :1], k_new[:, :1], v_new[:, :1], k_cache, v_cache, lengths, jnp.minimum(num_new, 1))
+    np.testing.assert_array_equal(got[:, :1], alone)
 
 
 def test_slots_past_a_rows_length_are_never_read():
-    q, k_new, v_new, k_cache, v_cache, lengths = inputs()
+    q, k_new, v_new, k_cache, v_cache, lengths, num_new = inputs(tokens=2)
     past = jnp.arange(SLOTS)[None, None, :, None] >= lengths[:, None, None, None]
     poisoned = [jnp.where(past, jnp.nan, c) for c in (k_cache, v_cache)]
-    clean = jax.jit(cpu_attention.decode_attention)(q, k_new, v_new, k_cache, v_cache, lengths)
-    assert np.array_equal(jax.jit(cpu_attention.decode_attention)(q, k_new, v_new, *poisoned, lengths), clean)
+    clean = kernel(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
+    assert np.array_equal(kernel(q, k_new, v_new, *poisoned, lengths, num_new), clean)
 
 
 def test_bfloat16_queries_come_back_in_bfloat16():
     args = inputs(dtype=jnp.bfloat16)
-    got = jax.jit(cpu_attention.decode_attention)(*args)
+    got = kernel(*args)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(jnp.float32), xla_attention(*args).astype(jnp.float32), atol=1e-2)
 
 
 def test_vmapped_it_computes_each_member_alone():
-    members = [inputs(seed) for seed in (1, 2)]
+    members = [inputs(seed, tokens=2) for seed in (1, 2)]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
-    got = jax.jit(jax.vmap(cpu_attention.decode_attention))(*stacked)
+    got = jax.jit(jax.vmap(cpu_attention.cached_attention))(*stacked)
     for i, args in enumerate(members):
-        assert np.array_equal(got[i], jax.jit(cpu_attention.decode_attention)(*args))
+        assert np.array_equal(got[i], kernel(*args))
 
 
 def decode_hlo(model, config, kernel: bool):
@@ -87,6 +102,27 @@ def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same()
     assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
     assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
     np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
+
+
+def append_with(model, config, kernel: bool):
+    jax.clear_caches()  # append is jitted: retrace with this choice
+    cache = sampling.init_cache(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32))
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, config.vocab_size)
+    num_new = jnp.array([5, 2], jnp.int32)
+    with contextlib.nullcontext() if kernel else cpu_attention.xla_attention():
+        return sampling.append.lower(model, cache, tokens, num_new).as_text(), sampling.append(model, cache, tokens, num_new)
+
+
+def test_a_prompt_chunk_takes_the_kernel_where_available_and_appends_the_same():
+    config = preset("tiny-qwen2")
+    model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
+    with_kernel, (kernel_cache, kernel_logits) = append_with(model, config, True)
+    without, (xla_cache, xla_logits) = append_with(model, config, False)
+    assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
+    np.testing.assert_allclose(kernel_logits, xla_logits, atol=1e-4)
+    np.testing.assert_array_equal(kernel_cache.lengths, xla_cache.lengths)
+    for got, want in zip(kernel_cache.k + kernel_cache.v, xla_cache.k + xla_cache.v):
+        np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_xla_attention_holds_the_kernel_off_until_its_outermost_block_ends():
@@ -119,7 +155,7 @@ def test_a_compiler_that_fails_is_one_warning_and_xlas_attention(monkeypatch, tm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert not cpu_attention._registered()
-    assert len(caught) == 1 and "could not build its CPU decode-attention kernel" in str(caught[0].message)
+    assert len(caught) == 1 and "could not build its CPU attention kernel" in str(caught[0].message)
 
 
 def test_a_build_is_found_again_not_recompiled(tmp_path):

@@ -1,11 +1,14 @@
-// A decode step's attention on CPU, as an XLA FFI kernel (starpo_jax/models/cpu_attention.py says
-// why and when it is used).
+// Attention of new tokens to a KV cache on CPU, as an XLA FFI kernel: a decode step's one token per
+// row, or a block of a prompt's tokens (starpo_jax/models/cpu_attention.py says why and when it is
+// used).
 //
-// Each row's one new token (its queries q [kv_heads, group, dim]) attends to the first length[row]
-// slots of its cached keys and values [kv_heads, slots, dim] and to its own new key and value
-// [kv_heads, dim]; the slots past length are never read. Every (row, kv head) pair is one task, and
-// the tasks are spread over XLA's intra-op threads. Leading dimensions before the row's are
-// flattened into rows (vmap adds one). Float32 throughout; the softmax is normalised after its sums.
+// Token t of a row (its queries q [tokens, kv_heads, group, dim]) attends to the first length[row]
+// slots of the row's cached keys and values [kv_heads, slots, dim], then to the block's own new keys
+// and values [tokens, kv_heads, dim] up to its own (causal); the slots past length are never read. A
+// row's tokens from num_new[row] on are padding: their outputs are zeros. Every (row, kv head) pair
+// is one task, its tokens one after the other (the row's keys stay in the core's cache), and the
+// tasks are spread over XLA's intra-op threads. Leading dimensions before the row's are flattened
+// into rows (vmap adds one). Float32 throughout; the softmax is normalised after its sums.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -24,7 +27,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 struct Sizes {
-  int64_t kv_heads, group, slots, dim;
+  int64_t tokens, kv_heads, group, slots, dim;
 };
 
 // Eight floats, in the compiler's vector registers (AVX2's, or two NEON registers on Arm): the
@@ -68,21 +71,25 @@ inline vf exp_nonpositive(vf x) {
   return e * reinterpret_cast<const vf&>(two_to_n);
 }
 
-// Row i of a (row, kv head)'s keys or values: the cache's first `length` rows, then the new token's.
-inline const float* row(const float* cache, const float* fresh, int64_t i, int64_t length, int64_t D) {
-  return i < length ? cache + i * D : fresh;
-}
+// The keys (or values) one token attends to: the cache's first `held` rows, then the block's new
+// ones, `stride` floats apart (the block's other kv heads lie between them).
+struct Rows {
+  const float* cache;
+  const float* fresh;
+  int64_t held, stride, dim;
+  const float* operator[](int64_t i) const { return i < held ? cache + i * dim : fresh + (i - held) * stride; }
+};
 
-// Scores of GB queries [GB, D] (scaled) against key i: p[g * stride + i].
+// Scores of GB queries [GB, D] (scaled) against the first n keys: p[g * stride + i].
 template <int GB>
-void scores(const float* q, const float* keys, const float* values, const float* k_new, int64_t length,
-            int64_t D, float* p, int64_t stride) {
-  for (int64_t i = 0; i <= length; ++i) {
-    const float* k = row(keys, k_new, i, length, D);
-    if (i + AHEAD < length)
+void scores(const float* q, const Rows& keys, const Rows& values, int64_t n, float* p, int64_t stride) {
+  const int64_t D = keys.dim;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = keys[i];
+    if (i + AHEAD < keys.held)
       for (int64_t c = 0; c < D; c += 16) {
-        __builtin_prefetch(keys + (i + AHEAD) * D + c);
-        __builtin_prefetch(values + (i + AHEAD) * D + c, 0, 2);
+        __builtin_prefetch(keys.cache + (i + AHEAD) * D + c);
+        __builtin_prefetch(values.cache + (i + AHEAD) * D + c, 0, 2);
       }
     vf acc[GB] = {};
     for (int64_t c = 0; c < D; c += W) {
@@ -96,12 +103,12 @@ void scores(const float* q, const float* keys, const float* values, const float*
 // Weighted sums of the values for GB queries, C vectors of the dim at a time, the sums in registers:
 // out[g] = sum_i p[g * stride + i] * value_i / total[g].
 template <int GB, int C>
-void weighted_values(const float* p, int64_t stride, const float* values, const float* v_new, int64_t length,
-                     int64_t D, const float* total, float* out) {
+void weighted_values(const float* p, int64_t stride, const Rows& values, int64_t n, const float* total, float* out) {
+  const int64_t D = values.dim;
   for (int64_t c0 = 0; c0 < D; c0 += C * W) {
     vf acc[GB][C] = {};
-    for (int64_t i = 0; i <= length; ++i) {
-      const float* v = row(values, v_new, i, length, D) + c0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = values[i] + c0;
       vf vc[C];
       for (int j = 0; j < C; ++j) vc[j] = load(v + j * W);
       for (int g = 0; g < GB; ++g) {
@@ -115,10 +122,10 @@ void weighted_values(const float* p, int64_t stride, const float* values, const 
 }
 
 // The same two passes one float at a time, for a head size the vectors do not divide.
-void scores_scalar(int64_t G, const float* q, const float* keys, const float* k_new, int64_t length,
-                   int64_t D, float* p, int64_t stride) {
-  for (int64_t i = 0; i <= length; ++i) {
-    const float* k = row(keys, k_new, i, length, D);
+void scores_scalar(int64_t G, const float* q, const Rows& keys, int64_t n, float* p, int64_t stride) {
+  const int64_t D = keys.dim;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = keys[i];
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * k[d];
@@ -127,11 +134,12 @@ void scores_scalar(int64_t G, const float* q, const float* keys, const float* k_
   }
 }
 
-void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const float* values, const float* v_new,
-                            int64_t length, int64_t D, const float* total, float* out) {
+void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const Rows& values, int64_t n,
+                            const float* total, float* out) {
+  const int64_t D = values.dim;
   std::fill(out, out + G * D, 0.f);
-  for (int64_t i = 0; i <= length; ++i) {
-    const float* v = row(values, v_new, i, length, D);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = values[i];
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * stride + i] * v[d];
   }
@@ -168,29 +176,28 @@ void softmax_weights(int64_t G, int64_t n, float* p, float* total) {
   }
 }
 
-// One (row, kv head): scores against the `length` cached keys and the new key, their exponentials,
-// then the weighted sum of the values. `scratch` holds the scaled queries, the scores and the totals.
-void attend_one(const Sizes& s, float scale, int64_t length, const float* q, const float* keys,
-                const float* values, const float* k_new, const float* v_new, float* out,
-                std::vector<float>& scratch) {
-  const int64_t G = s.group, D = s.dim, n = length + 1;
+// One token of a (row, kv head): scores against its n keys, their exponentials, then the weighted
+// sum of the values. `scratch` holds the scaled queries, the scores and the totals.
+void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const Rows& values, int64_t n,
+                float* out, std::vector<float>& scratch) {
+  const int64_t D = keys.dim;
   scratch.resize(G * D + G * n + G);
   float *q_scaled = scratch.data(), *p = q_scaled + G * D, *total = p + G * n;
   for (int64_t i = 0; i < G * D; ++i) q_scaled[i] = q[i] * scale;
   if (D % W != 0) {
-    scores_scalar(G, q_scaled, keys, k_new, length, D, p, n);
+    scores_scalar(G, q_scaled, keys, n, p, n);
     softmax_weights(G, n, p, total);
-    return weighted_values_scalar(G, p, n, values, v_new, length, D, total, out);
+    return weighted_values_scalar(G, p, n, values, n, total, out);
   }
   in_blocks(G, [&](auto gb, int64_t g0) {
-    scores<decltype(gb)::value>(q_scaled + g0 * D, keys, values, k_new, length, D, p + g0 * n, n);
+    scores<decltype(gb)::value>(q_scaled + g0 * D, keys, values, n, p + g0 * n, n);
   });
   softmax_weights(G, n, p, total);
   in_blocks(G, [&](auto gb, int64_t g0) {
     constexpr int GB = decltype(gb)::value;
     const float *pb = p + g0 * n, *tb = total + g0;
-    if (D % (2 * W) == 0) return weighted_values<GB, 2>(pb, n, values, v_new, length, D, tb, out + g0 * D);
-    weighted_values<GB, 1>(pb, n, values, v_new, length, D, tb, out + g0 * D);
+    if (D % (2 * W) == 0) return weighted_values<GB, 2>(pb, n, values, n, tb, out + g0 * D);
+    weighted_values<GB, 1>(pb, n, values, n, tb, out + g0 * D);
   });
 }
 
@@ -205,31 +212,44 @@ struct Tasks {
 
 }  // namespace
 
-static ffi::Error DecodeAttention(ffi::ThreadPool pool, float scale, ffi::Buffer<ffi::F32> q,
+static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
-                                  ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_new,
-                                  ffi::Buffer<ffi::F32> v_new, ffi::ResultBuffer<ffi::F32> out) {
+                                  ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> num_new,
+                                  ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                  ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = keys.dimensions();
   const int64_t r = qd.size();
-  if (r < 3 || kd.size() != static_cast<size_t>(r))
-    return ffi::Error::InvalidArgument("decode attention: q and the caches need the same rank, at least 3");
-  const Sizes s{qd[r - 3], qd[r - 2], kd[r - 2], qd[r - 1]};
-  const int64_t count = q.element_count() / (s.group * s.dim);  // rows x kv heads
-  if (lengths.element_count() * s.kv_heads != count)
-    return ffi::Error::InvalidArgument("decode attention: one length per row");
+  if (r < 4 || kd.size() != static_cast<size_t>(r - 1) || kd[r - 4] != qd[r - 3] || kd[r - 2] != qd[r - 1])
+    return ffi::Error::InvalidArgument("cached attention: q [..., tokens, kv_heads, group, dim] and the caches "
+                                       "[..., kv_heads, slots, dim] do not match");
+  const Sizes s{qd[r - 4], qd[r - 3], qd[r - 2], kd[r - 3], qd[r - 1]};  // kd: one dimension fewer
+  const int64_t rows = lengths.element_count();
+  if (q.element_count() != rows * s.tokens * s.kv_heads * s.group * s.dim || num_new.element_count() != rows)
+    return ffi::Error::InvalidArgument("cached attention: one length and one count of new tokens per row");
   const float *qp = q.typed_data(), *kp = keys.typed_data(), *vp = values.typed_data();
   const float *knp = k_new.typed_data(), *vnp = v_new.typed_data();
-  const int32_t* lp = lengths.typed_data();
+  const int32_t *lp = lengths.typed_data(), *np_ = num_new.typed_data();
   float* op = out->typed_data();
+  const int64_t count = rows * s.kv_heads, query = s.group * s.dim, step = s.kv_heads * query;
   auto tasks = std::make_shared<Tasks>();
   auto work = [=]() {
     std::vector<float> scratch;
     int64_t done = 0;
     for (int64_t t; (t = tasks->next.fetch_add(1)) < count; ++done) {
-      const int64_t length = std::clamp<int64_t>(lp[t / s.kv_heads], 0, s.slots);
-      const int64_t cache = t * s.slots * s.dim, query = t * s.group * s.dim;
-      attend_one(s, scale, length, qp + query, kp + cache, vp + cache, knp + t * s.dim, vnp + t * s.dim,
-                 op + query, scratch);
+      const int64_t row = t / s.kv_heads, head = t % s.kv_heads;
+      const int64_t held = std::clamp<int64_t>(lp[row], 0, s.slots);
+      const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
+      const int64_t cache = t * s.slots * s.dim, fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
+      const Rows k{kp + cache, knp + fresh, held, s.kv_heads * s.dim, s.dim};
+      const Rows v{vp + cache, vnp + fresh, held, s.kv_heads * s.dim, s.dim};
+      const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
+      for (int64_t token = 0; token < s.tokens; ++token) {
+        float* o = op + first + token * step;
+        if (token < real)
+          attend_one(s.group, scale, qp + first + token * step, k, v, held + token + 1, o, scratch);
+        else
+          std::fill(o, o + query, 0.f);
+      }
     }
     if (done) {
       std::lock_guard<std::mutex> lock(tasks->mu);
@@ -245,14 +265,15 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(starpo_decode_attention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(starpo_cached_attention, CachedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<float>("scale")
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [..., kv_heads, group, dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [..., tokens, kv_heads, group, dim]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // keys [..., kv_heads, slots, dim]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // values, as keys
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths [...]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new [..., kv_heads, dim]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths [...]: slots held
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_new [...]: real new tokens
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new [..., tokens, kv_heads, dim]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_new, as k_new
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // [..., kv_heads, group, dim]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // as q
