@@ -1,19 +1,23 @@
-"""A decode step's attention on CPU as a compiled kernel, spread over the cores.
+"""Attention to the KV cache on CPU as a compiled kernel, spread over the cores: a decode step's,
+and a prompt chunk's.
 
 XLA:CPU runs a decode step's attention, one batched product per layer ([S, d] × [d, q] per row and
 kv head), on one core whatever library it hands it to, and reads every slot of the cache, empty or
 not: on the FrozenLake preset it was half of each decode step (docs/benchmarks.md, "A decode step's
-attention runs on one core" and "The decode's attention as a kernel"). ``decode_attention.cc`` does
-the same sums as an XLA FFI kernel: every (row, kv head) is a task on XLA's intra-op threads, its sums
-kept in vector registers, and only a row's first ``length`` slots are read.
+attention runs on one core" and "The decode's attention as a kernel"). A prompt chunk's attention
+(16 tokens of 64 rows, a later turn's append) read every slot too, held or not, a few rows at a
+time. ``cached_attention.cc`` does the same sums as an XLA FFI kernel: every (row, kv head) is a
+task on XLA's intra-op threads, its sums kept in vector registers; a row's tokens are taken one
+after the other while its keys stay in the core's cache, each reading only the row's first
+``length`` slots and the block's own keys up to its own, and padding tokens are skipped.
 
 It is built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
 (``-march=native``), into the cache folder (``runtime.caches``: ``kernels/``, keyed by the source,
-the compiler and the CPU), and registered with XLA. ``Decoder.extend`` uses it for a decode step
-(one new token per row) on a CPU when ``available()``; everywhere else, and where it cannot be
-built (one warning saying why), attention is XLA's (``decoder._attend_after``). The two agree to
-float32 rounding (tests/models/test_cpu_attention.py), so sampled tokens can differ where two
-candidates tie to that precision.
+the compiler and the CPU), and registered with XLA. ``Decoder.extend`` uses it for every block it
+appends (a decode step's one token per row, a prompt's chunk) on a CPU when ``available()``;
+everywhere else, and where it cannot be built (one warning saying why), attention is XLA's
+(``decoder._attend_after``). The two agree to float32 rounding (tests/models/test_cpu_attention.py),
+so sampled tokens can differ where two candidates tie to that precision.
 
 ``STARPO_JAX_CPU_KERNEL=off`` (or ``0``, ``false``, ``no``) keeps XLA's attention: a benchmark's
 other side, or a machine without a compiler that should not try.
@@ -55,9 +59,9 @@ _held_off = 0  # how many ``xla_attention`` blocks are open
 
 
 def available() -> bool:
-    """Whether a decode step traced now takes the kernel: on a CPU, on one device (a kernel knows
-    no sharding: XLA would gather a split batch onto every device), switched on, not inside
-    ``xla_attention``, and built."""
+    """Whether a block appended to a cache (``Decoder.extend``) traced now takes the kernel: on a
+    CPU, on one device (a kernel knows no sharding: XLA would gather a split batch onto every
+    device), switched on, not inside ``xla_attention``, and built."""
     if jax.default_backend() != "cpu" or not enabled() or _held_off:
         return False
     mesh = jax.sharding.get_abstract_mesh()
@@ -66,8 +70,8 @@ def available() -> bool:
 
 @contextlib.contextmanager
 def xla_attention():
-    """Decode steps traced inside take XLA's attention: a benchmark's other side, or a CPU program
-    that stands for an accelerator's (``bench.step``'s decode cost)."""
+    """Blocks appended inside (decode steps, prompt chunks) take XLA's attention: a benchmark's other
+    side, or a CPU program that stands for an accelerator's (``bench.step``'s decode cost)."""
     global _held_off
     _held_off += 1
     try:

@@ -670,10 +670,11 @@ class Decoder(nnx.Module):
         place. Each writes its new keys and values into its buffer first and then attends to the
         written buffer (the new slots stay masked: the new block is attended to apart). Reading after
         the write orders the two, so XLA updates the buffer in place; a read that the write does not
-        wait for makes it copy the buffer first. A decode step on a CPU attends with the kernel of
-        ``cpu_attention`` where it is available (XLA:CPU runs this attention on one core), which reads
-        only each row's held slots. ``in_row_passes``: as ``attend`` says (a block of prompt tokens
-        takes it, ``sampling.append``; the decode step's scores are small)."""
+        wait for makes it copy the buffer first. On a CPU the block attends with the kernel of
+        ``cpu_attention`` where it is available (XLA:CPU runs a decode step's attention on one core,
+        and both read every slot), which reads only each row's held slots and skips padding tokens.
+        ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
+        it, ``sampling.append``; the decode step's scores are small)."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
         num_new = num_new.astype(jnp.int32)

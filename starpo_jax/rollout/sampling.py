@@ -27,10 +27,12 @@ reduction loop it cannot vectorise.
 The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights per
 layer once per call, and the cache is one buffer per layer (``KVCache``) from its creation to the
 rollout's end; each step runs the blocks unrolled (``Decoder.extend``). ``append`` runs its prompt
-chunks through the same unrolled blocks, their attention a few rows at a time on CPU
-(models/decoder.py says why, and what each costs).
+chunks through the same unrolled blocks. On a CPU both attend with the kernel of
+``models.cpu_attention``, which reads only each row's held slots; where it is not available, XLA's
+attention takes a prompt chunk a few rows at a time (models/decoder.py says why, and what each
+costs).
 
-Cache window: a decode step's attention reads every slot of the cache it is given, and a multi-turn
+Cache window: XLA's attention (an accelerator's) reads every slot of the cache it is given, and a multi-turn
 rollout's cache is sized for the last turn (RAGEN: 3,600 tokens) while early turns use a fraction
 of it. ``decode`` and ``append`` therefore run in the smallest of a few static windows (``decode_windows``: the
 whole cache, and for long caches 1/2, 1/4, 1/8 of it) that holds every live row plus its token
