@@ -201,6 +201,108 @@ void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const 
   });
 }
 
+// A block's tokens of one (row, kv head) together, as two matrix products in register tiles with the
+// softmax between: M = tokens x group queries (token-major) against the n keys the last of them sees.
+// The scores are kept transposed, st[key][query] (a row of Mp queries, M rounded up to vectors), so
+// that both products broadcast one operand's element against a vector of the other's: the scores
+// broadcast a key's element against the queries (qt[dim][query], packed once), and the values a
+// query's weight against a value's row.
+constexpr int TILE = 6;  // keys of a scores tile, queries of a values tile: 6 x 2 vectors of sums in registers
+
+template <int R, int V>
+void scores_tile(const Rows& keys, int64_t i0, const float* qt, int64_t Mp, int64_t m0, float* st) {
+  const float* k[R];
+  for (int r = 0; r < R; ++r) k[r] = keys[i0 + r];
+  vf acc[R][V] = {};
+  for (int64_t d = 0; d < keys.dim; ++d) {
+    vf qv[V];
+    for (int j = 0; j < V; ++j) qv[j] = load(qt + d * Mp + m0 + j * W);
+    for (int r = 0; r < R; ++r) {
+      const vf kb = vf{} + k[r][d];
+      for (int j = 0; j < V; ++j) acc[r][j] += kb * qv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) store(st + (i0 + r) * Mp + m0 + j * W, acc[r][j]);
+}
+
+template <int R, int V>
+void values_tile(const float* st, int64_t Mp, int64_t m0, const Rows& values, int64_t n, int64_t d0, float* sums) {
+  vf acc[R][V] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = values[i] + d0;
+    vf vv[V];
+    for (int j = 0; j < V; ++j) vv[j] = load(v + j * W);
+    for (int r = 0; r < R; ++r) {
+      const vf w = vf{} + st[i * Mp + m0 + r];
+      for (int j = 0; j < V; ++j) acc[r][j] += w * vv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) store(sums + (m0 + r) * values.dim + d0 + j * W, acc[r][j]);
+}
+
+// f(R) for a tile of R = 1..TILE rows, R a compile-time constant.
+template <class F>
+void with_rows(int64_t R, F f) {
+  switch (R) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, TILE>{});
+  }
+}
+
+// Tokens [0, real) of a (row, kv head) whose keys `held` cached rows precede; q the first token's
+// queries, `step` floats from one token's to the next's (as out). D a multiple of W.
+void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t real, const Rows& keys,
+                  const Rows& values, float* out, std::vector<float>& scratch) {
+  const int64_t D = keys.dim, M = real * G, Mp = (M + W - 1) / W * W, n = keys.held + real;
+  scratch.assign(D * Mp + n * Mp + M * D + Mp, 0.f);
+  float *qt = scratch.data(), *st = qt + D * Mp, *sums = st + n * Mp, *total = sums + M * D;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = q[(m / G) * step + (m % G) * D + d] * scale;
+  for (int64_t i0 = 0; i0 < n; i0 += TILE) {  // each key read from memory once, for every query
+    for (int64_t i = i0 + AHEAD; i < std::min(i0 + AHEAD + TILE, keys.held); ++i)
+      for (int64_t c = 0; c < D; c += 16) {
+        __builtin_prefetch(keys.cache + i * D + c);
+        __builtin_prefetch(values.cache + i * D + c, 0, 2);
+      }
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * W)
+      with_rows(std::min<int64_t>(TILE, n - i0), [&](auto r) {
+        if (Mp - m0 >= 2 * W) return scores_tile<decltype(r)::value, 2>(keys, i0, qt, Mp, m0, st);
+        scores_tile<decltype(r)::value, 1>(keys, i0, qt, Mp, m0, st);
+      });
+  }
+  // The softmax over each query's keys, a vector of queries at a time: query m (token m / G) sees
+  // keys i <= held + m / G; the others weigh 0.
+  for (int64_t m0 = 0; m0 < Mp; m0 += W) {
+    vf token, top = vf{} - INFINITY, totals = {};
+    for (int j = 0; j < W; ++j) token[j] = static_cast<float>((m0 + j) / G);
+    auto seen = [&](int64_t i) { return vf{} + static_cast<float>(i - keys.held) <= token; };
+    for (int64_t i = 0; i < n; ++i) {
+      const vf x = load(st + i * Mp + m0);
+      top = seen(i) ? (x > top ? x : top) : top;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const vf e = seen(i) ? exp_nonpositive(load(st + i * Mp + m0) - top) : vf{};
+      store(st + i * Mp + m0, e);
+      totals += e;
+    }
+    store(total + m0, totals);
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 2 * W)
+    for (int64_t m0 = 0; m0 < M; m0 += TILE)
+      with_rows(std::min<int64_t>(TILE, M - m0), [&](auto r) {
+        if (D - d0 >= 2 * W) return values_tile<decltype(r)::value, 2>(st, Mp, m0, values, n, d0, sums);
+        values_tile<decltype(r)::value, 1>(st, Mp, m0, values, n, d0, sums);
+      });
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t d = 0; d < D; ++d) out[(m / G) * step + (m % G) * D + d] = sums[m * D + d] / total[m];
+}
+
 // The tasks handed out one at a time to whichever thread asks next; the caller waits for all of
 // them to finish. Shared, so that a helper the pool starts late finds no task left and nothing freed.
 struct Tasks {
@@ -243,13 +345,13 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
       const Rows k{kp + cache, knp + fresh, held, s.kv_heads * s.dim, s.dim};
       const Rows v{vp + cache, vnp + fresh, held, s.kv_heads * s.dim, s.dim};
       const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
-      for (int64_t token = 0; token < s.tokens; ++token) {
-        float* o = op + first + token * step;
-        if (token < real)
-          attend_one(s.group, scale, qp + first + token * step, k, v, held + token + 1, o, scratch);
-        else
-          std::fill(o, o + query, 0.f);
-      }
+      if (real > 1 && s.dim % W == 0)
+        attend_block(s.group, scale, qp + first, step, real, k, v, op + first, scratch);
+      else
+        for (int64_t token = 0; token < real; ++token)
+          attend_one(s.group, scale, qp + first + token * step, k, v, held + token + 1, op + first + token * step,
+                     scratch);
+      for (int64_t token = real; token < s.tokens; ++token) std::fill_n(op + first + token * step, query, 0.f);
     }
     if (done) {
       std::lock_guard<std::mutex> lock(tasks->mu);

@@ -49,17 +49,27 @@ def test_the_kernel_computes_xlas_attention_for_every_length(group, d):
     np.testing.assert_allclose(kernel(*args), jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
 
 
-def test_a_block_of_tokens_attends_causally_and_its_padding_comes_back_as_zeros():
-    q, k_new, v_new, k_cache, v_cache, lengths, _ = inputs(tokens=4)
-    num_new = jnp.array([4, 1, 0, 3, 2], jnp.int32)
+# A block of 8 tokens: a token at a time (one real token; heads of 12), or the block's tiled products
+# (3 x 8 = 24 queries of a kv head: three vectors; 7 x 8 = 56: three and a half; heads of 8, 16, 64).
+@pytest.mark.parametrize("group, d", [(GROUP, D), (7, 64), (5, 8), (2, 12)])
+def test_a_block_of_tokens_attends_causally_and_its_padding_comes_back_as_zeros(group, d):
+    q, k_new, v_new, k_cache, v_cache, lengths, _ = inputs(group=group, d=d, tokens=8)
+    num_new = jnp.array([8, 1, 0, 5, 2], jnp.int32)
     got = kernel(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
     want = jax.jit(xla_attention)(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
-    real = (jnp.arange(4)[None, :] < num_new[:, None])[:, :, None, None]
+    real = (jnp.arange(8)[None, :] < num_new[:, None])[:, :, None, None]
     np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0), atol=ATOL, rtol=0)
     assert not np.any(np.where(real, 0, got))
-    # a token's output does not depend on the block's later keys: the first token's is the decode step's
-    alone = kernel(q[:, :1], k_new[:, :1], v_new[:, :1], k_cache, v_cache, lengths, jnp.minimum(num_new, 1))
-    np.testing.assert_array_equal(got[:, :1], alone)
+
+
+def test_a_token_does_not_see_the_blocks_later_keys():
+    q, k_new, v_new, k_cache, v_cache, lengths, num_new = inputs(tokens=6)
+    later = (jnp.arange(6) >= 3)[None, :, None, None]
+    moved = [jnp.where(later, x + 5.0, x) for x in (k_new, v_new)]
+    got = kernel(q, *moved, k_cache, v_cache, lengths, num_new)
+    want = kernel(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
+    np.testing.assert_array_equal(got[:, :3], want[:, :3])
+    assert not np.array_equal(got[:, 3:], want[:, 3:])
 
 
 def test_slots_past_a_rows_length_are_never_read():
