@@ -33,6 +33,7 @@ struct Sizes {
 // Eight floats, in the compiler's vector registers (AVX2's, or two NEON registers on Arm): the
 // loops below keep their sums in registers rather than in memory.
 constexpr int64_t W = 8;
+constexpr int TILE = 6;  // keys of a scores tile, queries of a values tile: 6 x 2 vectors of sums in registers
 constexpr int64_t AHEAD = 16;  // keys ahead of the scores' loop whose key and value rows are prefetched
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(float))));
@@ -100,25 +101,29 @@ void scores(const float* q, const Rows& keys, const Rows& values, int64_t n, flo
   }
 }
 
-// Weighted sums of the values for GB queries, C vectors of the dim at a time, the sums in registers:
-// out[g] = sum_i p[g * stride + i] * value_i / total[g].
-template <int GB, int C>
-void weighted_values(const float* p, int64_t stride, const Rows& values, int64_t n, const float* total, float* out) {
-  const int64_t D = values.dim;
-  for (int64_t c0 = 0; c0 < D; c0 += C * W) {
-    vf acc[GB][C] = {};
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = values[i] + c0;
-      vf vc[C];
-      for (int j = 0; j < C; ++j) vc[j] = load(v + j * W);
-      for (int g = 0; g < GB; ++g) {
-        const vf w = vf{} + p[g * stride + i];
-        for (int j = 0; j < C; ++j) acc[g][j] += w * vc[j];
-      }
+// Weighted sums of the values for R queries, V vectors of the dim from d0, the sums in registers:
+// sums[r * dim + d] = sum_i w[r * per_query + i * per_key] * value_i[d], for d in [d0, d0 + V * W).
+template <int R, int V>
+void weighted_values(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n, int64_t d0,
+                     float* sums) {
+  vf acc[R][V] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = values[i] + d0;
+    vf vv[V];
+    for (int j = 0; j < V; ++j) vv[j] = load(v + j * W);
+    for (int r = 0; r < R; ++r) {
+      const vf weight = vf{} + w[r * per_query + i * per_key];
+      for (int j = 0; j < V; ++j) acc[r][j] += weight * vv[j];
     }
-    for (int g = 0; g < GB; ++g)
-      for (int j = 0; j < C; ++j) store(out + g * D + c0 + j * W, acc[g][j] / total[g]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) store(sums + r * values.dim + d0 + j * W, acc[r][j]);
+}
+
+// Each query's sums over its softmax total: out[g * D + d] /= total[g] for G queries.
+void normalise(int64_t G, int64_t D, const float* total, float* out) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] /= total[g];
 }
 
 // The same two passes one float at a time, for a head size the vectors do not divide.
@@ -147,16 +152,24 @@ void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const Row
     for (int64_t d = 0; d < D; ++d) out[g * D + d] /= total[g];
 }
 
+// f(R) for a tile of R = 1..TILE rows, R a compile-time constant.
+template <class F>
+void with_rows(int64_t R, F f) {
+  switch (R) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, TILE>{});
+  }
+}
+
 // f(block size, first query) over the queries in blocks of up to four, so that a block's sums fit
-// in the registers; the block size is a compile-time constant (std::integral_constant).
+// in the registers.
 template <class F>
 void in_blocks(int64_t G, F f) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) switch (std::min<int64_t>(4, G - g0)) {
-      case 1: f(std::integral_constant<int, 1>{}, g0); break;
-      case 2: f(std::integral_constant<int, 2>{}, g0); break;
-      case 3: f(std::integral_constant<int, 3>{}, g0); break;
-      default: f(std::integral_constant<int, 4>{}, g0);
-    }
+  for (int64_t g0 = 0; g0 < G; g0 += 4) with_rows(std::min<int64_t>(4, G - g0), [&](auto gb) { f(gb, g0); });
 }
 
 // Each query's softmax weights in place of its scores, unnormalised; total[g] their sum.
@@ -195,10 +208,12 @@ void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const 
   softmax_weights(G, n, p, total);
   in_blocks(G, [&](auto gb, int64_t g0) {
     constexpr int GB = decltype(gb)::value;
-    const float *pb = p + g0 * n, *tb = total + g0;
-    if (D % (2 * W) == 0) return weighted_values<GB, 2>(pb, n, values, n, tb, out + g0 * D);
-    weighted_values<GB, 1>(pb, n, values, n, tb, out + g0 * D);
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * W) {
+      if (D - d0 >= 2 * W) weighted_values<GB, 2>(p + g0 * n, n, 1, values, n, d0, out + g0 * D);
+      else weighted_values<GB, 1>(p + g0 * n, n, 1, values, n, d0, out + g0 * D);
+    }
   });
+  normalise(G, D, total, out);
 }
 
 // A block's tokens of one (row, kv head) together, as two matrix products in register tiles with the
@@ -207,7 +222,6 @@ void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const 
 // that both products broadcast one operand's element against a vector of the other's: the scores
 // broadcast a key's element against the queries (qt[dim][query], packed once), and the values a
 // query's weight against a value's row.
-constexpr int TILE = 6;  // keys of a scores tile, queries of a values tile: 6 x 2 vectors of sums in registers
 
 template <int R, int V>
 void scores_tile(const Rows& keys, int64_t i0, const float* qt, int64_t Mp, int64_t m0, float* st) {
@@ -224,35 +238,6 @@ void scores_tile(const Rows& keys, int64_t i0, const float* qt, int64_t Mp, int6
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < V; ++j) store(st + (i0 + r) * Mp + m0 + j * W, acc[r][j]);
-}
-
-template <int R, int V>
-void values_tile(const float* st, int64_t Mp, int64_t m0, const Rows& values, int64_t n, int64_t d0, float* sums) {
-  vf acc[R][V] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    const float* v = values[i] + d0;
-    vf vv[V];
-    for (int j = 0; j < V; ++j) vv[j] = load(v + j * W);
-    for (int r = 0; r < R; ++r) {
-      const vf w = vf{} + st[i * Mp + m0 + r];
-      for (int j = 0; j < V; ++j) acc[r][j] += w * vv[j];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) store(sums + (m0 + r) * values.dim + d0 + j * W, acc[r][j]);
-}
-
-// f(R) for a tile of R = 1..TILE rows, R a compile-time constant.
-template <class F>
-void with_rows(int64_t R, F f) {
-  switch (R) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, TILE>{});
-  }
 }
 
 // Tokens [0, real) of a (row, kv head) whose keys `held` cached rows precede; q the first token's
@@ -296,8 +281,8 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
   for (int64_t d0 = 0; d0 < D; d0 += 2 * W)
     for (int64_t m0 = 0; m0 < M; m0 += TILE)
       with_rows(std::min<int64_t>(TILE, M - m0), [&](auto r) {
-        if (D - d0 >= 2 * W) return values_tile<decltype(r)::value, 2>(st, Mp, m0, values, n, d0, sums);
-        values_tile<decltype(r)::value, 1>(st, Mp, m0, values, n, d0, sums);
+        if (D - d0 >= 2 * W) return weighted_values<decltype(r)::value, 2>(st + m0, 1, Mp, values, n, d0, sums + m0 * D);
+        weighted_values<decltype(r)::value, 1>(st + m0, 1, Mp, values, n, d0, sums + m0 * D);
       });
   for (int64_t m = 0; m < M; ++m)
     for (int64_t d = 0; d < D; ++d) out[(m / G) * step + (m % G) * D + d] = sums[m * D + d] / total[m];
