@@ -9,7 +9,7 @@ import pytest
 from experiments.bench import ceilings
 from experiments.bench.hlo_bytes import hlo_flops
 from helpers import TINY_MODEL_FLAGS
-from starpo_jax.models import preset
+from starpo_jax.models import cpu_attention, preset
 
 
 def _compiled_scan(layers: int, rows: int = 8, width: int = 128):
@@ -63,7 +63,9 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     for p in account["phases"]:
         assert p["seconds"] > 0 and 0 < p["of_ceiling"] and 0 < p["xla_of_ceiling"]
         assert p["xla"]["flops"] >= p["xla"]["cost_analysis_flops"] * 0.9  # loops counted in full
-        assert 0.3 < p["flops"] / p["xla"]["flops"] < 1.5  # the shapes' count against what XLA computes
+        assert 0.3 < p["flops"] / p["xla"]["flops"]  # the shapes' count against what XLA computes
+        if p["phase"] == "update" or not cpu_attention.available():  # the CPU kernel's sums are not in XLA's
+            assert p["flops"] / p["xla"]["flops"] < 1.5
     update = account["phases"][-1]
     parts = update["flops_parts"]
     assert parts["backward"] == 2 * parts["forward"] and update["flops"] == sum(parts.values())

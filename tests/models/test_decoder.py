@@ -375,9 +375,9 @@ def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do
     cache = KVCache.init(config, B, S)
     caller = "append"
     unjitted_append = sampling.append.__wrapped__  # type: ignore[attr-defined]  # traced anew, not from jit's cache
-    jax.eval_shape(lambda m, c: unjitted_append(m, c, tokens, jnp.full((B,), T)), state, cache)
-    caller = "decode step"
-    with cpu_attention.xla_attention():  # on a CPU it would take the kernel, which has no passes
+    with cpu_attention.xla_attention():  # on a CPU both would take the kernel, which has no passes
+        jax.eval_shape(lambda m, c: unjitted_append(m, c, tokens, jnp.full((B,), T)), state, cache)
+        caller = "decode step"
         jax.eval_shape(lambda m, c: m.merge().extend(tokens[:, :1], jnp.ones((B,)), c), state, cache)
     caller = "hidden_states_after"
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
