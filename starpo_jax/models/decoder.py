@@ -32,11 +32,12 @@ Layout choices:
   cached path keeps dense attention over the whole cache row (max_len slots, masked), whose cost is
   reading the cache anyway. On CPU a decode step's scores are computed keys @ queries^T, which
   XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T runs
-  several times slower once the keys are large (``_keys_lead_the_product``). A block of prompt
-  tokens on CPU attends a few rows at a time once its scores outgrow glibc's mmap threshold
-  (``rows_per_pass``): the matrix library's fresh buffer for them is then reused from the heap
-  instead of mapped and faulted in per layer. The update and the decode step keep every row in
-  one pass.
+  several times slower once the keys are large (``_keys_lead_the_product``). Where the CPU kernel
+  of ``cpu_attention`` is available, it takes every block ``extend`` appends instead (a decode
+  step, a prompt chunk) and reads only the held slots. Without it, a block of prompt tokens on CPU
+  attends a few rows at a time once its scores outgrow glibc's mmap threshold (``rows_per_pass``):
+  the matrix library's fresh buffer for them is then reused from the heap instead of mapped and
+  faulted in per layer. The update and the decode step keep every row in one pass.
 
 The decode step does not scan. The scan hands each block its weights and its slice of a stacked
 cache through dynamic slices, which XLA materialises at every decoded token: a copy of every weight
@@ -53,7 +54,7 @@ tokens (``sampling.append``: prefill and each turn's append) runs the same unrol
 the layer scan its program compiled ~2x faster, but stacking the cache for the scan, slicing each
 layer out and splitting it back cost more at every call than the compile once attention ran in row
 passes (docs/benchmarks.md, "Attention a few rows at a time"). The training passes keep the scan.
-Attention reads every
+XLA's attention reads every
 slot of the cache it is given; ``sampling.decode`` and ``sampling.append`` therefore run in a window
 of the cache (``KVCache.head``) just large enough for the live rows.
 """
