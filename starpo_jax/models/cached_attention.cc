@@ -120,6 +120,14 @@ void weighted_values(const float* w, int64_t per_query, int64_t per_key, const R
     for (int j = 0; j < V; ++j) store(sums + r * values.dim + d0 + j * W, acc[r][j]);
 }
 
+// weighted_values over the dim from d0, two vectors at a time where two remain.
+template <int R>
+void weighted_values_from(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n,
+                          int64_t d0, float* sums) {
+  if (values.dim - d0 >= 2 * W) return weighted_values<R, 2>(w, per_query, per_key, values, n, d0, sums);
+  weighted_values<R, 1>(w, per_query, per_key, values, n, d0, sums);
+}
+
 // Each query's sums over its softmax total: out[g * D + d] /= total[g] for G queries.
 void normalise(int64_t G, int64_t D, const float* total, float* out) {
   for (int64_t g = 0; g < G; ++g)
@@ -148,8 +156,7 @@ void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const Row
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * stride + i] * v[d];
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] /= total[g];
+  normalise(G, D, total, out);
 }
 
 // f(R) for a tile of R = 1..TILE rows, R a compile-time constant.
@@ -208,10 +215,7 @@ void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const 
   softmax_weights(G, n, p, total);
   in_blocks(G, [&](auto gb, int64_t g0) {
     constexpr int GB = decltype(gb)::value;
-    for (int64_t d0 = 0; d0 < D; d0 += 2 * W) {
-      if (D - d0 >= 2 * W) weighted_values<GB, 2>(p + g0 * n, n, 1, values, n, d0, out + g0 * D);
-      else weighted_values<GB, 1>(p + g0 * n, n, 1, values, n, d0, out + g0 * D);
-    }
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * W) weighted_values_from<GB>(p + g0 * n, n, 1, values, n, d0, out + g0 * D);
   });
   normalise(G, D, total, out);
 }
@@ -281,8 +285,7 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
   for (int64_t d0 = 0; d0 < D; d0 += 2 * W)
     for (int64_t m0 = 0; m0 < M; m0 += TILE)
       with_rows(std::min<int64_t>(TILE, M - m0), [&](auto r) {
-        if (D - d0 >= 2 * W) return weighted_values<decltype(r)::value, 2>(st + m0, 1, Mp, values, n, d0, sums + m0 * D);
-        weighted_values<decltype(r)::value, 1>(st + m0, 1, Mp, values, n, d0, sums + m0 * D);
+        weighted_values_from<decltype(r)::value>(st + m0, 1, Mp, values, n, d0, sums + m0 * D);
       });
   for (int64_t m = 0; m < M; ++m)
     for (int64_t d = 0; d < D; ++d) out[(m / G) * step + (m % G) * D + d] = sums[m * D + d] / total[m];
