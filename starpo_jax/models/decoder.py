@@ -250,14 +250,31 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope(x: Array, positions: Array, theta: float) -> Array:
-    """Rotary embedding of x [B, T, heads, d] at integer positions [B, T], in HF's rotate-half layout:
-    feature i and i + d/2 form the pair rotated by angle position * theta^(-2i/d)."""
-    half = x.shape[-1] // 2
+Rotation = tuple[Array, Array]  # cos, sin [B, T, 1, d/2] (float32) of each position's angles
+
+
+def rotation(positions: Array, head_dim: int, theta: float) -> Rotation:
+    """The rotary angles' cos and sin at integer positions [B, T], in HF's rotate-half layout: feature
+    i and i + d/2 form the pair rotated by angle position * theta^(-2i/d). Computed once per pass and
+    shared by the layers (``rotation_from_table`` says why ``Decoder.extend`` reads them from a table)."""
+    half = head_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rotation_from_table(positions: Array, table_len: int, head_dim: int, theta: float) -> Rotation:
+    """``rotation`` at positions [B, T] in 0 .. table_len - 1, read from the table of all of them. In
+    unrolled blocks XLA fuses ``rotation``'s cos and sin into every layer's rope and recomputes them
+    per element of q and k (~5 % of a CPU decode step); a table it computes once per call."""
+    cos, sin = rotation(jnp.arange(table_len)[None], head_dim, theta)
+    return cos[0][positions], sin[0][positions]
+
+
+def rope(x: Array, rotated: Rotation) -> Array:
+    """Rotary embedding of x [B, T, heads, d] by ``rotated``'s angles (``rotation``)."""
+    cos, sin = (t.astype(x.dtype) for t in rotated)
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -486,17 +503,18 @@ def _attend_after(q: Array, k: Array, v: Array, k_prefix: Array, v_prefix: Array
 Attention = Callable[[Array, Array, Array], Array]  # (q [B,T,H,d], k, v [B,T,kv_heads,d]) -> [B,T,H,d]
 
 
-def decoder_block(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: Array, attention: Attention):
+def decoder_block(c: ModelConfig, p: Mapping[str, Array], x: Array, rotated: Rotation, attention: Attention):
     """One pre-norm block on x [B, T, D]; returns the new x and this block's (k, v) [B, T, kv_heads, d]."""
-    q, k, v = block_qkv(c, p, x, positions)
+    q, k, v = block_qkv(c, p, x, rotated)
     return block_output(c, p, x, attention(q, k, v)), (k, v)
 
 
-def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, positions: Array) -> tuple[Array, Array, Array]:
-    """A block's first half: queries [B, T, heads, d] and keys, values [B, T, kv_heads, d] of x [B, T, D]."""
+def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, rotated: Rotation) -> tuple[Array, Array, Array]:
+    """A block's first half: queries [B, T, heads, d] and keys, values [B, T, kv_heads, d] of x [B, T, D],
+    q and k rotated by ``rotated`` (``rotation`` of x's positions)."""
     h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
-    q = rope(_project(h, p["q_proj"], p.get("q_bias")), positions, c.rope_theta)
-    k = rope(_project(h, p["k_proj"], p.get("k_bias")), positions, c.rope_theta)
+    q = rope(_project(h, p["q_proj"], p.get("q_bias")), rotated)
+    k = rope(_project(h, p["k_proj"], p.get("k_bias")), rotated)
     v = _project(h, p["v_proj"], p.get("v_bias"))
     return _constrain(q, ("batch", None, "heads", "kv")), k, v
 
@@ -589,10 +607,11 @@ class Decoder(nnx.Module):
         (its KV cache), scanned alongside the weights. ``remat`` (``REMAT_POLICIES``) is what a
         backward pass keeps of each block. Returns final-normed x and each layer's k, v."""
         c = self.config
+        rotated = rotation(positions, c.head_dim, c.rope_theta)
 
         def body(x, xs):
             params, layer_input = xs
-            return decoder_block(c, params, x, positions, lambda q, k, v: attention(q, k, v, layer_input))
+            return decoder_block(c, params, x, rotated, lambda q, k, v: attention(q, k, v, layer_input))
 
         if remat != "none":
             # prevent_cse=False: inside a scan the recomputation cannot be merged with the forward
@@ -682,9 +701,11 @@ class Decoder(nnx.Module):
         positions, cached = _appended(cache.lengths, tokens.shape[1], cache.max_len)
         slots = _write_slots(positions, num_new, cache.max_len)
         x, ks, vs = self._embed(tokens), [], []
+        # A position is a held slot plus an index into the block: below max_len + T.
+        rotated = rotation_from_table(positions, cache.max_len + tokens.shape[1], c.head_dim, c.rope_theta)
         on_cpu_kernel = cpu_attention.available()
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
-            q, k, v = block_qkv(c, p, x, positions)
+            q, k, v = block_qkv(c, p, x, rotated)
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
             if on_cpu_kernel:
