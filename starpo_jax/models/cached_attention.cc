@@ -81,17 +81,23 @@ struct Rows {
   const float* operator[](int64_t i) const { return i < held ? cache + i * dim : fresh + (i - held) * stride; }
 };
 
+// Asks the memory for the cached key and value rows [from, to), those the cache holds: 16 floats
+// (a 64-byte line) at a time, the values with less urgency (read after all the scores).
+inline void prefetch_rows(const Rows& keys, const Rows& values, int64_t from, int64_t to) {
+  for (int64_t i = from; i < std::min(to, keys.held); ++i)
+    for (int64_t c = 0; c < keys.dim; c += 16) {
+      __builtin_prefetch(keys.cache + i * keys.dim + c);
+      __builtin_prefetch(values.cache + i * keys.dim + c, 0, 2);
+    }
+}
+
 // Scores of GB queries [GB, D] (scaled) against the first n keys: p[g * stride + i].
 template <int GB>
 void scores(const float* q, const Rows& keys, const Rows& values, int64_t n, float* p, int64_t stride) {
   const int64_t D = keys.dim;
   for (int64_t i = 0; i < n; ++i) {
     const float* k = keys[i];
-    if (i + AHEAD < keys.held)
-      for (int64_t c = 0; c < D; c += 16) {
-        __builtin_prefetch(keys.cache + (i + AHEAD) * D + c);
-        __builtin_prefetch(values.cache + (i + AHEAD) * D + c, 0, 2);
-      }
+    prefetch_rows(keys, values, i + AHEAD, i + AHEAD + 1);
     vf acc[GB] = {};
     for (int64_t c = 0; c < D; c += W) {
       const vf kc = load(k + c);
@@ -254,11 +260,7 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = q[(m / G) * step + (m % G) * D + d] * scale;
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {  // each key read from memory once, for every query
-    for (int64_t i = i0 + AHEAD; i < std::min(i0 + AHEAD + TILE, keys.held); ++i)
-      for (int64_t c = 0; c < D; c += 16) {
-        __builtin_prefetch(keys.cache + i * D + c);
-        __builtin_prefetch(values.cache + i * D + c, 0, 2);
-      }
+    prefetch_rows(keys, values, i0 + AHEAD, i0 + AHEAD + TILE);
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * W)
       with_rows(std::min<int64_t>(TILE, n - i0), [&](auto r) {
         if (Mp - m0 >= 2 * W) return scores_tile<decltype(r)::value, 2>(keys, i0, qt, Mp, m0, st);
