@@ -157,8 +157,6 @@ def one_line_error(proc) -> str:
 
 
 @pytest.mark.parametrize("flags, devices, says", [
-    ({"trainer.staleness": 2}, 1, "trainer.staleness must be 0 (rollout, then update) or 1"),
-    ({"trainer.staleness": 1}, 1, "trainer.staleness=1 needs rollout.use_sampler_logprobs=True"),
     ({"mesh.rollout_devices": 1}, 2, "mesh.rollout_devices=1 splits the devices so that the rollout runs while"),
     ({**STALE, "mesh.rollout_devices": 2}, 2, "mesh.rollout_devices=2 leaves no device to train on: 2 devices visible"),
     ({**STALE, "mesh.rollout_devices": 1, "mesh.data": 2}, 3,

@@ -10,6 +10,8 @@ from ml_collections import config_flags
 
 import envs_jax
 from configs import base, presets
+from experiments import cli
+from helpers import TINY
 from starpo_jax.runtime import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -346,3 +348,38 @@ def test_docs_list_every_preset():
     docs = (ROOT / "docs" / "configs.md").read_text()
     missing = [name for name in presets.PRESETS if f"`{name}`" not in docs]
     assert not missing, f"docs/configs.md does not mention presets {missing}"
+
+
+def command_error(*overrides: str) -> str:
+    """The line ``experiments.run`` prints after "error: " for the tiny run's config (tests/helpers.py)
+    with ``overrides``, found in this process as the command finds it: a flag that does not parse as
+    ``experiments.cli`` words it (the last of a setting given twice counts), else ``check_config``'s."""
+    argv = cli.last_overrides_only(["prog", *TINY, *overrides])
+    try:
+        values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+        values(argv)
+        plans(values.config)
+    except experiment.ConfigError as err:
+        return str(err)
+    except cli.CONFIG_ERRORS as err:
+        return cli.flag_error_message(err, argv)
+    raise AssertionError(f"{overrides} raised nothing")
+
+
+def test_bad_settings_are_one_sentence_naming_the_key():
+    """What a command says for a value of the wrong type or settings that do not fit together, before
+    any model loads (tests/test_run.py starts the command itself for the errors of its start)."""
+    unknown = command_error("--config.envs.train.tags=('Sokobon',)", "--config.envs.train.n_groups=(2,)")
+    assert "Sokobon" in unknown and "Known envs" in unknown
+    assert command_error("--config.trainer.total_steps=abc") == (
+        "--config.trainer.total_steps=abc: trainer.total_steps takes a whole number, not 'abc'.")
+    assert "actor.betas takes a tuple of 2 numbers" in command_error("--config.actor.betas=abc")
+    assert "envs.train.n_groups takes a tuple of whole numbers" in command_error("--config.envs.train.n_groups=(1.5,1,1)")
+    # A setting given twice takes its last value, a tuple too (absl alone would join the two tuples).
+    assert "envs.train.tags has 3 entries but envs.train.n_groups has 2" in command_error(
+        "--config.envs.train.n_groups=(4,4,4)", "--config.envs.train.n_groups=(1,1)")
+    assert "ppo_mini_batch_size (3)" in command_error("--config.actor.ppo_mini_batch_size=3")
+    assert "mesh.model=2" in command_error("--config.mesh.model=2")  # one device here
+    assert "trainer.staleness must be 0 (rollout, then update) or 1" in command_error("--config.trainer.staleness=2")
+    assert "trainer.staleness=1 needs rollout.use_sampler_logprobs=True" in command_error("--config.trainer.staleness=1")

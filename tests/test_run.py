@@ -185,22 +185,10 @@ def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     # Without --config the default config is read, with the overrides, as the flag is defined (at import).
     line = one_line_error(run(*no_model, "--config.foo.bar=1", check=False, tiny=False))
     assert "config.foo.bar" in line and "'foo' does not exist" in line
+    # A value of the wrong type, settings that do not fit together: tests/test_configs.py, in its process.
     line = one_line_error(run(*no_model, "--config.envs.train.tags=('Sokobon',)", "--config.envs.train.n_groups=(2,)",
                               check=False))
     assert "Sokobon" in line and "Known envs" in line
-    # A value of the wrong type: one sentence naming the key and the type it takes.
-    line = one_line_error(run(*no_model, "--config.trainer.total_steps=abc", check=False))
-    assert line == "error: --config.trainer.total_steps=abc: trainer.total_steps takes a whole number, not 'abc'."
-    assert "actor.betas takes a tuple of 2 numbers" in one_line_error(run(*no_model, "--config.actor.betas=abc",
-                                                                          check=False))
-    line = one_line_error(run(*no_model, "--config.envs.train.n_groups=(1.5,1,1)", check=False))
-    assert "envs.train.n_groups takes a tuple of whole numbers" in line
-    # A setting given twice takes its last value, a tuple too (absl alone would join the two tuples).
-    line = one_line_error(run(*no_model, "--config.envs.train.n_groups=(1,1)", check=False))
-    assert "envs.train.tags has 3 entries but envs.train.n_groups has 2" in line
-    line = one_line_error(run(*no_model, "--config.actor.ppo_mini_batch_size=3", check=False))
-    assert "ppo_mini_batch_size (3)" in line
-    assert "mesh.model=2" in one_line_error(run(*no_model, "--config.mesh.model=2", check=False))
     line = one_line_error(run(*no_model, "--config.trainer.resume=True", check=False))
     assert "No checkpoint" in line and "without --config.trainer.resume=True" in line
     assert not out.exists()  # no config.json, no empty checkpoints/
