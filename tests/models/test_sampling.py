@@ -393,14 +393,9 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     assert writes >= 2 * config.num_layers  # each layer's keys and values written in place
 
 
-def test_a_turn_moves_no_layers_cache(tiny):
-    """A turn as the rollout runs it, an append then a decode on a cache the caller gives up
-    (donated, as inside the rollout's program): nothing in the compiled program copies, slices,
-    gathers or concatenates a layer's cache; both calls write each layer's buffer in place. When the
-    cache was held stacked between calls, each decode split it into per-layer buffers and stacked it
-    back, copying the whole cache twice per turn; an append through the layer scan stacked it, sliced
-    each layer out and split it back at every call."""
-    config, _, model = tiny
+def compiled_turn(config, model) -> str:
+    """The optimised HLO of a turn as the rollout runs it: an append, then a decode, on a cache the
+    caller gives up (donated, as inside the rollout's program), compiled as a run compiles it."""
 
     def turn(model, cache, tokens, num_new, key):
         cache, logits = sampling.append(model, cache, tokens, num_new)
@@ -411,6 +406,18 @@ def test_a_turn_moves_no_layers_cache(tiny):
     hlo = jax.jit(turn, donate_argnums=1).lower(model, cache, tokens, lengths, jax.random.key(0)).compile(
         AS_A_RUN_COMPILES).as_text()
     assert hlo is not None
+    return hlo
+
+
+def test_a_turn_moves_no_layers_cache(tiny):
+    """A turn as the rollout runs it, an append then a decode on a cache the caller gives up
+    (donated, as inside the rollout's program): nothing in the compiled program copies, slices,
+    gathers or concatenates a layer's cache; both calls write each layer's buffer in place. When the
+    cache was held stacked between calls, each decode split it into per-layer buffers and stacked it
+    back, copying the whole cache twice per turn; an append through the layer scan stacked it, sliced
+    each layer out and split it back at every call."""
+    config, _, model = tiny
+    hlo = compiled_turn(config, model)
     layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
     of_cache_shape = [(instruction[1], line.strip()) for line in hlo.splitlines()
                       if (instruction := _instruction(line))
@@ -419,3 +426,14 @@ def test_a_turn_moves_no_layers_cache(tiny):
     assert sum(op in ("scatter", "fusion") for op, _ in of_cache_shape) >= 4 * config.num_layers, of_cache_shape[:4]
     moved = [line for op, line in of_cache_shape if op in ("copy", "slice", "dynamic-slice", "gather", "concatenate")]
     assert not moved, moved[:4]
+
+
+def test_a_turn_computes_the_rotary_angles_once_a_call_not_in_every_layer(tiny):
+    """The rotary angles' cos and sin are computed once per append and per decode step, as a table
+    (``decoder.rotation_from_table``), whatever the number of layers. Computed inside each layer's
+    rope, XLA fused them into every layer's rope loops of q and of k and recomputed them per element
+    (~5 % of a CPU decode step)."""
+    config, _, model = tiny
+    hlo = compiled_turn(config, model)
+    cosines = len(re.findall(r"= f32\[[0-9,]*\]\S* cosine\(", hlo))
+    assert config.num_layers >= 2 and 1 <= cosines < 2 * config.num_layers, cosines
