@@ -23,7 +23,11 @@ ALGORITHMS = ["starpo_s", "starpo_ppo", "starpo_grpo", "starpo_s_grpo", "base_pp
 
 def load(spec: str, *overrides: str):
     """The config of ``--config=configs/<spec>`` plus overrides, parsed by absl + config_flags."""
-    argv = ["prog", f"--config={ROOT / 'configs' / spec}", *overrides]
+    return parsed(["prog", f"--config={ROOT / 'configs' / spec}", *overrides])
+
+
+def parsed(argv: list[str]):
+    """The config a command line ``argv`` names, parsed by absl + config_flags."""
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
     values(argv)
@@ -356,10 +360,7 @@ def command_error(*overrides: str) -> str:
     ``experiments.cli`` words it (the last of a setting given twice counts), else ``check_config``'s."""
     argv = cli.last_overrides_only(["prog", *TINY, *overrides])
     try:
-        values = flags.FlagValues()
-        config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
-        values(argv)
-        plans(values.config)
+        plans(parsed(argv))
     except experiment.ConfigError as err:
         return str(err)
     except cli.CONFIG_ERRORS as err:

@@ -185,7 +185,8 @@ def test_help_and_config_errors_come_first_in_one_line(tmp_path):
     # Without --config the default config is read, with the overrides, as the flag is defined (at import).
     line = one_line_error(run(*no_model, "--config.foo.bar=1", check=False, tiny=False))
     assert "config.foo.bar" in line and "'foo' does not exist" in line
-    # A value of the wrong type, settings that do not fit together: tests/test_configs.py, in its process.
+    # An unknown env, as the command says it; values of the wrong type and settings that do not fit
+    # together are checked in the test's process (tests/test_configs.py).
     line = one_line_error(run(*no_model, "--config.envs.train.tags=('Sokobon',)", "--config.envs.train.n_groups=(2,)",
                               check=False))
     assert "Sokobon" in line and "Known envs" in line

@@ -266,7 +266,8 @@ def rotation(positions: Array, head_dim: int, theta: float) -> Rotation:
 def rotation_from_table(positions: Array, table_len: int, head_dim: int, theta: float) -> Rotation:
     """``rotation`` at positions [B, T] in 0 .. table_len - 1, read from the table of all of them. In
     unrolled blocks XLA fuses ``rotation``'s cos and sin into every layer's rope and recomputes them
-    per element of q and k (~5 % of a CPU decode step); a table it computes once per call."""
+    per element of q and k; a table it computes once per call (docs/benchmarks.md, "The rotary
+    angles computed once per call")."""
     cos, sin = rotation(jnp.arange(table_len)[None], head_dim, theta)
     return cos[0][positions], sin[0][positions]
 

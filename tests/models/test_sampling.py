@@ -431,8 +431,7 @@ def test_a_turn_moves_no_layers_cache(tiny):
 def test_a_turn_computes_the_rotary_angles_once_a_call_not_in_every_layer(tiny):
     """The rotary angles' cos and sin are computed once per append and per decode step, as a table
     (``decoder.rotation_from_table``), whatever the number of layers. Computed inside each layer's
-    rope, XLA fused them into every layer's rope loops of q and of k and recomputed them per element
-    (~5 % of a CPU decode step)."""
+    rope, XLA fused them into every layer's rope loops of q and of k and recomputed them per element."""
     config, _, model = tiny
     hlo = compiled_turn(config, model)
     cosines = len(re.findall(r"= f32\[[0-9,]*\]\S* cosine\(", hlo))
