@@ -7,8 +7,12 @@
 // and values [tokens, kv_heads, dim] up to its own (causal); the slots past length are never read. A
 // row's tokens from num_new[row] on are padding: their outputs are zeros. Every (row, kv head) pair
 // is one task, its tokens one after the other (the row's keys stay in the core's cache), and the
-// tasks are spread over XLA's intra-op threads. Leading dimensions before the row's are flattened
-// into rows (vmap adds one). Float32 throughout; the softmax is normalised after its sums.
+// tasks are spread over XLA's intra-op threads. A decode step's token scores W cached keys at a time,
+// their sums across vector lanes taken together; while a task sums its values (already in the core's
+// cache), it asks the memory for the keys of the task its thread takes next, so that the memory keeps
+// streaming (a decode step's attention is bound by reading the cache). Leading dimensions before the
+// row's are flattened into rows (vmap adds one). Float32 throughout; the softmax is normalised after
+// its sums.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -18,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -30,10 +35,19 @@ struct Sizes {
   int64_t tokens, kv_heads, group, slots, dim;
 };
 
-// Eight floats, in the compiler's vector registers (AVX2's, or two NEON registers on Arm): the
-// loops below keep their sums in registers rather than in memory.
+// A vector register of floats: sixteen where the CPU has AVX-512, else eight (AVX2's, or two NEON
+// registers on Arm). The loops below keep their sums in registers rather than in memory. A build can
+// choose the width (-DSTARPO_VECTOR_FLOATS=8 or 16: the tests build both).
+#if defined(STARPO_VECTOR_FLOATS)
+constexpr int64_t W = STARPO_VECTOR_FLOATS;
+#elif defined(__AVX512F__)
+constexpr int64_t W = 16;
+#else
 constexpr int64_t W = 8;
-constexpr int TILE = 6;  // keys of a scores tile, queries of a values tile: 6 x 2 vectors of sums in registers
+#endif
+static_assert(W == 8 || W == 16, "STARPO_VECTOR_FLOATS: 8 or 16");
+constexpr int TILE = 6;  // a block's keys of a scores tile, queries of a values tile: 6 x VMAX vectors of sums
+constexpr int VMAX = W == 16 ? 4 : 2;  // vectors of a value row summed at once (AVX-512 has 32 registers)
 constexpr int64_t AHEAD = 16;  // keys ahead of the scores' loop whose key and value rows are prefetched
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(float))));
@@ -46,11 +60,50 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// Lane j of fold<S>(a, b): each S-lane segment of a and of b folded in half (a lane plus the one
+// S/2 further), a's half first, then b's.
+constexpr int fold_lane(int S, int j, bool upper) {
+  const int within = j % S, lane = j / S * S + within % (S / 2) + (upper ? S / 2 : 0);
+  return within < S / 2 ? lane : lane + W;
+}
+
+template <int S, size_t... J>
+inline vf fold(vf a, vf b, std::index_sequence<J...>) {
+  return __builtin_shufflevector(a, b, fold_lane(S, J, false)...) +
+         __builtin_shufflevector(a, b, fold_lane(S, J, true)...);
+}
+
+template <int S>
+inline vf fold(vf a, vf b) {
+  return fold<S>(a, b, std::make_index_sequence<W>{});
+}
+
 inline float sum(vf v) {
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  v = fold<W>(v, v);
+  v = fold<W / 2>(v, v);
+  v = fold<W / 4>(v, v);
+  if constexpr (W == 16) v = fold<2>(v, v);
   return v[0];
+}
+
+constexpr int bit_reversed(int j) {
+  int r = 0;
+  for (int b = 1; b < W; b <<= 1, j >>= 1) r = r * 2 + (j & 1);
+  return r;
+}
+
+// The W vectors' sums across their lanes, as one vector: lane j is the sum of v[j]'s lanes. Pairs
+// are folded level by level (log2 W levels, W - 1 folds in all, where W separate sums take W log2 W):
+// each level halves every segment and interleaves a pair's halves, so that the vectors taken in
+// bit-reversed order come out in order.
+inline vf lane_sums(const vf (&v)[W]) {
+  vf t[W];
+  for (int j = 0; j < W; ++j) t[bit_reversed(j)] = v[j];
+  for (int j = 0; j < W / 2; ++j) t[j] = fold<W>(t[2 * j], t[2 * j + 1]);
+  for (int j = 0; j < W / 4; ++j) t[j] = fold<W / 2>(t[2 * j], t[2 * j + 1]);
+  for (int j = 0; j < W / 8; ++j) t[j] = fold<W / 4>(t[2 * j], t[2 * j + 1]);
+  if constexpr (W == 16) t[0] = fold<2>(t[0], t[1]);
+  return t[0];
 }
 
 // exp(x) for x <= 0 (scores less their maximum), to about 2 float32 ulps: Cephes' expf, the exponent
@@ -91,29 +144,63 @@ inline void prefetch_rows(const Rows& keys, const Rows& values, int64_t from, in
     }
 }
 
-// Scores of GB queries [GB, D] (scaled) against the first n keys: p[g * stride + i].
-template <int GB>
-void scores(const float* q, const Rows& keys, const Rows& values, int64_t n, float* p, int64_t stride) {
-  const int64_t D = keys.dim;
-  for (int64_t i = 0; i < n; ++i) {
-    const float* k = keys[i];
-    prefetch_rows(keys, values, i + AHEAD, i + AHEAD + 1);
-    vf acc[GB] = {};
-    for (int64_t c = 0; c < D; c += W) {
-      const vf kc = load(k + c);
-      for (int g = 0; g < GB; ++g) acc[g] += load(q + g * D + c) * kc;
+// One query's scores against W cached keys in a row (k the first), each DV = dim / W vectors long:
+// the W dot products in vectors of partial sums, summed across their lanes together (lane_sums).
+template <int DV>
+inline vf tile_scores(const float* q, const float* k) {
+  vf qv[DV], acc[W];
+  for (int c = 0; c < DV; ++c) qv[c] = load(q + c * W);
+  for (int r = 0; r < W; ++r) {
+    acc[r] = qv[0] * load(k + r * DV * W);
+    for (int c = 1; c < DV; ++c) acc[r] += qv[c] * load(k + (r * DV + c) * W);
+  }
+  return lane_sums(acc);
+}
+
+// f(DV) for the dim's vectors, DV a compile-time constant where it is 1, 2, 4 or 8; false otherwise.
+template <class F>
+bool with_vectors(int64_t DV, F f) {
+  switch (DV) {
+    case 1: return f(std::integral_constant<int, 1>{}), true;
+    case 2: return f(std::integral_constant<int, 2>{}), true;
+    case 4: return f(std::integral_constant<int, 4>{}), true;
+    case 8: return f(std::integral_constant<int, 8>{}), true;
+    default: return false;
+  }
+}
+
+// Scores of G queries [G, D] (scaled) against the first n keys: p[g * stride + i]. The cached keys W
+// at a time (tile_scores), every query in turn while the tile stays in the core's nearest cache; the
+// rest one at a time.
+void scores(int64_t G, const float* q, const Rows& keys, const Rows& values, int64_t n, float* p, int64_t stride) {
+  const int64_t D = keys.dim, tiled = D % W == 0 ? std::min(n, keys.held) / W * W : 0;
+  const bool in_tiles = with_vectors(D / W, [&](auto dv) {
+    for (int64_t i0 = 0; i0 < tiled; i0 += W) {
+      prefetch_rows(keys, values, i0 + AHEAD, i0 + AHEAD + W);
+      for (int64_t g = 0; g < G; ++g) store(p + g * stride + i0, tile_scores<decltype(dv)::value>(q + g * D, keys[i0]));
     }
-    for (int g = 0; g < GB; ++g) p[g * stride + i] = sum(acc[g]);
+  });
+  for (int64_t i = in_tiles ? tiled : 0; i < n; ++i) {
+    prefetch_rows(keys, values, i + AHEAD, i + AHEAD + 1);
+    for (int64_t g = 0; g < G; ++g) {
+      vf acc = {};
+      for (int64_t c = 0; c < D; c += W) acc += load(q + g * D + c) * load(keys[i] + c);
+      p[g * stride + i] = sum(acc);
+    }
   }
 }
 
 // Weighted sums of the values for R queries, V vectors of the dim from d0, the sums in registers:
 // sums[r * dim + d] = sum_i w[r * per_query + i * per_key] * value_i[d], for d in [d0, d0 + V * W).
+// `ahead`: keys the thread reads next (or null), a row of them asked of the memory per value read,
+// so that the memory keeps streaming while this pass sums values already in the core's cache.
 template <int R, int V>
 void weighted_values(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n, int64_t d0,
-                     float* sums) {
+                     float* sums, const float* ahead) {
   vf acc[R][V] = {};
   for (int64_t i = 0; i < n; ++i) {
+    if (ahead)
+      for (int64_t c = 0; c < values.dim; c += 16) __builtin_prefetch(ahead + i * values.dim + c, 0, 2);
     const float* v = values[i] + d0;
     vf vv[V];
     for (int j = 0; j < V; ++j) vv[j] = load(v + j * W);
@@ -126,12 +213,16 @@ void weighted_values(const float* w, int64_t per_query, int64_t per_key, const R
     for (int j = 0; j < V; ++j) store(sums + r * values.dim + d0 + j * W, acc[r][j]);
 }
 
-// weighted_values over the dim from d0, two vectors at a time where two remain.
+// weighted_values over the dim from d0, as many vectors at a time as remain, up to VMAX; returns
+// where the next call starts.
 template <int R>
-void weighted_values_from(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n,
-                          int64_t d0, float* sums) {
-  if (values.dim - d0 >= 2 * W) return weighted_values<R, 2>(w, per_query, per_key, values, n, d0, sums);
-  weighted_values<R, 1>(w, per_query, per_key, values, n, d0, sums);
+int64_t weighted_values_from(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n,
+                             int64_t d0, float* sums, const float* ahead = nullptr) {
+  const int64_t left = (values.dim - d0) / W;
+  ahead = d0 == 0 ? ahead : nullptr;  // asked for once, in the first pass
+  if (VMAX >= 4 && left >= 4) return weighted_values<R, 4>(w, per_query, per_key, values, n, d0, sums, ahead), d0 + 4 * W;
+  if (left >= 2) return weighted_values<R, 2>(w, per_query, per_key, values, n, d0, sums, ahead), d0 + 2 * W;
+  return weighted_values<R, 1>(w, per_query, per_key, values, n, d0, sums, ahead), d0 + W;
 }
 
 // Each query's sums over its softmax total: out[g * D + d] /= total[g] for G queries.
@@ -189,10 +280,17 @@ void in_blocks(int64_t G, F f) {
 void softmax_weights(int64_t G, int64_t n, float* p, float* total) {
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p + g * n;
-    const float top = *std::max_element(pg, pg + n);
-    vf totals = {};
+    vf tops = vf{} - INFINITY;
     int64_t i = 0;
     for (; i + W <= n; i += W) {
+      const vf x = load(pg + i);
+      tops = x > tops ? x : tops;
+    }
+    float top = -INFINITY;
+    for (int j = 0; j < W; ++j) top = std::max(top, tops[j]);
+    for (; i < n; ++i) top = std::max(top, pg[i]);
+    vf totals = {};
+    for (i = 0; i + W <= n; i += W) {
       const vf e = exp_nonpositive(load(pg + i) - top);
       store(pg + i, e);
       totals += e;
@@ -205,7 +303,7 @@ void softmax_weights(int64_t G, int64_t n, float* p, float* total) {
 // One token of a (row, kv head): scores against its n keys, their exponentials, then the weighted
 // sum of the values. `scratch` holds the scaled queries, the scores and the totals.
 void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const Rows& values, int64_t n,
-                float* out, std::vector<float>& scratch) {
+                float* out, std::vector<float>& scratch, const float* ahead = nullptr) {
   const int64_t D = keys.dim;
   scratch.resize(G * D + G * n + G);
   float *q_scaled = scratch.data(), *p = q_scaled + G * D, *total = p + G * n;
@@ -215,13 +313,12 @@ void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const 
     softmax_weights(G, n, p, total);
     return weighted_values_scalar(G, p, n, values, n, total, out);
   }
-  in_blocks(G, [&](auto gb, int64_t g0) {
-    scores<decltype(gb)::value>(q_scaled + g0 * D, keys, values, n, p + g0 * n, n);
-  });
+  scores(G, q_scaled, keys, values, n, p, n);
   softmax_weights(G, n, p, total);
   in_blocks(G, [&](auto gb, int64_t g0) {
     constexpr int GB = decltype(gb)::value;
-    for (int64_t d0 = 0; d0 < D; d0 += 2 * W) weighted_values_from<GB>(p + g0 * n, n, 1, values, n, d0, out + g0 * D);
+    for (int64_t d0 = 0; d0 < D;)
+      d0 = weighted_values_from<GB>(p + g0 * n, n, 1, values, n, d0, out + g0 * D, g0 == 0 ? ahead : nullptr);
   });
   normalise(G, D, total, out);
 }
@@ -253,7 +350,7 @@ void scores_tile(const Rows& keys, int64_t i0, const float* qt, int64_t Mp, int6
 // Tokens [0, real) of a (row, kv head) whose keys `held` cached rows precede; q the first token's
 // queries, `step` floats from one token's to the next's (as out). D a multiple of W.
 void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t real, const Rows& keys,
-                  const Rows& values, float* out, std::vector<float>& scratch) {
+                  const Rows& values, float* out, std::vector<float>& scratch, const float* ahead) {
   const int64_t D = keys.dim, M = real * G, Mp = (M + W - 1) / W * W, n = keys.held + real;
   scratch.assign(D * Mp + n * Mp + M * D + Mp, 0.f);
   float *qt = scratch.data(), *st = qt + D * Mp, *sums = st + n * Mp, *total = sums + M * D;
@@ -284,11 +381,12 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
     }
     store(total + m0, totals);
   }
-  for (int64_t d0 = 0; d0 < D; d0 += 2 * W)
-    for (int64_t m0 = 0; m0 < M; m0 += TILE)
-      with_rows(std::min<int64_t>(TILE, M - m0), [&](auto r) {
-        weighted_values_from<decltype(r)::value>(st + m0, 1, Mp, values, n, d0, sums + m0 * D);
-      });
+  for (int64_t m0 = 0; m0 < M; m0 += TILE)
+    with_rows(std::min<int64_t>(TILE, M - m0), [&](auto r) {
+      for (int64_t d0 = 0; d0 < D;)
+        d0 = weighted_values_from<decltype(r)::value>(st + m0, 1, Mp, values, n, d0, sums + m0 * D,
+                                                      m0 == 0 ? ahead : nullptr);
+    });
   for (int64_t m = 0; m < M; ++m)
     for (int64_t d = 0; d < D; ++d) out[(m / G) * step + (m % G) * D + d] = sums[m * D + d] / total[m];
 }
@@ -301,6 +399,30 @@ struct Tasks {
   std::mutex mu;
   std::condition_variable all_done;
 };
+
+// run(t, next) for t in [0, count), spread over the calling thread and XLA's intra-op threads; next
+// is the task the same thread runs after t (taken before t runs), or count where none is left.
+template <class F>
+void run_tasks(ffi::ThreadPool& pool, int64_t count, F run) {
+  auto tasks = std::make_shared<Tasks>();
+  auto work = [=]() {
+    int64_t done = 0;
+    for (int64_t t = tasks->next.fetch_add(1), next; t < count; t = next, ++done) {
+      next = std::min(tasks->next.fetch_add(1), count);
+      run(t, next);
+    }
+    if (done) {
+      std::lock_guard<std::mutex> lock(tasks->mu);
+      tasks->finished += done;
+      if (tasks->finished == count) tasks->all_done.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(tasks->mu);
+  tasks->all_done.wait(lock, [&] { return tasks->finished == count; });
+}
 
 }  // namespace
 
@@ -323,37 +445,24 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
   const int32_t *lp = lengths.typed_data(), *np_ = num_new.typed_data();
   float* op = out->typed_data();
   const int64_t count = rows * s.kv_heads, query = s.group * s.dim, step = s.kv_heads * query;
-  auto tasks = std::make_shared<Tasks>();
-  auto work = [=]() {
-    std::vector<float> scratch;
-    int64_t done = 0;
-    for (int64_t t; (t = tasks->next.fetch_add(1)) < count; ++done) {
-      const int64_t row = t / s.kv_heads, head = t % s.kv_heads;
-      const int64_t held = std::clamp<int64_t>(lp[row], 0, s.slots);
-      const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
-      const int64_t cache = t * s.slots * s.dim, fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
-      const Rows k{kp + cache, knp + fresh, held, s.kv_heads * s.dim, s.dim};
-      const Rows v{vp + cache, vnp + fresh, held, s.kv_heads * s.dim, s.dim};
-      const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
-      if (real > 1 && s.dim % W == 0)
-        attend_block(s.group, scale, qp + first, step, real, k, v, op + first, scratch);
-      else
-        for (int64_t token = 0; token < real; ++token)
-          attend_one(s.group, scale, qp + first + token * step, k, v, held + token + 1, op + first + token * step,
-                     scratch);
-      for (int64_t token = real; token < s.tokens; ++token) std::fill_n(op + first + token * step, query, 0.f);
-    }
-    if (done) {
-      std::lock_guard<std::mutex> lock(tasks->mu);
-      tasks->finished += done;
-      if (tasks->finished == count) tasks->all_done.notify_all();
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(tasks->mu);
-  tasks->all_done.wait(lock, [&] { return tasks->finished == count; });
+  run_tasks(pool, count, [=](int64_t t, int64_t next) {
+    thread_local std::vector<float> scratch;
+    const int64_t row = t / s.kv_heads, head = t % s.kv_heads;
+    const int64_t held = std::clamp<int64_t>(lp[row], 0, s.slots);
+    const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
+    const int64_t cache = t * s.slots * s.dim, fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
+    const Rows k{kp + cache, knp + fresh, held, s.kv_heads * s.dim, s.dim};
+    const Rows v{vp + cache, vnp + fresh, held, s.kv_heads * s.dim, s.dim};
+    const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
+    const float* ahead = next < count ? kp + next * s.slots * s.dim : nullptr;  // the next task's keys
+    if (real > 1 && s.dim % W == 0)
+      attend_block(s.group, scale, qp + first, step, real, k, v, op + first, scratch, ahead);
+    else
+      for (int64_t token = 0; token < real; ++token)  // the last token's values pass asks for `ahead`
+        attend_one(s.group, scale, qp + first + token * step, k, v, held + token + 1, op + first + token * step,
+                   scratch, token + 1 == real ? ahead : nullptr);
+    for (int64_t token = real; token < s.tokens; ++token) std::fill_n(op + first + token * step, query, 0.f);
+  });
   return ffi::Error::Success();
 }
 

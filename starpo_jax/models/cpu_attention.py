@@ -80,20 +80,21 @@ def xla_attention():
         _held_off -= 1
 
 
-def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new):
+def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new, *, target: str = TARGET):
     """Attention of a block of T new tokens per row, q [B, T, heads, d], to the first ``lengths[b]``
     slots of its layer cache k_cache, v_cache [B, kv_heads, S, d] and causally to the block's own
     keys and values k_new, v_new [B, T, kv_heads, d]: what ``decoder._attend_after`` computes for a
     decode step (T = 1) or a prompt chunk. Row b's first ``num_new[b]`` tokens are real; the rest
     are padding, and come back as zeros. Returns [B, T, heads, d] in q's dtype. Call it where
     ``available()``: it builds the kernel if need be, and raises RuntimeError where it cannot be
-    built."""
-    if not _registered():
+    built. ``target``: the registered kernel to call (a test registers a build of another vector
+    width under a name of its own)."""
+    if target == TARGET and not _registered():
         raise RuntimeError("starpo-jax's CPU attention kernel could not be built (the warning says why)")
     B, T, H, D = q.shape
     kv_heads = k_cache.shape[1]
     f32, i32 = jnp.float32, jnp.int32
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, T, kv_heads, H // kv_heads, D), f32),
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((B, T, kv_heads, H // kv_heads, D), f32),
                             vmap_method="broadcast_all")
     out = call(q.reshape(B, T, kv_heads, H // kv_heads, D).astype(f32), k_cache.astype(f32), v_cache.astype(f32),
                jnp.minimum(lengths, k_cache.shape[2]).astype(i32), jnp.broadcast_to(num_new, (B,)).astype(i32),
@@ -115,13 +116,16 @@ def _registered() -> bool:
         return False
 
 
-def build(folder: Path | None = None) -> Path:
+def build(folder: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
     """The kernel's shared library, compiled into ``folder`` (default: the cache's ``kernels/``, or a
     temporary folder when the caches are off) unless a build of the same source, compiler and CPU is
-    there. Raises OSError or a ``subprocess`` error when the compiler is missing or fails."""
+    there. ``defines``: extra ``-D`` flags (``-DSTARPO_VECTOR_FLOATS=8`` builds the vectors of eight
+    floats on a CPU with AVX-512, which the kernel otherwise takes sixteen at a time). Raises OSError
+    or a ``subprocess`` error when the compiler is missing or fails."""
     compiler = shlex.split(os.environ.get("CXX") or "c++")
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(compiler + FLAGS), version,
+    flags = [*FLAGS, *defines]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(compiler + flags), version,
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     root = caches.cache_root()
     folder = folder or (root / "kernels" if root else Path(tempfile.gettempdir()) / f"starpo-jax-kernels-{os.getuid()}")
@@ -130,7 +134,7 @@ def build(folder: Path | None = None) -> Path:
         return library
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{library.name}.{os.getpid()}"  # renamed when whole: a reader never sees half a file
-    command = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+    command = [*compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode:
         partial.unlink(missing_ok=True)

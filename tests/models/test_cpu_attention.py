@@ -2,6 +2,8 @@
 the decode step and the prompt chunks where it is available, and XLA's attention where it is not."""
 
 import contextlib
+import ctypes
+import functools
 import subprocess
 import warnings
 
@@ -41,12 +43,35 @@ kernel = jax.jit(cpu_attention.cached_attention)
 ATOL = 1e-5
 
 
-# The kernel's paths: heads of 16 (two vectors of 8 at a time) or 8 (one), or 12 (one float at a
-# time); queries per kv head in blocks of up to four (7 = 4 + 3, as Qwen2.5-0.5B's); one query.
-@pytest.mark.parametrize("group, d", [(GROUP, D), (7, 64), (5, 8), (1, 16), (2, 12)])
+# The kernel's paths, in vectors of 16 floats (AVX-512) or 8: heads of 1, 2, 4 or 8 vectors (their
+# keys' scores a tile of keys at a time), of 3 or 6 vectors (a key at a time), or of 12 floats, or 8
+# where the vectors are 16 (one float at a time); queries per kv head in blocks of up to four (7 =
+# 4 + 3, as Qwen2.5-0.5B's); one query. Rows hold 0 to 24 keys: no tile, a tile and the rest.
+CASES = [(GROUP, D), (7, 64), (5, 8), (1, 16), (2, 12), (3, 32), (2, 48), (1, 128)]
+
+
+@pytest.mark.parametrize("group, d", CASES)
 def test_the_kernel_computes_xlas_attention_for_every_length(group, d):
     args = inputs(group=group, d=d)
     np.testing.assert_allclose(kernel(*args), jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
+
+
+@functools.cache
+def width_kernel(floats: int):
+    """The kernel built with vectors of ``floats`` floats, registered under a name of its own."""
+    library = ctypes.cdll.LoadLibrary(str(cpu_attention.build(defines=(f"-DSTARPO_VECTOR_FLOATS={floats}",))))
+    target = f"{cpu_attention.TARGET}_{floats}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.starpo_cached_attention), platform="cpu")
+    return jax.jit(functools.partial(cpu_attention.cached_attention, target=target))
+
+
+# Each vector width on every machine (the native build takes one of them): a decode step and a block.
+@pytest.mark.parametrize("floats", [8, 16])
+@pytest.mark.parametrize("group, d", [(GROUP, D), (7, 64), (2, 48), (5, 8)])
+def test_both_vector_widths_compute_xlas_attention(floats, group, d):
+    for tokens in (1, 8):
+        args = inputs(group=group, d=d, tokens=tokens)
+        np.testing.assert_allclose(width_kernel(floats)(*args), jax.jit(xla_attention)(*args), atol=ATOL, rtol=0)
 
 
 # A block of 8 tokens: a token at a time (one real token; heads of 12), or the block's tiled products
