@@ -115,9 +115,8 @@ def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
     row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
     if layout.prefix:
         leaders = slice(None, None, ctx.share)
-        k, v = model.prefix_keys_values(tokens[leaders, : layout.prefix], split[leaders])
-        k, v = (jnp.repeat(x, ctx.share, axis=1) for x in (k, v))
-        hidden = model.hidden_states_after(row_tokens, positions, k, v, start)
+        hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders],
+                                                    row_tokens, positions)
     else:
         hidden = model.hidden_states(row_tokens, positions, (positions < rows.length[:, None]).astype(jnp.int32))
     at = jnp.clip(index - 1 - start[:, None], 0, layout.width - 1)
