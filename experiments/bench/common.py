@@ -47,7 +47,7 @@ def machine(note: str = "") -> dict:
         "jax_platform": device.platform, "device_kind": device.device_kind,
         "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
-        "jax": jax.__version__, "note": note,
+        "jax": jax.__version__, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "note": note,
     }  # fmt: skip
 
 
