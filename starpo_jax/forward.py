@@ -106,8 +106,9 @@ def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
     reads).
 
     Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
-    first prompts (tokens before the split) are computed once per block of ``ctx.share`` rows, and
-    the rows continue from their keys and values: exactly the same attention as over the whole rows."""
+    first prompts (tokens before the split) are computed once per block of ``ctx.share`` rows, in the
+    rows' own pass over the layers (``Decoder.hidden_states_sharing_prefix``), and the rows attend to
+    them: exactly the same attention as over the whole rows."""
     layout, tokens, split = ctx.layout, rows.tokens, rows.split
     B, L = tokens.shape
     start = split if layout.prefix else jnp.zeros((B,), jnp.int32)

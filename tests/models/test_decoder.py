@@ -379,8 +379,8 @@ def test_attention_in_row_passes_equals_one_pass(blocks, monkeypatch):
 
 def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do_not(pair, monkeypatch):
     """``sampling.append`` (the rollout's prefill and appends) attends in row passes; the decode
-    step, the update's forward over a shared prefix (``hidden_states_after``) and full sequences
-    do not."""
+    step, the update's forward over a shared prefix (``hidden_states_sharing_prefix``), the
+    continuation of a prefix's keys and values (``hidden_states_after``) and full sequences do not."""
     from starpo_jax.models import cpu_attention, decoder
     from starpo_jax.rollout import sampling
 
@@ -407,7 +407,9 @@ def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     k = v = jnp.zeros((config.num_layers, B, config.num_kv_heads, S, config.head_dim))
     jax.eval_shape(lambda m: m.hidden_states_after(tokens, positions + S, k, v, jnp.full((B,), 4)), model)
+    caller = "hidden_states_sharing_prefix"
+    jax.eval_shape(lambda m: m.hidden_states_sharing_prefix(tokens[:1], jnp.full((1,), 4), tokens, positions + 4), model)
     caller = "hidden_states"
     jax.eval_shape(lambda m: m.hidden_states(tokens, positions), model)
     assert set(seen) == {("append", True), ("decode step", False), ("hidden_states_after", False),
-                         ("hidden_states", False)}
+                         ("hidden_states_sharing_prefix", False), ("hidden_states", False)}
