@@ -38,14 +38,26 @@ def test_a_loop_without_a_known_trip_count_counts_as_told():
     assert hlo_flops(text, unknown_trips=5) == 5 * hlo_flops(text) == 5 * 2 * 8 * 128 * 128
 
 
-def test_phase_flops_of_one_token_is_two_per_weight_of_its_products():
+def test_one_token_is_two_flops_per_weight_of_its_products_and_a_pair_four_per_head_feature():
     config = preset("tiny-llama")
     c = config
     per_layer = (2 * c.hidden_size * c.num_heads * c.head_dim + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
                  + 3 * c.hidden_size * c.intermediate_size)
-    assert ceilings.phase_flops(config, 1, 0, 0) == 2 * c.num_layers * per_layer
-    assert ceilings.phase_flops(config, 0, 0, 1) == 2 * c.hidden_size * c.vocab_size
+    assert ceilings.product_flops(config, 1, 0) == 2 * c.num_layers * per_layer
+    assert ceilings.product_flops(config, 0, 1) == 2 * c.hidden_size * c.vocab_size
+    assert ceilings.attention_flops(config, 1) == 4 * c.num_layers * c.num_heads * c.head_dim
     assert ceilings._triangle([0, 10], [3, 1]) == (1 + 2 + 3) + 11
+
+
+def test_the_least_time_overlaps_the_two_kinds_of_work_or_runs_them_in_sequence():
+    """A decode-like phase: products bound by the peak (2 s), attention by the cache's bytes (1 s)."""
+    phase = ceilings.work(products=(200, 10), attention=(20, 100))
+    assert phase["flops"] == 220 and phase["least_bytes"] == 110
+    least, in_sequence = ceilings.least_seconds(phase, peak_flops=100.0, bandwidth=100.0)
+    assert least == pytest.approx(2.2)  # the sums at the binding ceiling: 220 FLOPs at 100 per second
+    assert in_sequence == pytest.approx(2.0 + 1.0)  # each kind at its own ceiling, one after the other
+    alone = ceilings.work(products=(200, 10))
+    assert ceilings.least_seconds(alone, 100.0, 100.0) == pytest.approx((2.0, 2.0))  # one kind: the same bound
 
 
 def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
@@ -61,7 +73,8 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     assert phases[:2] == [("prefill", 1), ("decode", 1)] and phases[-1] == ("update", None)
     assert set(phases) <= {("prefill", 1), ("decode", 1), ("appends", 2), ("decode", 2), ("update", None)}
     for p in account["phases"]:
-        assert p["seconds"] > 0 and 0 < p["of_ceiling"] and 0 < p["xla_of_ceiling"]
+        assert p["seconds"] > 0 and 0 < p["of_ceiling"] <= p["of_ceiling_in_sequence"] and 0 < p["xla_of_ceiling"]
+        assert p["flops"] == sum(f for f, _ in p["kinds"].values())
         assert p["xla"]["flops"] >= p["xla"]["cost_analysis_flops"] * 0.9  # loops counted in full
         assert 0.3 < p["flops"] / p["xla"]["flops"]  # the shapes' count against what XLA computes
         if p["phase"] == "update" or not cpu_attention.available():  # the CPU kernel's sums are not in XLA's
@@ -69,4 +82,8 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     update = account["phases"][-1]
     parts = update["flops_parts"]
     assert parts["backward"] == 2 * parts["forward"] and update["flops"] == sum(parts.values())
-    assert "of ceiling" in (tmp_path / "c.md").read_text()
+    rollout = [p for p in account["phases"] if p["phase"] != "update"]
+    assert account["rollout_phases_s"] == pytest.approx(sum(p["seconds"] for p in rollout))
+    assert account["rollout_of_ceiling"] == pytest.approx(sum(p["least_s"] for p in rollout) / account["rollout_phases_s"])
+    assert account["rollout_of_ceiling"] <= account["rollout_of_ceiling_in_sequence"]
+    assert "of ceiling" in (text := (tmp_path / "c.md").read_text()) and "in sequence" in text

@@ -21,7 +21,7 @@ as programs of their own on the last iteration's shapes (``sampling.append``, ``
 for as many steps as that turn's longest answer, ``LLMResponder.prefill_first_prompts``), and what
 the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per phase:
 
-- FLOPs from the shapes (``phase_flops``: the products of the real tokens, prompts counted once
+- FLOPs from the shapes (``product_flops`` and ``attention_flops``: the products of the real tokens, prompts counted once
   per group where the program shares them; an update's backward twice its forward, and the
   rematerialised products once more), and from XLA: the matrix products of the compiled program
   (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed, padding and
@@ -31,7 +31,19 @@ the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per 
   compiled program accesses (``hlo_bytes.hlo_bytes``);
 - the ceiling that binds: the time the least work would take at the measured peak FLOP/s or copy
   bandwidth, whichever is longer, as a fraction of the measured time ("of ceiling"); and the same
-  for what XLA computes ("XLA work").
+  for what XLA computes ("XLA work");
+- the same least work in sequence ("in sequence"): each kind of the phase's work at the
+  ceiling that binds it, one after the other. The weight products (and the logits) are bound by the
+  peak; the attention to a KV cache, in a decode step, by reading the cache. A decode step cannot
+  overlap them: each layer's attention waits for its queries and the next product for its output,
+  and the next token waits for the last layer. The first bound assumes they overlap in full; this
+  one is the roofline of each kind, summed. The update's third kind, its passes over the weights
+  (accumulating each micro-batch's gradients, the optimiser's step), is bound by the bandwidth and
+  waits for the products too. Where one kind dominates (a prompt block's products, the update's)
+  the two bounds agree within the other kinds' share.
+
+The rollout's phases are also summed: the rollout's least time at the ceilings over its measured
+phases, both ways.
 
     python -m experiments.bench.ceilings                   # writes bench_results/bench_ceilings.json
     python -m experiments.bench.ceilings --quick           # smoke run
@@ -140,13 +152,30 @@ def linear_params(config) -> int:
     return c.num_layers * (2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size)
 
 
-def phase_flops(config, tokens: int, attended: int, logits: int) -> int:
-    """FLOPs of ``tokens`` positions through the model, ``attended`` (query, key) pairs summed over
-    them (scores and the weighted sum of values, every head and layer), and ``logits`` vocabulary
-    projections."""
-    c = config
-    return (2 * linear_params(c) * tokens + 4 * c.num_layers * c.num_heads * c.head_dim * attended
-            + 2 * c.hidden_size * c.vocab_size * logits)
+def product_flops(config, tokens: int, logits: int) -> int:
+    """FLOPs of the weight products of ``tokens`` positions through the blocks and of ``logits``
+    vocabulary projections."""
+    return 2 * linear_params(config) * tokens + 2 * config.hidden_size * config.vocab_size * logits
+
+
+def attention_flops(config, attended: int) -> int:
+    """FLOPs of ``attended`` (query, key) pairs: the scores and the weighted sum of values, every
+    head and layer."""
+    return 4 * config.num_layers * config.num_heads * config.head_dim * attended
+
+
+def work(**kinds: tuple[int, int]) -> dict:
+    """A phase's least work: (FLOPs, bytes) of each kind (its weight products, its attention, the
+    update's passes over the weights), and their sums (``flops``, ``least_bytes``)."""
+    return {"flops": sum(f for f, _ in kinds.values()), "least_bytes": sum(b for _, b in kinds.values()),
+            "kinds": {name: list(kind) for name, kind in kinds.items()}}
+
+
+def least_seconds(phase: dict, peak_flops: float, bandwidth: float) -> tuple[float, float]:
+    """The least time of a phase's work at the ceilings: the whole at the ceiling that binds it (the
+    two kinds overlapped), and each kind at its own, one after the other (the docstring)."""
+    at = lambda flops, moved: max(flops / peak_flops, moved / bandwidth)  # noqa: E731
+    return at(phase["flops"], phase["least_bytes"]), sum(at(*kind) for kind in phase["kinds"].values())
 
 
 def _triangle(start, count):
@@ -189,9 +218,9 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
     empty = sampling.init_cache(config, B, plan.max_len)
     phases: list[dict] = []
 
-    def add(name, turn, compiled, args, flops, least_bytes, trips=1):
-        phases.append({"phase": name, "turn": turn, "flops": flops, "least_bytes": least_bytes,
-                       "xla": xla_counts(compiled, trips), "runs_s": _timed_median(lambda: compiled(*args), repeats)})
+    def add(name, turn, compiled, args, least: dict, trips=1):
+        phases.append({"phase": name, "turn": turn, **least, "xla": xla_counts(compiled, trips),
+                       "runs_s": _timed_median(lambda: compiled(*args), repeats)})
 
     # The first turn: each group's prompt computed once (LLMResponder.prefill_first_prompts).
     first_width = max(t.prompts.first_len for t in exp.train_tables.tags)
@@ -201,8 +230,8 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
     args: tuple = (policy, ids, n0, empty)
     leaders = n0[:: plan.group_size]
     add("prefill", 1, prefill.lower(*args).compile(), args,
-        phase_flops(config, int(leaders.sum()), _triangle(0, leaders), G),
-        weights + int(leaders.sum()) * kv)
+        work(products=(product_flops(config, int(leaders.sum()), G), weights),
+             attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)))
     next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
     for t in range(start.shape[1]):
         active = played[:, t]
@@ -213,8 +242,9 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
             args = (policy, cache, rng.integers(0, vocab, (B, next_width), np.int32), prompt[:, t].astype(np.int32))
             n = prompt[:, t]
             add("appends", t + 1, sampling.append.lower(*args).compile(), args,
-                phase_flops(config, int(n.sum()), _triangle(held[:, t], n), int(active.sum())),
-                weights + int((held[:, t] * active).sum() + n.sum()) * kv)
+                work(products=(product_flops(config, int(n.sum()), int(active.sum())), weights),
+                     attention=(attention_flops(config, _triangle(held[:, t], n)),
+                                int((held[:, t] * active).sum() + n.sum()) * kv)))
         steps = int(answer[:, t].max())
         if steps == 0:
             continue
@@ -229,8 +259,9 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
         args = (policy, cache, logits, jax.random.key(t), jnp.asarray(answer[:, t] > 0))
         a = answer[:, t]  # the real loop runs until its longest answer ends: every row decodes that many steps
         add("decode", t + 1, jax.jit(decode).lower(*args).compile(), args,
-            phase_flops(config, int(a.sum()), _triangle(start[:, t], a), int(a.sum())),
-            steps * weights + _triangle(start[:, t], a) * kv, trips=steps)
+            work(products=(product_flops(config, int(a.sum()), int(a.sum())), steps * weights),
+                 attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv)),
+            trips=steps)
     return phases
 
 
@@ -249,16 +280,21 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
     groups = settings.kept_groups
     tokens = groups * first + M * rest
     attended = groups * first * (first + 1) / 2 + M * (rest * first + rest * (rest + 1) / 2)
-    forward = phase_flops(config, int(tokens), int(attended), int(M * answers))
-    attention = 4 * config.num_layers * config.num_heads * config.head_dim * int(attended)
-    logits = 2 * config.hidden_size * config.vocab_size * int(M * answers)
-    remat = {"none": logits, "dots": logits + attention, "layer": forward}[config.remat]
+    products = product_flops(config, int(tokens), int(M * answers))
+    attention = attention_flops(config, int(attended))
+    logits = product_flops(config, 0, int(M * answers))
+    # what the backward recomputes: the logits' chunks, with "dots" the attention, with "layer" all
+    remat_products, remat_attention = {"none": (logits, 0), "dots": (logits, attention), "layer": (products, attention)}[config.remat]
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(exp.model.params))
     micro = M // settings.micro_batch_size * settings.ppo_epochs
     steps = M // settings.ppo_mini_batch_size * settings.ppo_epochs
-    return {"phase": "update", "turn": None, "flops": 3 * forward + remat,
-            "flops_parts": {"forward": forward, "backward": 2 * forward, "remat": remat},
-            "least_bytes": micro * 3 * weights + steps * 7 * weights,
+    forward = products + attention
+    return {"phase": "update", "turn": None,
+            # the products read the weights while they compute; accumulating the gradients (3 passes per
+            # micro-batch) and the optimiser's step (7 per step) are passes of their own
+            **work(products=(3 * products + remat_products, 0), attention=(3 * attention + remat_attention, 0),
+                   weight_passes=(0, micro * 3 * weights + steps * 7 * weights)),
+            "flops_parts": {"forward": forward, "backward": 2 * forward, "remat": remat_products + remat_attention},
             "layout": {"prefix": layout.prefix, "width": layout.width, "share": share_rows(settings, plan.group_size),
                        "rows": M, "logit_positions": policy_tokens_per_row(plan)},
             "xla": xla_counts(learn), "runs_s": seconds}
@@ -292,20 +328,24 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
     phases = rollout_phases(exp, state, kept, steps)
     phases.append(update_phase(exp, learns[layout], kept, layout, times["update"]))
     bar.update()
-    measured = sum(statistics.median(p["runs_s"]) for p in phases if p["phase"] != "update")
     for p in phases:
         seconds = statistics.median(p["runs_s"])
-        least = max(p["flops"] / peak_flops, p["least_bytes"] / bandwidth)
+        least, in_sequence = least_seconds(p, peak_flops, bandwidth)
         xla = max(p["xla"]["flops"] / peak_flops, p["xla"]["bytes"] / bandwidth)
         p |= {"seconds": seconds, "bound": "FLOPs" if p["flops"] / peak_flops >= p["least_bytes"] / bandwidth else "bytes",
-              "of_ceiling": least / seconds, "xla_of_ceiling": xla / seconds}
+              "least_s": least, "least_in_sequence_s": in_sequence, "of_ceiling": least / seconds,
+              "of_ceiling_in_sequence": in_sequence / seconds, "xla_of_ceiling": xla / seconds}
+    rollout = [p for p in phases if p["phase"] != "update"]
+    measured = sum(p["seconds"] for p in rollout)
     config = exp.model.merge().config
     return {
         "config": path, "overrides": overrides, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
         "rows": plan.batch_size, "max_turn": plan.max_turn, "response_length": plan.response_length,
         "max_len": plan.max_len, "remat": config.remat, "steps": steps,
         "iteration_s": {k: statistics.median(v) for k, v in times.items()}, "runs_s": times,
-        "rollout_rest_s": statistics.median(times["rollout"]) - measured,
+        "rollout_rest_s": statistics.median(times["rollout"]) - measured, "rollout_phases_s": measured,
+        "rollout_of_ceiling": sum(p["least_s"] for p in rollout) / measured,
+        "rollout_of_ceiling_in_sequence": sum(p["least_in_sequence_s"] for p in rollout) / measured,
         "generated_tokens": int(np.asarray(kept.response_tokens).sum()), "phases": phases,
     }  # fmt: skip
 
@@ -326,13 +366,15 @@ def markdown(report: dict) -> str:
         parts.append(f"{a['config']}: {a['rows']} rows x {a['max_turn']} turns, answers <= {a['response_length']}, "
                      f"context {a['max_len']}, {a['model']}, remat {a['remat']}; iteration {it['rollout']:.1f} s "
                      f"rollout + {it['update']:.1f} s update (median of {a['steps']}), rollout besides its phases "
-                     f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated")
+                     f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated; the rollout's phases "
+                     f"{a['rollout_phases_s']:.1f} s, {100 * a['rollout_of_ceiling']:.0f}% of ceiling, "
+                     f"{100 * a['rollout_of_ceiling_in_sequence']:.0f}% in sequence")
         rows = [[p["phase"], p["turn"] or "", f"{p['flops'] / 1e9:.1f}", f"{p['xla']['flops'] / 1e9:.1f}",
                  f"{p['xla']['cost_analysis_flops'] / 1e9:.1f}", f"{p['least_bytes'] / 1e9:.2f}",
                  f"{p['xla']['bytes'] / 1e9:.2f}", f"{p['seconds']:.2f}", p["bound"], f"{100 * p['of_ceiling']:.0f}%",
-                 f"{100 * p['xla_of_ceiling']:.0f}%"] for p in a["phases"]]  # fmt: skip
+                 f"{100 * p['of_ceiling_in_sequence']:.0f}%", f"{100 * p['xla_of_ceiling']:.0f}%"] for p in a["phases"]]  # fmt: skip
         parts.append(markdown_table(["phase", "turn", "GFLOP (shapes)", "GFLOP (XLA)", "GFLOP (cost_analysis)",
-                                     "GB least", "GB (XLA)", "s", "bound", "of ceiling", "XLA work"], rows))
+                                     "GB least", "GB (XLA)", "s", "bound", "of ceiling", "in sequence", "XLA work"], rows))
     return "\n\n".join(parts)
 
 
