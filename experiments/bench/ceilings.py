@@ -21,9 +21,9 @@ as programs of their own on the last iteration's shapes (``sampling.append``, ``
 for as many steps as that turn's longest answer, ``LLMResponder.prefill_first_prompts``), and what
 the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per phase:
 
-- FLOPs from the shapes (``product_flops`` and ``attention_flops``: the products of the real tokens, prompts counted once
-  per group where the program shares them; an update's backward twice its forward, and the
-  rematerialised products once more), and from XLA: the matrix products of the compiled program
+- FLOPs from the shapes (``product_flops``, ``attention_flops``: the products of the real tokens,
+  prompts counted once per group where the program shares them; an update's backward twice its
+  forward, and the rematerialised products once more), and from XLA: the matrix products of the compiled program
   (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed, padding and
   masked cache slots included), and ``compiled.cost_analysis()`` as XLA reports it (a loop's body
   counted once);
@@ -172,8 +172,8 @@ def work(**kinds: tuple[int, int]) -> dict:
 
 
 def least_seconds(phase: dict, peak_flops: float, bandwidth: float) -> tuple[float, float]:
-    """The least time of a phase's work at the ceilings: the whole at the ceiling that binds it (the
-    two kinds overlapped), and each kind at its own, one after the other (the docstring)."""
+    """The least time of a phase's work at the ceilings: the whole at the ceiling that binds it (its
+    kinds overlapped), and each kind at its own, one after the other (the docstring)."""
     at = lambda flops, moved: max(flops / peak_flops, moved / bandwidth)  # noqa: E731
     return at(phase["flops"], phase["least_bytes"]), sum(at(*kind) for kind in phase["kinds"].values())
 
@@ -284,7 +284,8 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
     attention = attention_flops(config, int(attended))
     logits = product_flops(config, 0, int(M * answers))
     # what the backward recomputes: the logits' chunks, with "dots" the attention, with "layer" all
-    remat_products, remat_attention = {"none": (logits, 0), "dots": (logits, attention), "layer": (products, attention)}[config.remat]
+    remat_products, remat_attention = {"none": (logits, 0), "dots": (logits, attention),
+                                       "layer": (products, attention)}[config.remat]
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(exp.model.params))
     micro = M // settings.micro_batch_size * settings.ppo_epochs
     steps = M // settings.ppo_mini_batch_size * settings.ppo_epochs
