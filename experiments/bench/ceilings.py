@@ -23,10 +23,10 @@ the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per 
 
 - FLOPs from the shapes (``product_flops``, ``attention_flops``: the products of the real tokens,
   prompts counted once per group where the program shares them; an update's backward twice its
-  forward, and the rematerialised products once more), and from XLA: the matrix products of the compiled program
-  (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed, padding and
-  masked cache slots included), and ``compiled.cost_analysis()`` as XLA reports it (a loop's body
-  counted once);
+  forward, and the rematerialised products once more), and from XLA: the matrix products of the
+  compiled program (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed,
+  padding and masked cache slots included), and ``compiled.cost_analysis()`` as XLA reports it (a
+  loop's body counted once);
 - bytes: weights and KV cache read and written (the least the phase must move) and what the
   compiled program accesses (``hlo_bytes.hlo_bytes``);
 - the ceiling that binds: the time the least work would take at the measured peak FLOP/s or copy
