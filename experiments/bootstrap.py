@@ -3,7 +3,8 @@
 XLA's backend starts at the first array, and importing the envs makes one (jumanji builds arrays at
 import, and every env imports jumanji), yet two things must come before it: a multi-host run joins
 its processes (``jax.distributed.initialize`` refuses once the backend has started), and
-``experiments.plan`` asks for its simulated CPU devices. So a command that needs either begins with
+``experiments.plan`` asks for its simulated CPU devices. Before both, the command restarts itself on
+tcmalloc where it is installed (``starpo_jax.runtime.allocator``). So a command that needs either begins with
 
     from experiments import bootstrap
 
@@ -14,7 +15,8 @@ above its other imports. Run as ``python -m experiments.run``, the guard does th
 command line alone (no config file is read: loading one imports the envs), then imports the command's
 module under its own name, whose imports sit at the top as in any module, and calls its ``run()``.
 Imported as a library, the module skips the guard. Commands with nothing to do first (``evaluate``,
-``report``, ``curves``, the benchmarks) keep the usual guard at their end. This module imports nothing
+``report``, ``curves``, the benchmarks) keep the usual guard at their end, those that compute
+beginning it with the same restart. This module imports nothing
 that starts the backend.
 """
 
@@ -28,7 +30,7 @@ from typing import NoReturn
 
 import jax
 
-from starpo_jax.runtime import distributed
+from starpo_jax.runtime import allocator, distributed
 
 HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "-?", "--helpfull"}
 
@@ -66,8 +68,10 @@ def simulate_cpu_devices(argv: list[str]) -> None:
 
 
 def command(module: str, before_backend: Callable[[list[str]], None] = join_processes) -> NoReturn:
-    """``before_backend(sys.argv)``, then ``module``'s ``run()`` (which exits: the ``__main__`` copy
-    of the module must not go on to its own imports)."""
+    """The command restarted on tcmalloc where it can be (``runtime.allocator``), then
+    ``before_backend(sys.argv)`` and ``module``'s ``run()`` (which exits: the ``__main__`` copy of the
+    module must not go on to its own imports)."""
+    allocator.restart_with_tcmalloc()
     before_backend(sys.argv)
     importlib.import_module(module).run()
     sys.exit(0)

@@ -43,7 +43,7 @@ from starpo_jax.format_warmup import RandomAnswers, answer_pieces, check_named_a
 from starpo_jax.models.loading import ModelLoadError
 from starpo_jax.rollout.multi_turn import chunk_plan
 from starpo_jax.rollout.sampling import sampling_policy
-from starpo_jax.runtime import checkpoint, sharding
+from starpo_jax.runtime import allocator, checkpoint, sharding
 from starpo_jax.runtime.caches import setup_compilation_cache
 from starpo_jax.runtime.checkpoint import CheckpointError
 from starpo_jax.runtime.experiment import (
@@ -276,4 +276,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     sys.exit(main())

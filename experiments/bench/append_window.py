@@ -23,6 +23,7 @@ from experiments.bench.common import require_positive, require_presets
 from experiments.bench.generation_timing import median_time
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout import sampling
+from starpo_jax.runtime import allocator
 
 
 def parse_args(argv=None):
@@ -75,4 +76,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

@@ -77,6 +77,7 @@ from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
 from starpo_jax.forward import policy_tokens_per_row, share_rows
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import LLMResponder
+from starpo_jax.runtime import allocator
 from starpo_jax.runtime.planning import iteration_program, kv_bytes_per_token
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
@@ -399,4 +400,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

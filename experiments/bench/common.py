@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from experiments.bench.charts import write_chart
 from experiments.cli import CONFIG_ERRORS, flag_error_message, last_overrides_only
 from starpo_jax.models import PRESETS
+from starpo_jax.runtime import allocator
 from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
 
 # Peak memory bandwidth of known accelerators (vendor figures), bytes/s. Order matters: "H100 PCIe"
@@ -47,7 +48,8 @@ def machine(note: str = "") -> dict:
         "jax_platform": device.platform, "device_kind": device.device_kind,
         "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
-        "jax": jax.__version__, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "note": note,
+        "jax": jax.__version__, "allocator": "tcmalloc" if allocator.loaded() else "glibc's malloc",
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "note": note,
     }  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from experiments.bench.common import machine, markdown_table, require_positive, write_markdown, write_report
 from starpo_jax.models import Decoder, ModelState, cpu_attention, decoder, preset
 from starpo_jax.rollout import sampling
+from starpo_jax.runtime import allocator
 
 WORKLOADS = {  # name: (model, batch, cache slots, tokens held, new tokens)
     "frozen-lake": ("smollm2-135m-instruct", 64, 640, 300, 48),
@@ -135,4 +136,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

@@ -66,6 +66,7 @@ from envs_jax.countdown_score import ragen_score
 from envs_jax.frozen_lake import DIRECTION_DELTAS, draw_random_map
 from envs_jax.hashing import hash_words
 from experiments.bench.common import machine, require_positive, write_report
+from starpo_jax.runtime import allocator
 
 DEFAULT_ENVS = ("Bandit", "FrozenLake", "SimpleSokoban", "Countdown")
 DEFAULT_BATCH_SIZES = (1, 16, 256, 4096, 65536)
@@ -543,4 +544,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

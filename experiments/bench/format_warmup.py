@@ -26,6 +26,7 @@ from tqdm import tqdm
 from experiments.bench.common import build_or_exit, machine, parse_with_overrides, require_positive, write_report
 from experiments.curves import wilson
 from starpo_jax.format_warmup import answer_pieces, format_warmup
+from starpo_jax.runtime import allocator
 from starpo_jax.train import init_train_state, make_train_step
 
 
@@ -117,4 +118,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

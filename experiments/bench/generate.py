@@ -44,6 +44,7 @@ from experiments.bench.common import (
 from experiments.bench.generation_timing import bench_jax, bench_transformers, hf_model, transformers_device
 from starpo_jax.models import Decoder, ModelConfig, ModelState, preset
 from starpo_jax.models.loading import load_model
+from starpo_jax.runtime import allocator
 from starpo_jax.runtime.planning import kv_bytes_per_token
 
 
@@ -157,4 +158,5 @@ def summary(row: dict) -> str:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

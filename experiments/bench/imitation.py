@@ -54,6 +54,7 @@ from starpo_jax.format_warmup import (
     supervised_step,
 )
 from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.runtime import allocator
 from starpo_jax.train import init_train_state, optimizer, policy_weights
 
 FIRST_SEED = 1_000_000  # training levels of the probe, far from validation's (123 on)
@@ -189,4 +190,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

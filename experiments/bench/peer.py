@@ -51,7 +51,7 @@ from starpo_jax.models.loading import save_model
 from starpo_jax.rollout.multi_turn import first_prompts
 from starpo_jax.rollout.parsing import parse_response_text
 from starpo_jax.rollout.sampling import sampling_policy
-from starpo_jax.runtime import checkpoint, sharding
+from starpo_jax.runtime import allocator, checkpoint, sharding
 from starpo_jax.runtime.caches import setup_compilation_cache
 from starpo_jax.runtime.experiment import (
     ConfigError,
@@ -622,4 +622,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     sys.exit(main())

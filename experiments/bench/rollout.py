@@ -92,6 +92,7 @@ from starpo_jax.rollout.multi_turn import (
     make_rollout,
     stop_tokens_for,
 )
+from starpo_jax.runtime import allocator
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-0.5b-random", "tiny-random")
 DEFAULT_MODELS = "smollm2-135m-instruct,qwen2.5-0.5b-random"
@@ -263,4 +264,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

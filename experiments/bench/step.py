@@ -92,6 +92,7 @@ from starpo_jax.models import Decoder, ModelState, cpu_attention, preset
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import LLMResponder, initial_states_from_seeds
 from starpo_jax.rollout.sampling import decode_windows, sampling_policy
+from starpo_jax.runtime import allocator
 from starpo_jax.runtime.planning import device_peak, kv_bytes_per_token, program_memory
 from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
@@ -446,4 +447,5 @@ def markdown(report: dict) -> str:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

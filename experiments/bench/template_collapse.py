@@ -21,6 +21,7 @@ import jax
 from experiments.bench.common import build_or_exit, machine, parse_with_overrides, write_report
 from starpo_jax.diagnostics.template_collapse import collapse_metrics
 from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.runtime import allocator
 from starpo_jax.train import init_train_state, make_train_step, policy_weights
 
 
@@ -69,4 +70,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from configs import bandit, base
 from experiments.bench.common import machine, require_positive, require_presets, write_report
 from starpo_jax.forward import share_rows, update_layout
+from starpo_jax.runtime import allocator
 from starpo_jax.runtime.experiment import build_experiment
 from starpo_jax.runtime.planning import program_memory
 from starpo_jax.train import init_train_state, make_train_step
@@ -162,4 +163,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    allocator.restart_with_tcmalloc()  # first: before anything allocates
     main()

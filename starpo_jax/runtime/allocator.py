@@ -1,0 +1,80 @@
+"""XLA:CPU's working memory from tcmalloc rather than glibc's malloc, for the commands.
+
+XLA:CPU allocates each compiled call's working memory afresh and frees it when the call returns:
+the update's gradients and activations, a prefill's KV cache, an append's attention scores, tens of
+MB to GBs a call. glibc serves every allocation above 32 MiB with a fresh ``mmap`` and hands it back
+with ``munmap``, so every call faults its pages in again and the kernel zeroes them one by one:
+millions of page faults an iteration, a sixth of the process's CPU time spent in the kernel
+(docs/benchmarks.md, "Huge pages for XLA:CPU's working memory" and "tcmalloc for XLA:CPU's working
+memory"). Keeping glibc's heap instead (``mmap_max=0``) put XLA's threads in one arena and cost more
+than it saved; 2 MiB pages traded the faults for as much time compacting memory. tcmalloc keeps
+what one call frees for the next, with a cache per thread.
+
+A preloaded allocator must be in place before the process allocates anything, so a command restarts
+itself with it in ``LD_PRELOAD`` as its first step (``restart_with_tcmalloc``, which
+``experiments.bootstrap`` and the benchmarks call) where the library is installed (Debian and
+Ubuntu: ``apt-get install libtcmalloc-minimal4``; ``setup.sh`` installs it where it runs as root)
+and not loaded yet. Where it is missing, the command runs on glibc's malloc as before.
+``STARPO_JAX_TCMALLOC=off`` (or ``0``, ``false``, ``no``) keeps glibc's malloc; code that uses the
+library without a command preloads it itself: ``LD_PRELOAD=libtcmalloc_minimal.so.4 python ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from starpo_jax.runtime.caches import OFF
+
+ENV = "STARPO_JAX_TCMALLOC"
+LIBRARY = "libtcmalloc_minimal.so.4"
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                "/usr/local/lib")
+# tcmalloc reports every allocation above 1 GiB on stderr; XLA:CPU makes such buffers every call.
+QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``STARPO_JAX_TCMALLOC`` leaves the restart on (it is unless set to off)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV, "").strip().lower() not in OFF
+
+
+def library(dirs: Sequence[str | Path] = LIBRARY_DIRS) -> Path | None:
+    """The installed tcmalloc library, or None."""
+    return next((Path(d) / LIBRARY for d in dirs if (Path(d) / LIBRARY).is_file()), None)
+
+
+def loaded(maps: str | Path = "/proc/self/maps") -> bool:
+    """Whether this process runs on tcmalloc (its library is mapped)."""
+    try:
+        return "libtcmalloc" in Path(maps).read_text()
+    except OSError:
+        return False
+
+
+def preloaded_environment(environ: Mapping[str, str], path: Path) -> dict[str, str] | None:
+    """``environ`` with ``path`` first in ``LD_PRELOAD``, or None where it is there already (a process
+    started with it that still runs without it: restarting again would loop)."""
+    preload = environ.get("LD_PRELOAD", "").replace(":", " ").split()
+    if str(path) in preload:
+        return None
+    return {**QUIET, **environ, "LD_PRELOAD": " ".join([str(path), *preload])}
+
+
+def restart_with_tcmalloc(environ: Mapping[str, str] | None = None, dirs: Sequence[str | Path] = LIBRARY_DIRS) -> None:
+    """Replace this process by the same command with tcmalloc preloaded, where it is installed,
+    switched on and not loaded yet (module docstring); otherwise return and go on as before. Call it
+    first, before the command has started threads or opened files it expects to keep."""
+    environ = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux") or not enabled(environ) or loaded():
+        return
+    path = library(dirs)
+    env = preloaded_environment(environ, path) if path else None
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -1,0 +1,118 @@
+"""The commands' restart on tcmalloc (starpo_jax/runtime/allocator.py).
+
+The restart is tested end to end with a stand-in library built here under tcmalloc's file name (an
+empty shared object: the machine need not have tcmalloc), so that the test sees the process replaced
+by one that has the library mapped, its command line unchanged, and no second restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from experiments import bootstrap
+from starpo_jax.runtime import allocator
+
+
+def test_library_is_found_in_the_first_folder_that_has_it(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    second.mkdir()
+    (second / allocator.LIBRARY).write_bytes(b"")
+    assert allocator.library([first, second]) == second / allocator.LIBRARY
+    assert allocator.library([first]) is None
+
+
+def test_loaded_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert not allocator.loaded(maps)
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/libtcmalloc_minimal.so.4.5.10\n")
+    assert allocator.loaded(maps)
+    assert not allocator.loaded(tmp_path / "missing")
+
+
+def test_preloaded_environment_puts_the_library_first_once():
+    path = Path("/lib/libtcmalloc_minimal.so.4")
+    env = allocator.preloaded_environment({"LD_PRELOAD": "/x/a.so:/x/b.so", "HOME": "/h"}, path)
+    assert env is not None
+    assert env["LD_PRELOAD"] == f"{path} /x/a.so /x/b.so" and env["HOME"] == "/h"
+    assert env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == str(1 << 50)
+    # already preloaded (and so, had it worked, loaded): no second restart
+    assert allocator.preloaded_environment(env, path) is None
+    # a threshold the user chose is kept
+    mine = allocator.preloaded_environment({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "10"}, path)
+    assert mine is not None and mine["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "10"
+
+
+@pytest.mark.parametrize("value, on", [("", True), ("on", True), ("off", False), ("0", False), (" False ", False),
+                                       ("no", False)])
+def test_the_switch(value, on):
+    assert allocator.enabled({allocator.ENV: value}) is on
+
+
+SCRIPT = """
+    import json, os, sys
+    from starpo_jax.runtime import allocator
+    print(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "loaded": allocator.loaded(),
+                      "preload": os.environ.get("LD_PRELOAD", "")}), flush=True)
+    allocator.restart_with_tcmalloc(dirs=[sys.argv[1]])
+    print("went on", flush=True)
+"""
+
+
+def run_script(tmp_path, folder, **env):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
+    root = str(Path(__file__).parents[1])  # this checkout's packages, whichever the venv installed
+    done = subprocess.run([sys.executable, str(script), str(folder), "--flag", "x y"], capture_output=True, text=True,
+                          timeout=120, env={**environ, "PYTHONPATH": root, **env})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")], lines[-1]
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """A folder holding an empty shared library under tcmalloc's file name."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    folder = tmp_path_factory.mktemp("lib")
+    source = folder / "empty.c"
+    source.write_text("int starpo_stand_in;\n")
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(folder / allocator.LIBRARY)], check=True,
+                   timeout=120)
+    return folder
+
+
+def test_a_command_restarts_once_with_the_library_preloaded(tmp_path, stand_in):
+    (before, after), last = run_script(tmp_path, stand_in)
+    assert not before["loaded"] and after["loaded"]
+    assert after["pid"] == before["pid"]  # the same process, replaced (exec), not a child
+    assert after["argv"] == before["argv"] == [str(stand_in), "--flag", "x y"]
+    assert after["preload"].split()[0] == str(stand_in / allocator.LIBRARY)
+    assert last == "went on"
+
+
+def test_switched_off_or_missing_the_command_goes_on_unchanged(tmp_path, stand_in):
+    (only,), last = run_script(tmp_path, stand_in, **{allocator.ENV: "off"})
+    assert not only["loaded"] and last == "went on"
+    (only,), last = run_script(tmp_path, tmp_path / "no-such-folder")
+    assert not only["loaded"] and last == "went on"
+
+
+def test_bootstrap_restarts_before_anything_else(monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "restart_with_tcmalloc", lambda: calls.append("restart"))
+    monkeypatch.setattr(bootstrap.importlib, "import_module",
+                        lambda name: type("Command", (), {"run": staticmethod(lambda: calls.append(name))}))
+    with pytest.raises(SystemExit):
+        bootstrap.command("experiments.somewhere", lambda argv: calls.append("before backend"))
+    assert calls == ["restart", "before backend", "experiments.somewhere"]
