@@ -276,5 +276,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    allocator.restart_with_tcmalloc()  # first: before anything allocates
+    allocator.restart_with_tcmalloc()  # first, before XLA starts: the process is replaced
     sys.exit(main())

@@ -136,5 +136,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    allocator.restart_with_tcmalloc()  # first: before anything allocates
+    allocator.restart_with_tcmalloc()  # first, before XLA starts: the process is replaced
     main()

@@ -447,5 +447,5 @@ def markdown(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    allocator.restart_with_tcmalloc()  # first: before anything allocates
+    allocator.restart_with_tcmalloc()  # first, before XLA starts: the process is replaced
     main()
