@@ -276,10 +276,16 @@ def test_setup_installs_quietly(tmp_path):
 
 
 def test_setup_installs_the_browser_only_when_asked():
-    """apt runs only under --browser (CI passes it); --help lists it, an unknown option is one line."""
+    """apt installs chromium only under --browser (CI passes it), and tcmalloc only as root, its
+    failure not setup's; --help lists --browser, an unknown option is one line."""
     text = (REPO / "setup.sh").read_text()
-    apt = text[text.index("apt-get update"):]
-    assert 'if [[ -n "$browser" ]]' in text[:text.index("apt-get update")] and ">\"$log\" 2>&1" in apt
+    chromium = text[text.index("if ! command -v chromium"):]
+    assert 'if [[ -n "$browser" ]]' in chromium[:chromium.index("apt-get update")]
+    tcmalloc = text[text.index("allocator.library()"):text.index("if ! command -v chromium")]
+    assert "libtcmalloc-minimal4" in tcmalloc and "exit" not in tcmalloc
+    assert '[[ $EUID -eq 0 ]] && command -v apt-get' in tcmalloc[:tcmalloc.index("apt-get update")]
+    for block in (chromium, tcmalloc):
+        assert ">\"$log\" 2>&1" in block[block.index("apt-get update"):]
     assert "bash setup.sh --browser" in (REPO / ".ci" / "run").read_text()
     shown = subprocess.run(["bash", str(REPO / "setup.sh"), "--help"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "--browser" in shown.stdout
