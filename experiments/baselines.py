@@ -30,6 +30,11 @@ fixed answers are exact; random answers are sampled with the env's own ``step`` 
 
 from __future__ import annotations
 
+from experiments import bootstrap
+
+if __name__ == "__main__":  # first: restarts on tcmalloc before the imports below
+    bootstrap.command("experiments.baselines", bootstrap.run_nothing_first, entry="main")
+
 import argparse
 import functools
 import json
@@ -57,7 +62,6 @@ from envs_jax.solvers.frozen_lake_dp import (
 from envs_jax.solvers.sokoban_bfs import shortest_solution
 from experiments.bench.common import load_config as bench_config
 from experiments.curves import wilson
-from starpo_jax.runtime import allocator
 from starpo_jax.runtime.experiment import ConfigError, rollout_plan
 
 
@@ -279,8 +283,3 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    allocator.restart_with_tcmalloc()  # first, before XLA starts: the process is replaced
-    sys.exit(main())

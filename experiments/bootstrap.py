@@ -1,23 +1,23 @@
 """How a command starts: what must precede XLA's backend, then the command's own module.
 
 XLA's backend starts at the first array, and importing the envs makes one (jumanji builds arrays at
-import, and every env imports jumanji), yet two things must come before it: a multi-host run joins
-its processes (``jax.distributed.initialize`` refuses once the backend has started), and
-``experiments.plan`` asks for its simulated CPU devices. Before both, the command restarts itself on
-tcmalloc where it is installed (``starpo_jax.runtime.allocator``). So a command that needs either begins with
+import, and every env imports jumanji), yet some things must come before it. A command first
+restarts itself on tcmalloc where it is installed (``starpo_jax.runtime.allocator``), before it
+imports anything heavy, so that the restart costs little. Then a multi-host run joins its processes
+(``jax.distributed.initialize`` refuses once the backend has started), and ``experiments.plan`` asks
+for its simulated CPU devices. So a command begins with
 
     from experiments import bootstrap
 
     if __name__ == "__main__":
         bootstrap.command("experiments.run")
 
-above its other imports. Run as ``python -m experiments.run``, the guard does the early step from the
-command line alone (no config file is read: loading one imports the envs), then imports the command's
-module under its own name, whose imports sit at the top as in any module, and calls its ``run()``.
-Imported as a library, the module skips the guard. Commands with nothing to do first (``evaluate``,
-``report``, ``curves``, the benchmarks) keep the usual guard at their end, those that compute
-beginning it with the same restart. This module imports nothing
-that starts the backend.
+above its other imports. Run as ``python -m experiments.run``, the guard does the early steps from
+the command line alone (no config file is read: loading one imports the envs), then imports the
+command's module under its own name, whose imports sit at the top as in any module, and calls its
+``run()`` (or the entry named). Imported as a library, the module skips the guard. The benchmarks,
+which run for minutes, restart in the usual guard at their end; ``report`` and ``curves`` compute
+nothing and do not restart. This module imports jax only inside the steps that need it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-import jax
-
-from starpo_jax.runtime import allocator, distributed
+from starpo_jax.runtime import allocator
 
 HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "-?", "--helpfull"}
 
@@ -45,6 +43,8 @@ def join_processes(argv: list[str]) -> None:
     global _joined
     if _joined or HELP_FLAGS & set(argv[1:]):
         return
+    from starpo_jax.runtime import distributed  # imports jax: after the restart
+
     _joined = True
     try:
         distributed.initialize(distributed.from_argv(argv))
@@ -56,6 +56,8 @@ def join_processes(argv: list[str]) -> None:
 def simulate_cpu_devices(argv: list[str]) -> None:
     """``experiments.plan``'s ``--devices N`` (default 1) as CPU devices, which the backend makes as
     it starts; a value that is no count is left to the flags parser to report."""
+    import jax  # after the restart
+
     jax.config.update("jax_platforms", "cpu")
     value = "1"
     for i, arg in enumerate(argv[1:], 1):
@@ -67,11 +69,15 @@ def simulate_cpu_devices(argv: list[str]) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={value}".strip()
 
 
-def command(module: str, before_backend: Callable[[list[str]], None] = join_processes) -> NoReturn:
+def run_nothing_first(argv: list[str]) -> None:
+    """For a command with nothing to do before XLA's backend but the restart."""
+
+
+def command(module: str, before_backend: Callable[[list[str]], None] = join_processes,
+            entry: str = "run") -> NoReturn:
     """The command restarted on tcmalloc where it can be (``runtime.allocator``), then
-    ``before_backend(sys.argv)`` and ``module``'s ``run()`` (which exits: the ``__main__`` copy of the
-    module must not go on to its own imports)."""
+    ``before_backend(sys.argv)`` and ``module``'s ``entry()``, whose return is the exit status (the
+    ``__main__`` copy of the module must not go on to its own imports)."""
     allocator.restart_with_tcmalloc()
     before_backend(sys.argv)
-    importlib.import_module(module).run()
-    sys.exit(0)
+    sys.exit(getattr(importlib.import_module(module), entry)())

@@ -25,6 +25,11 @@ take minutes per env; ``--levels 16`` gives a first look.
 
 from __future__ import annotations
 
+from experiments import bootstrap
+
+if __name__ == "__main__":  # first: restarts on tcmalloc before the imports below
+    bootstrap.command("experiments.evaluate", bootstrap.run_nothing_first, entry="main")
+
 import argparse
 import dataclasses
 import json
@@ -43,7 +48,7 @@ from starpo_jax.format_warmup import RandomAnswers, answer_pieces, check_named_a
 from starpo_jax.models.loading import ModelLoadError
 from starpo_jax.rollout.multi_turn import chunk_plan
 from starpo_jax.rollout.sampling import sampling_policy
-from starpo_jax.runtime import allocator, checkpoint, sharding
+from starpo_jax.runtime import checkpoint, sharding
 from starpo_jax.runtime.caches import setup_compilation_cache
 from starpo_jax.runtime.checkpoint import CheckpointError
 from starpo_jax.runtime.experiment import (
@@ -273,8 +278,3 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}" + (" (replaced the earlier evaluation there)" if replaced else ""))
     return 0
-
-
-if __name__ == "__main__":
-    allocator.restart_with_tcmalloc()  # first, before XLA starts: the process is replaced
-    sys.exit(main())

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from experiments import bootstrap
+from starpo_jax.models import cpu_attention
 from starpo_jax.runtime import allocator
 
 
@@ -54,6 +55,17 @@ def test_preloaded_environment_puts_the_library_first_once():
                                        ("no", False)])
 def test_the_switch(value, on):
     assert allocator.enabled({allocator.ENV: value}) is on
+    assert cpu_attention.enabled({cpu_attention.ENV: value}) is on  # one parse for every switch
+    assert allocator.enabled({}) is True  # unset: on
+
+
+def test_the_restart_comes_before_any_heavy_import():
+    """The restart replaces the process: whatever a command imported before it is imported twice.
+    ``experiments.bootstrap`` and ``allocator`` must not import jax (seconds of start-up)."""
+    code = "import sys, experiments.bootstrap; print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1]).stdout
+    assert out.strip() == "[]"
 
 
 SCRIPT = """
@@ -113,6 +125,16 @@ def test_bootstrap_restarts_before_anything_else(monkeypatch):
     monkeypatch.setattr(allocator, "restart_with_tcmalloc", lambda: calls.append("restart"))
     monkeypatch.setattr(bootstrap.importlib, "import_module",
                         lambda name: type("Command", (), {"run": staticmethod(lambda: calls.append(name))}))
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         bootstrap.command("experiments.somewhere", lambda argv: calls.append("before backend"))
     assert calls == ["restart", "before backend", "experiments.somewhere"]
+    assert stopped.value.code is None  # run() returned None: exit status 0
+
+
+def test_bootstrap_exits_with_the_entry_s_status(monkeypatch):
+    monkeypatch.setattr(allocator, "restart_with_tcmalloc", lambda: None)
+    monkeypatch.setattr(bootstrap.importlib, "import_module",
+                        lambda name: type("Command", (), {"main": staticmethod(lambda: 3)}))
+    with pytest.raises(SystemExit) as stopped:
+        bootstrap.command("experiments.somewhere", bootstrap.run_nothing_first, entry="main")
+    assert stopped.value.code == 3

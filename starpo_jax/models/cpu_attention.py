@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from starpo_jax.runtime import caches
+from starpo_jax.runtime import caches, switches
 
 ENV = "STARPO_JAX_CPU_KERNEL"
 TARGET = "starpo_cached_attention"
@@ -51,8 +51,7 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 def enabled(environ=None) -> bool:
     """Whether ``STARPO_JAX_CPU_KERNEL`` leaves the kernel on (it is unless set to off)."""
-    environ = os.environ if environ is None else environ
-    return environ.get(ENV, "").strip().lower() not in caches.OFF
+    return switches.switched_on(ENV, environ)
 
 
 _held_off = 0  # how many ``xla_attention`` blocks are open

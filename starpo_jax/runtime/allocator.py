@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from starpo_jax.runtime.caches import OFF
+from starpo_jax.runtime import switches
 
 ENV = "STARPO_JAX_TCMALLOC"
 LIBRARY = "libtcmalloc_minimal.so.4"
@@ -38,8 +38,7 @@ QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``STARPO_JAX_TCMALLOC`` leaves the restart on (it is unless set to off)."""
-    environ = os.environ if environ is None else environ
-    return environ.get(ENV, "").strip().lower() not in OFF
+    return switches.switched_on(ENV, environ)
 
 
 def library(dirs: Sequence[str | Path] = LIBRARY_DIRS) -> Path | None:

@@ -35,15 +35,16 @@ from pathlib import Path
 
 import jax
 
+from starpo_jax.runtime.switches import is_off
+
 ENV = "STARPO_JAX_CACHE"
-OFF = {"off", "0", "false", "no"}
 
 
 def cache_root(environ=None) -> Path | None:
     """The folder of starpo-jax's caches under ``environ`` (default ``os.environ``), or None when off."""
     environ = os.environ if environ is None else environ
     value = environ.get(ENV, "").strip()
-    if value.lower() in OFF:
+    if is_off(value):
         return None
     if value:
         return Path(value).expanduser()
