@@ -18,7 +18,7 @@ compiled ``collect`` and ``learn``), phase by phase: the first turn's prefill, t
 appends, the decode, and the update (forward, backward and rematerialisation in one program).
 ``--steps`` warm iterations are timed (median); ``collect`` is one program, so its phases are timed
 as programs of their own on the last iteration's shapes (``sampling.append``, ``sampling.decode``
-for as many steps as that turn's longest answer, ``LLMResponder.prefill_first_prompts``), and what
+for as many steps as that turn's longest answer, each row stopping where its answer did, ``LLMResponder.prefill_first_prompts``), and what
 the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per phase:
 
 - FLOPs from the shapes (``product_flops``, ``attention_flops``: the products of the real tokens,
@@ -252,13 +252,15 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
         cache = empty.replace(lengths=start[:, t].astype(np.int32))
         logits = np.zeros((B, vocab), np.float32)
 
-        def decode(model, cache, logits, key, active, steps=steps):
+        def decode(model, cache, logits, key, budgets, steps=steps):
             return sampling.decode(model, cache, logits, key, max_new_tokens=steps, temperature=settings.rollout_temperature,
                                    top_k=plan.top_k, top_p=plan.top_p, stop_tokens=jnp.asarray([-1], jnp.int32),
-                                   active=active, pad_id=plan.pad_id)
+                                   active=budgets > 0, budgets=budgets, pad_id=plan.pad_id)
 
-        args = (policy, cache, logits, jax.random.key(t), jnp.asarray(answer[:, t] > 0))
-        a = answer[:, t]  # the real loop runs until its longest answer ends: every row decodes that many steps
+        # each row stops where its answer ended (random weights never stop on their own), and the
+        # loop where the longest did
+        a = answer[:, t]
+        args = (policy, cache, logits, jax.random.key(t), jnp.asarray(a, jnp.int32))
         add("decode", t + 1, jax.jit(decode).lower(*args).compile(), args,
             work(products=(product_flops(config, int(a.sum()), int(a.sum())), steps * weights),
                  attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv)),

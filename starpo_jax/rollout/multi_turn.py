@@ -9,7 +9,8 @@ For every turn, inside one XLA program:
 The KV cache of each row lives for the whole episode, so a turn only prefills what it appends.
 Finished rows keep their slot and stop generating; from the second turn on, the rows still playing
 are gathered into a quarter or a half of the batch where they fit (``on_live_rows``), so ended
-episodes cost no compute. Host Python never sees a token or a turn.
+episodes cost no compute; within a turn, the decode does the same with the rows still answering
+(``sampling.decode``). Host Python never sees a token or a turn.
 
 Batch layout (RAGEN's es_manager, ragen-reference.md §2.2): the env tags of ``RolloutPlan.tags`` in order, tag
 ``t`` owning ``n_groups[t] * group_size`` consecutive rows; row ``b`` belongs to group
@@ -47,7 +48,18 @@ from envs_jax.base import TextEnv
 from starpo_jax.models.decoder import ModelState, batch_splits
 from starpo_jax.rollout import parsing, prompts
 from starpo_jax.rollout.env_turn import execute_turn
-from starpo_jax.rollout.sampling import DecodeOutput, append, decode, in_head, init_cache
+from starpo_jax.rollout.sampling import (
+    MIN_LIVE_ROWS,
+    DecodeOutput,
+    append,
+    decode,
+    gather_local_rows,
+    in_head,
+    init_cache,
+    live_batch_sizes,
+    live_rows_of_each_shard,
+    scatter_local_rows,
+)
 from starpo_jax.runtime import distributed, sharding
 from starpo_jax.runtime.settings import setting_default
 
@@ -498,18 +510,6 @@ def _write(buffer, offsets, values, count):
 
 # ---- the policy as responder ---------------------------------------------------------------------
 
-#: Later turns run on the rows still playing, gathered into a quarter or half of the batch where
-#: that holds them, if it is at least this many rows per device (smaller batches gain less than
-#: the gather, the scatter and the programs' compiles cost).
-MIN_LIVE_ROWS = 8
-
-
-def live_batch_sizes(rows: int, min_rows: int) -> tuple[int, ...]:
-    """The rows a later turn may run on, of ``rows`` per device, ascending: ``rows`` itself, and a
-    quarter and a half of it where they divide it and hold ``min_rows`` at least."""
-    return tuple(sorted({rows} | {rows // d for d in (2, 4) if rows % d == 0 and rows // d >= min_rows}))
-
-
 def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prompt_ids, num_new, key,
                  temperature) -> DecodeOutput:
     """``respond(model, cache, prompt_ids, num_new, key, temperature, active, rows, of_rows)`` on
@@ -533,14 +533,14 @@ def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prom
                 return respond(model, cache, prompt_ids, num_new, key, temperature, active)
             # each shard's playing rows, padded with the index ``per`` (no row: gathered as the
             # shard's last, kept inactive, dropped when scattered back)
-            local = jax.vmap(lambda a: jnp.nonzero(a, size=size, fill_value=per)[0])(active.reshape(shards, per))
+            local = live_rows_of_each_shard(active, shards, size)
             row_ids = (jnp.minimum(local, per - 1) + per * jnp.arange(shards)[:, None]).reshape(-1)
             live = (local < per).reshape(-1)
-            take = functools.partial(_gather_local_rows, local)
+            take = functools.partial(gather_local_rows, local)
             temp = temperature if jnp.ndim(temperature) == 0 else take(temperature)
             out = respond(model, jax.tree.map(take, cache), take(prompt_ids), jnp.where(live, take(num_new), 0), key,
                           temp, live, row_ids, B)
-            put = functools.partial(_scatter_local_rows, local)
+            put = functools.partial(scatter_local_rows, local)
 
             def spread(rows, fill=0):  # the gathered rows back in a batch of B, ``fill`` elsewhere
                 return put(jnp.full((B,) + rows.shape[1:], fill, rows.dtype), rows)
@@ -557,22 +557,6 @@ def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prom
     return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), most_live), [in_batch_of(n) for n in sizes], cache)
 
 
-def _gather_local_rows(local, x):
-    """x [B, ...] -> [shards * n, ...]: rows ``local`` [shards, n] of each shard's ``B / shards``
-    (an index past the shard's rows reads its last)."""
-    shards, per = local.shape[0], x.shape[0] // local.shape[0]
-    pick = jax.vmap(lambda part, idx: part[jnp.minimum(idx, per - 1)])
-    return pick(x.reshape(shards, per, *x.shape[1:]), local).reshape(-1, *x.shape[1:])
-
-
-def _scatter_local_rows(local, x, rows):
-    """x [B, ...] with rows ``local`` [shards, n] of each shard set from ``rows`` [shards * n, ...]
-    (an index past the shard's rows is dropped): the inverse of ``_gather_local_rows``."""
-    shards, n = local.shape
-    put = jax.vmap(lambda part, idx, new: part.at[idx].set(new, mode="drop"))
-    return put(x.reshape(shards, -1, *x.shape[1:]), local, rows.reshape(shards, n, *rows.shape[1:])).reshape(x.shape)
-
-
 @dataclasses.dataclass(frozen=True)
 class LLMResponder:
     """The policy's side of a turn: append the prompt to the KV cache, then sample a response.
@@ -584,8 +568,9 @@ class LLMResponder:
     ``first_prompts``: at most this many distinct first prompts in a batch (default: one per group,
     since a group's rows start from the same level); the first turn prefills each once.
 
-    ``min_live_rows``: later turns run on the rows still playing (``on_live_rows``), in batches of
-    no fewer than this many rows per device.
+    ``min_live_rows``: later turns run on the rows still playing (``on_live_rows``), and a decode
+    goes on with the rows still answering (``sampling.decode``), in batches of no fewer than this
+    many rows per device.
     """
 
     plan: RolloutPlan
@@ -630,7 +615,7 @@ class LLMResponder:
             model, cache, logits, key,
             max_new_tokens=self.fixed_length or plan.response_length, temperature=temperature, top_k=plan.top_k,
             top_p=plan.top_p, stop_tokens=jnp.asarray(stops, jnp.int32), active=active, pad_id=plan.pad_id,
-            rows=rows, of_rows=of_rows,
+            rows=rows, of_rows=of_rows, min_live_rows=self.min_live_rows,
         )
 
 

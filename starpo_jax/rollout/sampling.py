@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx, struct
 
 from starpo_jax.models.config import ModelConfig
-from starpo_jax.models.decoder import KVCache, ModelState
+from starpo_jax.models.decoder import KVCache, ModelState, batch_splits
 from starpo_jax.runtime import sharding
 
 Array = jax.Array
@@ -331,16 +331,19 @@ class DecodeState(struct.PyTreeNode):
     tokens: Array
     logprobs: Array
     lengths: Array
+    budgets: Array  # [B] int32: the most tokens each row may generate
     done: Array
 
 
 def initial_decode_state(cache: KVCache, first: tuple[Array, Array], hidden_like: Array, max_new_tokens: int,
-                         active: Array | None, pad_id: int = 0) -> DecodeState:
+                         active: Array | None, pad_id: int = 0, budgets: Array | None = None) -> DecodeState:
     """``first``: (tokens [B], log-probs [B]) sampled from the logits decoding starts from (step 0's
-    draw); ``hidden_like``: [B, hidden] in the compute dtype (its values are not read)."""
+    draw); ``hidden_like``: [B, hidden] in the compute dtype (its values are not read); ``budgets``:
+    [B] tokens each row may generate at most (default and cap: ``max_new_tokens``)."""
     token, logprob = first
     B = token.shape[0]
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+    budgets = jnp.full((B,), max_new_tokens, jnp.int32) if budgets is None else jnp.minimum(budgets, max_new_tokens)
     return DecodeState(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
@@ -350,7 +353,8 @@ def initial_decode_state(cache: KVCache, first: tuple[Array, Array], hidden_like
         tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
         logprobs=jnp.zeros((B, max_new_tokens), jnp.float32),
         lengths=jnp.zeros((B,), jnp.int32),
-        done=~active | (cache.lengths >= cache.max_len),
+        budgets=budgets.astype(jnp.int32),
+        done=~active | (budgets <= 0) | (cache.lengths >= cache.max_len),
     )
 
 
@@ -379,11 +383,89 @@ def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k
         tokens=s.tokens.at[:, s.step].set(token),
         logprobs=s.logprobs.at[:, s.step].set(logprob),
         lengths=s.lengths + live,
-        done=s.done | (live & stopped) | (cache.lengths >= cache.max_len),
+        budgets=s.budgets,
+        done=s.done | (live & stopped) | (s.lengths + live >= s.budgets) | (cache.lengths >= cache.max_len),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed", "of_rows"))
+#: A decode moves its live rows into a quarter or a half of its batch where they fit
+#: (``live_batch_sizes``) if each device keeps at least this many rows; ``multi_turn.on_live_rows``
+#: does the same for a later turn. Smaller batches gain less than the gather, the scatter and the
+#: programs' compiles cost.
+MIN_LIVE_ROWS = 8
+#: ... and if at least this many steps of the budget remain: each move copies the live rows' cache
+#: out and back, about the time of one step of the batch it leaves.
+MIN_STEPS_AFTER_MOVE = 4
+
+
+def live_batch_sizes(rows: int, min_rows: int) -> tuple[int, ...]:
+    """The rows a batch of ``rows`` per device may shrink to, ascending: ``rows`` itself, and a
+    quarter and a half of it where they divide it and hold ``min_rows`` at least."""
+    return tuple(sorted({rows} | {rows // d for d in (2, 4) if rows % d == 0 and rows // d >= min_rows}))
+
+
+def live_rows_of_each_shard(live: Array, shards: int, size: int) -> Array:
+    """[shards, size]: each shard's first ``size`` live rows (``live`` [B], the batch in ``shards``
+    equal shares), indices within the shard; ``B / shards`` past the last (no row)."""
+    per = live.shape[0] // shards
+    return jax.vmap(lambda a: jnp.nonzero(a, size=size, fill_value=per)[0])(live.reshape(shards, per))
+
+
+def gather_local_rows(local: Array, x: Array) -> Array:
+    """x [B, ...] -> [shards * n, ...]: rows ``local`` [shards, n] of each shard's ``B / shards``
+    (an index past the shard's rows reads its last). A batched gather: a row-sharded batch moves no
+    row between devices."""
+    shards, per = local.shape[0], x.shape[0] // local.shape[0]
+    pick = jax.vmap(lambda part, idx: part[jnp.minimum(idx, per - 1)])
+    return pick(x.reshape(shards, per, *x.shape[1:]), local).reshape(-1, *x.shape[1:])
+
+
+def scatter_local_rows(local: Array, x: Array, rows: Array) -> Array:
+    """x [B, ...] with rows ``local`` [shards, n] of each shard set from ``rows`` [shards * n, ...]
+    (an index past the shard's rows is dropped): the inverse of ``gather_local_rows``."""
+    shards, n = local.shape
+    put = jax.vmap(lambda part, idx, new: part.at[idx].set(new, mode="drop"))
+    return put(x.reshape(shards, -1, *x.shape[1:]), local, rows.reshape(shards, n, *rows.shape[1:])).reshape(x.shape)
+
+
+def decode_loop(step, s: DecodeState, per_row, max_new_tokens: int, sizes: tuple[int, ...], shards: int
+                ) -> DecodeState:
+    """``s`` decoded to its end by ``step(s, per_row) -> s``, the loop's step, moving the live rows
+    into the next smaller of ``sizes`` (rows per device, descending from ``s``'s) once they fit it
+    with ``MIN_STEPS_AFTER_MOVE`` steps of the budget left: rows that stopped early (a short answer,
+    a spent budget) are no longer computed. ``per_row``: arrays [rows, ...] the step reads per row
+    (its stop tokens, ...), gathered with the rows."""
+
+    def going(s: DecodeState) -> Array:
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def run(s: DecodeState, per_row, sizes: tuple[int, ...]) -> DecodeState:
+        if len(sizes) == 1:
+            return jax.lax.while_loop(going, lambda s: step(s, per_row), s)
+        smaller = sizes[1]
+
+        def fits(s: DecodeState) -> Array:
+            most_live = jnp.max(jnp.sum((~s.done).reshape(shards, -1), axis=1))
+            return (most_live <= smaller) & (s.step + MIN_STEPS_AFTER_MOVE <= max_new_tokens)
+
+        def moved(s: DecodeState) -> DecodeState:
+            local = live_rows_of_each_shard(~s.done, shards, smaller)
+            take = functools.partial(gather_local_rows, local)
+            inner = jax.tree.map(take, s.replace(step=None))
+            inner = inner.replace(step=s.step, done=inner.done | (local >= sizes[0]).reshape(-1))
+            inner = run(inner, jax.tree.map(take, per_row), sizes[1:])
+            back = jax.tree.map(functools.partial(scatter_local_rows, local), s.replace(step=None),
+                                inner.replace(step=None))
+            return back.replace(step=inner.step)
+
+        s = jax.lax.while_loop(lambda s: going(s) & ~fits(s), lambda s: step(s, per_row), s)
+        return jax.lax.cond(going(s), moved, lambda s: s, s)
+
+    return run(s, per_row, sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "top_p", "pad_id", "windowed", "of_rows",
+                                             "min_live_rows"))
 def decode(
     model: ModelState,
     cache: KVCache,
@@ -396,20 +478,29 @@ def decode(
     top_p: float = 1.0,
     stop_tokens: Array | None = None,
     active: Array | None = None,
+    budgets: Array | None = None,
     pad_id: int = 0,
     windowed: bool = True,
     rows: Array | None = None,
     of_rows: int = 0,
+    min_live_rows: int = MIN_LIVE_ROWS,
 ) -> DecodeOutput:
     """Sample up to ``max_new_tokens`` tokens per row, starting from ``last_logits`` [B, V].
 
     A row stops after emitting one of its stop tokens (``stop_tokens``: [K] for all rows or [B, K],
-    -1 = unused), when the budget is spent, or when its cache row is full. Rows with
-    ``active[b] = False`` generate nothing and their cache row is untouched. The loop ends as soon as
-    every row is done. Step t draws with ``fold_in(key, t)``: give each call (each turn) its own key.
-    ``windowed=False`` always decodes in the whole cache (for comparison; see the module docstring).
-    ``rows`` (int32[B]), ``of_rows``: these are rows ``rows`` of a batch of ``of_rows`` rows, and
-    sample the tokens they would in it (``sample_logits``).
+    -1 = unused), when its budget is spent (``max_new_tokens``, or ``budgets`` [B] where smaller),
+    or when its cache row is full. Rows with ``active[b] = False`` generate nothing and their cache
+    row is untouched. The loop ends as soon as every row is done. Step t draws with ``fold_in(key,
+    t)``: give each call (each turn) its own key. ``windowed=False`` always decodes in the whole
+    cache (for comparison; see the module docstring). ``rows`` (int32[B]), ``of_rows``: these are
+    rows ``rows`` of a batch of ``of_rows`` rows, and sample the tokens they would in it
+    (``sample_logits``).
+
+    Once the rows still going fit a half or a quarter of the batch (``live_batch_sizes`` with
+    ``min_live_rows`` per device), the loop goes on with those rows only (``decode_loop``): a
+    batch's answers end at different steps, and the loop runs until its longest ends. The moved rows
+    sample what they would have in the whole batch; their products run in a smaller batch, so their
+    logits agree to float32 rounding.
     """
     decoder = model.merge()
     weights = decoder.layers.per_layer()  # once per call, not per token
@@ -417,17 +508,21 @@ def decode(
     stops = _stop_table(stop_tokens, B)
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
     first = sample_logits(last_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p, rows, of_rows)
+    per_row = {"stops": stops, "temperature": jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)),
+               "rows": jnp.arange(B, dtype=jnp.int32) if rows is None else rows}
+    shards = batch_splits()
 
-    def cond(s: DecodeState) -> Array:
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-    def body(s: DecodeState) -> DecodeState:
-        return decode_step(decoder, weights, s, key, temperature, top_k, top_p, stops, pad_id, rows, of_rows)
+    def step(s: DecodeState, per_row) -> DecodeState:
+        # The noise of rows ``per_row["rows"]`` of a batch of ``of_rows`` (of B: this call's whole batch).
+        whole = rows is None and per_row["rows"].shape[0] == B
+        return decode_step(decoder, weights, s, key, per_row["temperature"], top_k, top_p, per_row["stops"], pad_id,
+                           None if whole else per_row["rows"], of_rows or B)
 
     def decode_in(cache: KVCache) -> tuple[KVCache, DecodeState]:
         hidden_like = jnp.zeros((B, decoder.config.hidden_size), jnp.dtype(decoder.config.dtype))
-        init = initial_decode_state(cache, first, hidden_like, max_new_tokens, active, pad_id)
-        s = jax.lax.while_loop(cond, body, init)
+        init = initial_decode_state(cache, first, hidden_like, max_new_tokens, active, pad_id, budgets)
+        sizes = live_batch_sizes(B // shards, min_live_rows)[::-1]
+        s = decode_loop(step, init, per_row, max_new_tokens, sizes, shards)
         return s.cache, s.replace(cache=None)
 
     needed = jnp.max(jnp.where(active, cache.lengths, 0)) + max_new_tokens
