@@ -136,6 +136,96 @@ def test_stop_tokens_end_rows_and_inactive_rows_do_not_change(tiny, prompts):
     np.testing.assert_array_equal(out.last_logits[2], logits[2])
 
 
+def test_budgets_end_each_row_at_its_own_length(tiny, prompts):
+    _, _, model = tiny
+    free = run(model, prompts, key=2)
+    cache, _ = prefill(model, prompts)
+    out = run(model, prompts, key=2, budgets=np.array([2, 0, NEW + 5], np.int32), pad_id=7)
+    np.testing.assert_array_equal(out.lengths, [2, 0, NEW])  # a budget past max_new_tokens is capped
+    np.testing.assert_array_equal(out.tokens[0, :2], free.tokens[0, :2])
+    np.testing.assert_array_equal(out.tokens[2], free.tokens[2])
+    assert (np.asarray(out.tokens[0, 2:]) == 7).all() and (np.asarray(out.tokens[1]) == 7).all()
+    np.testing.assert_array_equal(out.cache.lengths, np.asarray(cache.lengths) + [2, 0, NEW])
+    np.testing.assert_array_equal(np.stack(out.cache.k)[:, 1], np.stack(cache.k)[:, 1])
+
+
+def fake_decode_state(budgets: np.ndarray, steps: int) -> sampling.DecodeState:
+    """A decode state of len(budgets) rows whose cache is a stand-in (``decode_loop`` only moves it)."""
+    n = len(budgets)
+    cache = sampling.KVCache(k=(jnp.zeros((n, 1, 2, 1)),), v=(jnp.zeros((n, 1, 2, 1)),), lengths=jnp.zeros(n, jnp.int32))
+    return sampling.DecodeState(
+        step=jnp.int32(0), cache=cache, next_token=jnp.zeros(n, jnp.int32), next_logprob=jnp.zeros(n),
+        last_hidden=jnp.zeros((n, 1)), tokens=jnp.zeros((n, steps), jnp.int32), logprobs=jnp.zeros((n, steps)),
+        lengths=jnp.zeros(n, jnp.int32), budgets=jnp.asarray(budgets, jnp.int32), done=jnp.asarray(budgets) <= 0)
+
+
+def recording_step(s: sampling.DecodeState, per_row) -> sampling.DecodeState:
+    """A step that records, for each live row, the batch it ran in (``tokens``) and the row
+    ``per_row`` named for it (``logprobs``), and stops rows at their budgets."""
+    live = ~s.done
+    lengths = s.lengths + live
+    return s.replace(step=s.step + 1, lengths=lengths, done=s.done | (lengths >= s.budgets),
+                     tokens=s.tokens.at[:, s.step].set(jnp.where(live, s.done.shape[0], 0)),
+                     logprobs=s.logprobs.at[:, s.step].set(jnp.where(live, per_row, -1)))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_decode_loop_goes_on_with_the_rows_still_answering(shards):
+    """The loop moves its live rows into half or a quarter of the batch once they fit it (per
+    shard of the batch) with 4 steps of the budget left, and each row keeps its own state and
+    per-row inputs through the moves; rows that ended are left as they were."""
+    steps = 12
+    budgets = np.array([12, 1, 2, 3, 12, 1, 1, 2, 12, 3, 3, 1, 2, 6, 2, 1])  # 16 rows
+    sizes = tuple(n // shards for n in (16, 8, 4))
+    out = jax.jit(lambda s: sampling.decode_loop(recording_step, s, jnp.arange(16.0) + 100, steps, sizes, shards))(
+        fake_decode_state(budgets, steps))
+    out = jax.device_get(out)
+    np.testing.assert_array_equal(out.lengths, budgets)
+    for row, budget in enumerate(budgets):  # stepped with its own input while live, never after
+        np.testing.assert_array_equal(out.logprobs[row, :budget], 100 + row)
+        assert (out.logprobs[row, budget:] <= 0).all()
+    batch = out.tokens[np.argmax(budgets)]
+    # live rows at the start of steps 0, 1, 2, 3: 16, 11, 7 (3 and 4 of each 8), 4 (2 and 2): a half
+    # holds them from step 2 on, a quarter from step 3
+    np.testing.assert_array_equal(batch, [16, 16, 8] + [4] * 9)
+
+
+def test_the_decode_loop_does_not_move_rows_for_its_last_steps():
+    steps = 12
+    budgets = np.array([12, 12, 12, 12] + [10] * 12)  # 4 live rows from step 10, 2 steps before the end
+    out = jax.device_get(jax.jit(lambda s: sampling.decode_loop(recording_step, s, jnp.arange(16.0), steps,
+                                                                (16, 8, 4), 1))(fake_decode_state(budgets, steps)))
+    np.testing.assert_array_equal(out.tokens[0], [16] * steps)
+
+
+def test_decode_on_the_rows_still_answering_equals_the_whole_batch(tiny, prompts):
+    """A decode whose rows end at different steps, once with its live rows moved into a half and a
+    quarter of the batch and once without: the same tokens (each row draws its own noise), lengths
+    and caches; the moved rows' products run in a smaller batch, so log-probs, logits and keys agree
+    to float32 rounding."""
+    _, _, model = tiny
+    rows = [prompts[i % 3] for i in range(12)]
+    budgets = np.array([NEW, 1, 2, NEW, 1, 1, NEW, 2, 1, 3, 2, 1], np.int32)
+    temperature = np.linspace(0.5, 1.5, 12)  # one per row: moved with the rows
+    cache, logits = prefill(model, rows)
+
+    def decode(min_live_rows):
+        return jax.device_get(sampling.decode(
+            model, cache, logits, jax.random.key(3), max_new_tokens=NEW, temperature=temperature, budgets=budgets,
+            active=np.arange(12) != 4, min_live_rows=min_live_rows))
+
+    assert sampling.live_batch_sizes(12, 3) == (3, 6, 12)
+    whole, moved = decode(13), decode(3)
+    np.testing.assert_array_equal(moved.tokens, whole.tokens)
+    np.testing.assert_array_equal(moved.lengths, whole.lengths)
+    assert moved.lengths[4] == 0 and (moved.lengths[np.arange(12) != 4] == budgets[np.arange(12) != 4]).all()
+    np.testing.assert_allclose(moved.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(moved.last_logits, whole.last_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(moved.cache.lengths, whole.cache.lengths)
+    for got, want in zip(moved.cache.k + moved.cache.v, whole.cache.k + whole.cache.v):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_rows_stop_when_their_cache_row_is_full(tiny, prompts):
     _, _, model = tiny
     long = np.random.default_rng(4).integers(0, 256, CACHE - 2)
@@ -393,32 +483,34 @@ def test_the_decode_loop_reads_each_layers_cache_and_weights_in_place(tiny, prom
     assert writes >= 2 * config.num_layers  # each layer's keys and values written in place
 
 
-def compiled_turn(config, model) -> str:
+def compiled_turn(config, model, rows: int = B, min_live_rows: int = sampling.MIN_LIVE_ROWS) -> str:
     """The optimised HLO of a turn as the rollout runs it: an append, then a decode, on a cache the
     caller gives up (donated, as inside the rollout's program), compiled as a run compiles it."""
 
     def turn(model, cache, tokens, num_new, key):
         cache, logits = sampling.append(model, cache, tokens, num_new)
-        return sampling.decode(model, cache, logits, key, max_new_tokens=NEW)
+        return sampling.decode(model, cache, logits, key, max_new_tokens=NEW, min_live_rows=min_live_rows)
 
-    tokens, lengths = right_padded([np.arange(1, 9), np.arange(1, 6), np.arange(1, 4)], 8)
-    cache = sampling.init_cache(config, B, CACHE)
+    tokens, lengths = right_padded([np.arange(1, 9), np.arange(1, 6), np.arange(1, 4), np.arange(1, 7)][:rows], 8)
+    cache = sampling.init_cache(config, rows, CACHE)
     hlo = jax.jit(turn, donate_argnums=1).lower(model, cache, tokens, lengths, jax.random.key(0)).compile(
         AS_A_RUN_COMPILES).as_text()
     assert hlo is not None
     return hlo
 
 
-def test_a_turn_moves_no_layers_cache(tiny):
+@pytest.mark.parametrize("rows, min_live_rows", [(B, sampling.MIN_LIVE_ROWS), (4, 1)], ids=["whole batch", "rows moved"])
+def test_a_turn_moves_no_layers_cache(tiny, rows, min_live_rows):
     """A turn as the rollout runs it, an append then a decode on a cache the caller gives up
     (donated, as inside the rollout's program): nothing in the compiled program copies, slices,
     gathers or concatenates a layer's cache; both calls write each layer's buffer in place. When the
     cache was held stacked between calls, each decode split it into per-layer buffers and stacked it
     back, copying the whole cache twice per turn; an append through the layer scan stacked it, sliced
-    each layer out and split it back at every call."""
+    each layer out and split it back at every call. With the decode's live rows moved into a smaller
+    batch (4 rows, then 2, then 1), only the moved rows are gathered and written back."""
     config, _, model = tiny
-    hlo = compiled_turn(config, model)
-    layer_cache = (B, config.num_kv_heads, CACHE, config.head_dim)
+    hlo = compiled_turn(config, model, rows, min_live_rows)
+    layer_cache = (rows, config.num_kv_heads, CACHE, config.head_dim)
     of_cache_shape = [(instruction[1], line.strip()) for line in hlo.splitlines()
                       if (instruction := _instruction(line))
                       and instruction[0] in (layer_cache, (1,) + layer_cache, (config.num_layers,) + layer_cache)]
