@@ -25,8 +25,9 @@ the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per 
   prompts counted once per group where the program shares them; an update's backward twice its
   forward, and the rematerialised products once more), and from XLA: the matrix products of the
   compiled program (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed,
-  padding and masked cache slots included), and ``compiled.cost_analysis()`` as XLA reports it (a
-  loop's body counted once);
+  padding and masked cache slots included; for a decode, its loop with every row kept to the end,
+  an upper bound, since the rows that stop early move out of the loop's batch), and
+  ``compiled.cost_analysis()`` as XLA reports it (a loop's body counted once);
 - bytes: weights and KV cache read and written (the least the phase must move) and what the
   compiled program accesses (``hlo_bytes.hlo_bytes``);
 - the ceiling that binds: the time the least work would take at the measured peak FLOP/s or copy
@@ -53,6 +54,7 @@ phases, both ways.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -219,8 +221,8 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
     empty = sampling.init_cache(config, B, plan.max_len)
     phases: list[dict] = []
 
-    def add(name, turn, compiled, args, least: dict, trips=1):
-        phases.append({"phase": name, "turn": turn, **least, "xla": xla_counts(compiled, trips),
+    def add(name, turn, compiled, args, least: dict, trips=1, counted=None):
+        phases.append({"phase": name, "turn": turn, **least, "xla": xla_counts(counted or compiled, trips),
                        "runs_s": _timed_median(lambda: compiled(*args), repeats)})
 
     # The first turn: each group's prompt computed once (LLMResponder.prefill_first_prompts).
@@ -252,19 +254,22 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
         cache = empty.replace(lengths=start[:, t].astype(np.int32))
         logits = np.zeros((B, vocab), np.float32)
 
-        def decode(model, cache, logits, key, budgets, steps=steps):
+        def decode(model, cache, logits, key, budgets, steps=steps, min_live_rows=sampling.MIN_LIVE_ROWS):
             return sampling.decode(model, cache, logits, key, max_new_tokens=steps, temperature=settings.rollout_temperature,
                                    top_k=plan.top_k, top_p=plan.top_p, stop_tokens=jnp.asarray([-1], jnp.int32),
-                                   active=budgets > 0, budgets=budgets, pad_id=plan.pad_id)
+                                   active=budgets > 0, budgets=budgets, pad_id=plan.pad_id, min_live_rows=min_live_rows)
 
         # each row stops where its answer ended (random weights never stop on their own), and the
         # loop where the longest did
         a = answer[:, t]
         args = (policy, cache, logits, jax.random.key(t), jnp.asarray(a, jnp.int32))
+        # XLA's count of a loop that ends on its data takes every trip as ``steps``: counted on the loop
+        # that keeps every row to the end (the decode's moves into smaller batches off), an upper bound
+        every_row = functools.partial(decode, min_live_rows=B + 1)
         add("decode", t + 1, jax.jit(decode).lower(*args).compile(), args,
             work(products=(product_flops(config, int(a.sum()), int(a.sum())), steps * weights),
                  attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv)),
-            trips=steps)
+            trips=steps, counted=jax.jit(every_row).lower(*args).compile())
     return phases
 
 
