@@ -18,8 +18,9 @@ compiled ``collect`` and ``learn``), phase by phase: the first turn's prefill, t
 appends, the decode, and the update (forward, backward and rematerialisation in one program).
 ``--steps`` warm iterations are timed (median); ``collect`` is one program, so its phases are timed
 as programs of their own on the last iteration's shapes (``sampling.append``, ``sampling.decode``
-for as many steps as that turn's longest answer, each row stopping where its answer did, ``LLMResponder.prefill_first_prompts``), and what
-the rollout spends besides (env steps, parsing, buffer writes) is the rest. Per phase:
+for as many steps as that turn's longest answer, each row stopping where its answer did,
+``LLMResponder.prefill_first_prompts``), and what the rollout spends besides (env steps, parsing,
+buffer writes) is the rest. Per phase:
 
 - FLOPs from the shapes (``product_flops``, ``attention_flops``: the products of the real tokens,
   prompts counted once per group where the program shares them; an update's backward twice its

@@ -534,9 +534,9 @@ def on_live_rows(respond, min_rows: int, pad_id: int, active, model, cache, prom
             # each shard's playing rows, padded with the index ``per`` (no row: gathered as the
             # shard's last, kept inactive, dropped when scattered back)
             local = live_rows_of_each_shard(active, shards, size)
-            row_ids = (jnp.minimum(local, per - 1) + per * jnp.arange(shards)[:, None]).reshape(-1)
             live = (local < per).reshape(-1)
             take = functools.partial(gather_local_rows, local)
+            row_ids = take(jnp.arange(B, dtype=jnp.int32))
             temp = temperature if jnp.ndim(temperature) == 0 else take(temperature)
             out = respond(model, jax.tree.map(take, cache), take(prompt_ids), jnp.where(live, take(num_new), 0), key,
                           temp, live, row_ids, B)
