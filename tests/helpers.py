@@ -230,3 +230,34 @@ def script_module(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ---- the decode loop with a stand-in step -------------------------------------------------------
+
+
+def fake_decode_state(budgets: "np.ndarray", steps: int):
+    """A ``sampling.DecodeState`` of len(budgets) rows whose cache is a stand-in (``decode_loop``
+    only moves it)."""
+    import jax.numpy as jnp
+
+    from starpo_jax.rollout import sampling
+
+    n = len(budgets)
+    cache = sampling.KVCache(k=(jnp.zeros((n, 1, 2, 1)),), v=(jnp.zeros((n, 1, 2, 1)),), lengths=jnp.zeros(n, jnp.int32))
+    return sampling.DecodeState(
+        step=jnp.int32(0), cache=cache, next_token=jnp.zeros(n, jnp.int32), next_logprob=jnp.zeros(n),
+        last_hidden=jnp.zeros((n, 1)), tokens=jnp.zeros((n, steps), jnp.int32), logprobs=jnp.zeros((n, steps)),
+        lengths=jnp.zeros(n, jnp.int32), budgets=jnp.asarray(budgets, jnp.int32), done=jnp.asarray(budgets) <= 0)
+
+
+def recording_step(s, per_row):
+    """A ``sampling.decode_loop`` step that records, for each live row, the batch it ran in
+    (``tokens``) and the row ``per_row`` named for it (``logprobs``), and stops rows at their
+    budgets."""
+    import jax.numpy as jnp
+
+    live = ~s.done
+    lengths = s.lengths + live
+    return s.replace(step=s.step + 1, lengths=lengths, done=s.done | (lengths >= s.budgets),
+                     tokens=s.tokens.at[:, s.step].set(jnp.where(live, s.done.shape[0], 0)),
+                     logprobs=s.logprobs.at[:, s.step].set(jnp.where(live, per_row, -1)))

@@ -2,14 +2,18 @@
 XLA, timed, and read against the machine's ceilings; and ``hlo_bytes.hlo_flops``, which counts a
 compiled program's products with its loops' trip counts."""
 
+import statistics
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments.bench import ceilings
 from experiments.bench.hlo_bytes import hlo_flops
-from helpers import TINY_MODEL_FLAGS
+from helpers import TINY_MODEL_FLAGS, fake_decode_state, recording_step
 from starpo_jax.models import cpu_attention, preset
+from starpo_jax.rollout import sampling
 
 
 def _compiled_scan(layers: int, rows: int = 8, width: int = 128):
@@ -60,6 +64,35 @@ def test_the_least_time_overlaps_the_two_kinds_of_work_or_runs_them_in_sequence(
     assert ceilings.least_seconds(alone, 100.0, 100.0) == pytest.approx((2.0, 2.0))  # one kind: the same bound
 
 
+def test_in_sequence_the_products_may_run_at_the_rate_of_their_rows():
+    phase = ceilings.work(products=(200, 10), attention=(20, 100))
+    assert ceilings.in_sequence_seconds(phase, 100.0, 100.0) == pytest.approx(2.0 + 1.0)
+    # products of few rows at half the peak take twice as long; the attention keeps its bound
+    assert ceilings.in_sequence_seconds(phase, 100.0, 100.0, products_flops=50.0) == pytest.approx(4.0 + 1.0)
+
+
+def test_the_decode_schedule_is_the_rows_the_decode_loop_computes():
+    """``decode_schedule`` against ``sampling.decode_loop`` itself, with a step that records the
+    batch each live row ran in."""
+    steps, sizes = 12, (16, 8, 4)
+    answers = np.array([12, 1, 2, 3, 12, 1, 1, 2, 12, 3, 3, 1, 2, 6, 2, 1])
+    loop = jax.jit(lambda s: sampling.decode_loop(recording_step, s, jnp.zeros(16), steps, sizes, 1))
+    ran = np.asarray(loop(fake_decode_state(answers, steps)).tokens)
+    want = [(int(ran[:, t].max()), int((ran[:, t] > 0).sum())) for t in range(steps)]
+    # live rows 16, 11, 7, then 4 until the 6-token answer ends: a half holds them from step 2, a quarter from 3
+    assert ceilings.decode_schedule(answers, steps, sizes) == want == [(16, 16), (16, 11), (8, 7)] + [(4, 4)] * 3 + [(4, 3)] * 6
+    # a rate per batch: the live rows of each step at their batch's rate
+    assert ceilings.products_rate([(16, 16), (4, 4)], {16: 2.0, 4: 1.0}) == pytest.approx(20 / (16 / 2e9 + 4 / 1e9))
+
+
+def test_a_decode_steps_products_are_timed_at_the_rows_asked():
+    config = preset("tiny-llama")
+    rate = ceilings.products_at_rows(config, rows=4, repeats=2)
+    assert rate["rows"] == 4 and len(rate["runs_s"]) == 2
+    assert rate["flops"] == ceilings.product_flops(config, 4, 4)  # every block's products and the logits, per row
+    assert rate["gflop_per_s"] == pytest.approx(rate["flops"] / statistics.median(rate["runs_s"]) / 1e9)
+
+
 def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     """Two FrozenLake turns of a tiny model: every phase counted, timed and read against a ceiling."""
     report = ceilings.main([
@@ -86,4 +119,12 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     assert account["rollout_phases_s"] == pytest.approx(sum(p["seconds"] for p in rollout))
     assert account["rollout_of_ceiling"] == pytest.approx(sum(p["least_s"] for p in rollout) / account["rollout_phases_s"])
     assert account["rollout_of_ceiling"] <= account["rollout_of_ceiling_in_sequence"]
-    assert "of ceiling" in (text := (tmp_path / "c.md").read_text()) and "in sequence" in text
+    rates = {r["rows"]: r["gflop_per_s"] for r in account["decode_products"]}
+    assert set(rates) == {8, 16} and min(rates.values()) > 0  # the batch's rows and the half it may move to
+    peak, bandwidth = report["matmul"]["gflop_per_s"] * 1e9, report["copy"]["gb_per_s"] * 1e9
+    for p in rollout:  # the decode's products at its rows' rates, the other phases' at the peak
+        products = ceilings.products_rate(p["schedule"], rates) if p["phase"] == "decode" else None
+        assert p["reachable_s"] == pytest.approx(ceilings.in_sequence_seconds(p, peak, bandwidth, products))
+        assert p["of_reachable"] == pytest.approx(p["reachable_s"] / p["seconds"])
+    assert account["rollout_of_reachable"] == pytest.approx(sum(p["reachable_s"] for p in rollout) / account["rollout_phases_s"])
+    assert "of ceiling" in (text := (tmp_path / "c.md").read_text()) and "in sequence" in text and "at its rows" in text

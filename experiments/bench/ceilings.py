@@ -42,10 +42,17 @@ buffer writes) is the rest. Per phase:
   one is the roofline of each kind, summed. The update's third kind, its passes over the weights
   (accumulating each micro-batch's gradients, the optimiser's step), is bound by the bandwidth and
   waits for the products too. Where one kind dominates (a prompt block's products, the update's)
-  the two bounds agree within the other kinds' share.
+  the two bounds agree within the other kinds' share;
+- the same in sequence with the decode's weight products at the rate products of its rows reach
+  ("at its rows"; ``products_at_rows``: a decode step's products at the batch's rows, timed alone):
+  products of 64 or 128 rows, each layer's weights read from memory, fall well short of the large
+  product's peak on a CPU, so this column parts what the decode's shapes cost on this machine from
+  what the program loses beside them. The other phases' products have thousands of rows: their
+  column is "in sequence". The decode's rows shrink as its rows stop, to slower products: for a
+  decode whose rows end at different steps this bound is the more optimistic.
 
 The rollout's phases are also summed: the rollout's least time at the ceilings over its measured
-phases, both ways.
+phases, all three ways.
 
     python -m experiments.bench.ceilings                   # writes bench_results/bench_ceilings.json
     python -m experiments.bench.ceilings --quick           # smoke run
@@ -178,8 +185,70 @@ def work(**kinds: tuple[int, int]) -> dict:
 def least_seconds(phase: dict, peak_flops: float, bandwidth: float) -> tuple[float, float]:
     """The least time of a phase's work at the ceilings: the whole at the ceiling that binds it (its
     kinds overlapped), and each kind at its own, one after the other (the docstring)."""
-    at = lambda flops, moved: max(flops / peak_flops, moved / bandwidth)  # noqa: E731
-    return at(phase["flops"], phase["least_bytes"]), sum(at(*kind) for kind in phase["kinds"].values())
+    whole = max(phase["flops"] / peak_flops, phase["least_bytes"] / bandwidth)
+    return whole, in_sequence_seconds(phase, peak_flops, bandwidth)
+
+
+def in_sequence_seconds(phase: dict, peak_flops: float, bandwidth: float, products_flops: float | None = None) -> float:
+    """Each kind of a phase's work at the ceiling that binds it, one after the other; the weight
+    products at ``products_flops`` FLOP/s where given (the rate products of the phase's rows reach),
+    else at the peak."""
+    rate = {"products": products_flops or peak_flops}
+    return sum(max(flops / rate.get(kind, peak_flops), moved / bandwidth) for kind, (flops, moved) in phase["kinds"].items())
+
+
+def products_at_rows(config, rows: int, repeats: int) -> dict:
+    """GFLOP/s of one decode step's weight products at ``rows`` rows: each block's seven projections
+    with the model's shapes, each layer's weights its own (read from memory, as a decode step reads
+    them), each product waiting for the one before, then the vocabulary projection. A decode step
+    of that many rows cannot run its products faster than this on the machine; products of few rows
+    fall short of the large product's peak (docs/benchmarks.md)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"q": (c.hidden_size, q), "k": (c.hidden_size, kv), "v": (c.hidden_size, kv), "o": (q, c.hidden_size),
+              "gate": (c.hidden_size, c.intermediate_size), "up": (c.hidden_size, c.intermediate_size),
+              "down": (c.intermediate_size, c.hidden_size)}
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), c.num_layers * len(shapes) + 2))
+    normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+    layers = [{name: normal(shape) for name, shape in shapes.items()} for _ in range(c.num_layers)]
+    embed = normal((c.vocab_size, c.hidden_size))
+
+    @jax.jit
+    def step(x, layers, embed):
+        for w in layers:
+            k_v = jnp.sum(x @ w["k"] + x @ w["v"], axis=-1, keepdims=True)
+            x = x + (x @ w["q"] + 1e-3 * k_v) @ w["o"]
+            x = x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+        return jnp.einsum("bd,vd->bv", x, embed)
+
+    x = normal((rows, c.hidden_size))
+    seconds, _ = timed_runs(lambda: step(x, layers, embed), repeats)
+    flops = product_flops(config, rows, rows)
+    return {"rows": rows, "flops": flops, "runs_s": seconds, "gflop_per_s": flops / statistics.median(seconds) / 1e9}
+
+
+def decode_schedule(answers, steps: int, sizes: tuple[int, ...], shards: int = 1) -> list[tuple[int, int]]:
+    """(rows computed per device, rows still answering) at each step of ``sampling.decode_loop`` for
+    answers of these lengths: the loop moves its live rows into the next of ``sizes`` (rows per
+    device, descending) once every shard's fit it with ``sampling.MIN_STEPS_AFTER_MOVE`` steps of the
+    budget left, and ends when the longest answer does."""
+    answers = np.asarray(answers)
+    schedule, size = [], 0
+    for step in range(steps):
+        live = answers > step
+        if not live.any():
+            break
+        most = int(live.reshape(shards, -1).sum(axis=1).max())
+        while size + 1 < len(sizes) and most <= sizes[size + 1] and step + sampling.MIN_STEPS_AFTER_MOVE <= steps:
+            size += 1
+        schedule.append((sizes[size], int(live.sum())))
+    return schedule
+
+
+def products_rate(schedule: list[tuple[int, int]], gflop_per_s: dict[int, float]) -> float:
+    """FLOP/s of a decode's products, each step's live rows at the rate products of the rows it
+    computes reach (``gflop_per_s`` by rows per device)."""
+    return sum(live for _, live in schedule) / sum(live / (gflop_per_s[rows] * 1e9) for rows, live in schedule)
 
 
 def _triangle(start, count):
@@ -263,13 +332,15 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
         # each row stops where its answer ended (random weights never stop on their own), and the
         # loop where the longest did
         a = answer[:, t]
+        schedule = decode_schedule(a, steps, sampling.live_batch_sizes(B, sampling.MIN_LIVE_ROWS)[::-1])
         args = (policy, cache, logits, jax.random.key(t), jnp.asarray(a, jnp.int32))
         # XLA's count of a loop that ends on its data takes every trip as ``steps``: counted on the loop
         # that keeps every row to the end (the decode's moves into smaller batches off), an upper bound
         every_row = functools.partial(decode, min_live_rows=B + 1)
         add("decode", t + 1, jax.jit(decode).lower(*args).compile(), args,
             work(products=(product_flops(config, int(a.sum()), int(a.sum())), steps * weights),
-                 attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv)),
+                 attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv),
+                 ) | {"schedule": schedule},
             trips=steps, counted=jax.jit(every_row).lower(*args).compile())
     return phases
 
@@ -310,9 +381,11 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
             "xla": xla_counts(learn), "runs_s": seconds}
 
 
-def account(path: str, overrides: list[str], config, steps: int, peak_flops: float, bandwidth: float, bar) -> dict:
+def account(path: str, overrides: list[str], config, steps: int, peak_flops: float, bandwidth: float, bar,
+            repeats: int = 5) -> dict:
     """One iteration of a config (``path`` plus ``overrides``, checked: ``config``) as
-    ``experiments.run`` runs it, phase by phase (the docstring)."""
+    ``experiments.run`` runs it, phase by phase (the docstring); the decode's products timed at its
+    rows ``repeats`` times."""
     exp = built_or_exit(config)
     plan, settings = exp.train_plan, exp.settings
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), settings, plan)
@@ -337,6 +410,9 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         bar.update()
     phases = rollout_phases(exp, state, kept, steps)
     phases.append(update_phase(exp, learns[layout], kept, layout, times["update"]))
+    decode_products = {n: products_at_rows(exp.model.merge().config, n, repeats)
+                       for n in sampling.live_batch_sizes(plan.batch_size, sampling.MIN_LIVE_ROWS)}
+    rates = {n: r["gflop_per_s"] for n, r in decode_products.items()}
     bar.update()
     for p in phases:
         seconds = statistics.median(p["runs_s"])
@@ -345,6 +421,9 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         p |= {"seconds": seconds, "bound": "FLOPs" if p["flops"] / peak_flops >= p["least_bytes"] / bandwidth else "bytes",
               "least_s": least, "least_in_sequence_s": in_sequence, "of_ceiling": least / seconds,
               "of_ceiling_in_sequence": in_sequence / seconds, "xla_of_ceiling": xla / seconds}
+        if p["phase"] == "decode":  # its products at its rows' rates; the other phases' products have thousands of rows
+            in_sequence = in_sequence_seconds(p, peak_flops, bandwidth, products_rate(p["schedule"], rates))
+        p |= {"reachable_s": in_sequence, "of_reachable": in_sequence / seconds}
     rollout = [p for p in phases if p["phase"] != "update"]
     measured = sum(p["seconds"] for p in rollout)
     config = exp.model.merge().config
@@ -356,6 +435,8 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         "rollout_rest_s": statistics.median(times["rollout"]) - measured, "rollout_phases_s": measured,
         "rollout_of_ceiling": sum(p["least_s"] for p in rollout) / measured,
         "rollout_of_ceiling_in_sequence": sum(p["least_in_sequence_s"] for p in rollout) / measured,
+        "rollout_of_reachable": sum(p["reachable_s"] for p in rollout) / measured,
+        "decode_products": list(decode_products.values()),
         "generated_tokens": int(np.asarray(kept.response_tokens).sum()), "phases": phases,
     }  # fmt: skip
 
@@ -378,13 +459,17 @@ def markdown(report: dict) -> str:
                      f"rollout + {it['update']:.1f} s update (median of {a['steps']}), rollout besides its phases "
                      f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated; the rollout's phases "
                      f"{a['rollout_phases_s']:.1f} s, {100 * a['rollout_of_ceiling']:.0f}% of ceiling, "
-                     f"{100 * a['rollout_of_ceiling_in_sequence']:.0f}% in sequence")
+                     f"{100 * a['rollout_of_ceiling_in_sequence']:.0f}% in sequence, "
+                     f"{100 * a['rollout_of_reachable']:.0f}% of what the decode's rows reach; the decode's products "
+                     f"at " + ", ".join(f"{r['rows']} rows {r['gflop_per_s']:.1f}" for r in a["decode_products"])
+                     + " GFLOP/s")
         rows = [[p["phase"], p["turn"] or "", f"{p['flops'] / 1e9:.1f}", f"{p['xla']['flops'] / 1e9:.1f}",
                  f"{p['xla']['cost_analysis_flops'] / 1e9:.1f}", f"{p['least_bytes'] / 1e9:.2f}",
                  f"{p['xla']['bytes'] / 1e9:.2f}", f"{p['seconds']:.2f}", p["bound"], f"{100 * p['of_ceiling']:.0f}%",
-                 f"{100 * p['of_ceiling_in_sequence']:.0f}%", f"{100 * p['xla_of_ceiling']:.0f}%"] for p in a["phases"]]  # fmt: skip
-        parts.append(markdown_table(["phase", "turn", "GFLOP (shapes)", "GFLOP (XLA)", "GFLOP (cost_analysis)",
-                                     "GB least", "GB (XLA)", "s", "bound", "of ceiling", "in sequence", "XLA work"], rows))
+                 f"{100 * p['of_ceiling_in_sequence']:.0f}%", f"{100 * p['of_reachable']:.0f}%",
+                 f"{100 * p['xla_of_ceiling']:.0f}%"] for p in a["phases"]]  # fmt: skip
+        parts.append(markdown_table(["phase", "turn", "GFLOP (shapes)", "GFLOP (XLA)", "GFLOP (cost_analysis)", "GB least",
+                                     "GB (XLA)", "s", "bound", "of ceiling", "in sequence", "at its rows", "XLA work"], rows))
     return "\n\n".join(parts)
 
 
@@ -397,7 +482,7 @@ def main(argv=None) -> dict:
     if args.config:
         peak, bandwidth = report["matmul"]["gflop_per_s"] * 1e9, report["copy"]["gb_per_s"] * 1e9
         with tqdm(total=len(args.config) * (args.steps + 2), desc="iterations", unit="it") as bar:
-            report["accounts"] = [account(path, args.overrides, config, args.steps, peak, bandwidth, bar)
+            report["accounts"] = [account(path, args.overrides, config, args.steps, peak, bandwidth, bar, args.repeats)
                                   for path, config in zip(args.config, checked)]
         report["load_average_after"] = list(os.getloadavg())
     text = markdown(report)

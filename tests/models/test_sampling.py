@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import AS_A_RUN_COMPILES
+from helpers import AS_A_RUN_COMPILES, fake_decode_state, recording_step
 from starpo_jax.models import ModelState, decoder_from_hf_tensors, preset
 from starpo_jax.rollout import sampling
 
@@ -147,26 +147,6 @@ def test_budgets_end_each_row_at_its_own_length(tiny, prompts):
     assert (np.asarray(out.tokens[0, 2:]) == 7).all() and (np.asarray(out.tokens[1]) == 7).all()
     np.testing.assert_array_equal(out.cache.lengths, np.asarray(cache.lengths) + [2, 0, NEW])
     np.testing.assert_array_equal(np.stack(out.cache.k)[:, 1], np.stack(cache.k)[:, 1])
-
-
-def fake_decode_state(budgets: np.ndarray, steps: int) -> sampling.DecodeState:
-    """A decode state of len(budgets) rows whose cache is a stand-in (``decode_loop`` only moves it)."""
-    n = len(budgets)
-    cache = sampling.KVCache(k=(jnp.zeros((n, 1, 2, 1)),), v=(jnp.zeros((n, 1, 2, 1)),), lengths=jnp.zeros(n, jnp.int32))
-    return sampling.DecodeState(
-        step=jnp.int32(0), cache=cache, next_token=jnp.zeros(n, jnp.int32), next_logprob=jnp.zeros(n),
-        last_hidden=jnp.zeros((n, 1)), tokens=jnp.zeros((n, steps), jnp.int32), logprobs=jnp.zeros((n, steps)),
-        lengths=jnp.zeros(n, jnp.int32), budgets=jnp.asarray(budgets, jnp.int32), done=jnp.asarray(budgets) <= 0)
-
-
-def recording_step(s: sampling.DecodeState, per_row) -> sampling.DecodeState:
-    """A step that records, for each live row, the batch it ran in (``tokens``) and the row
-    ``per_row`` named for it (``logprobs``), and stops rows at their budgets."""
-    live = ~s.done
-    lengths = s.lengths + live
-    return s.replace(step=s.step + 1, lengths=lengths, done=s.done | (lengths >= s.budgets),
-                     tokens=s.tokens.at[:, s.step].set(jnp.where(live, s.done.shape[0], 0)),
-                     logprobs=s.logprobs.at[:, s.step].set(jnp.where(live, per_row, -1)))
 
 
 @pytest.mark.parametrize("shards", [1, 2])
