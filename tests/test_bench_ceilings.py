@@ -19,6 +19,11 @@ def test_quick_run_reports_both_ceilings_at_the_sizes_asked(tmp_path):
     for part in ("matmul", "copy"):
         assert len(report[part]["runs_s"]) == 3 and min(report[part]["runs_s"]) > 0
         assert report[part]["cpu_per_wall"] > 0
+    # a ceiling is the fastest run (other work only slows one), the median beside it
+    assert report["matmul"]["gflop_per_s"] == pytest.approx(2 * 64**3 / min(report["matmul"]["runs_s"]) / 1e9)
+    assert report["copy"]["gb_per_s"] == pytest.approx(2 * 4 * 2**20 / min(report["copy"]["runs_s"]) / 1e9)
+    assert report["matmul"]["median_gflop_per_s"] <= report["matmul"]["gflop_per_s"]
+    assert report["copy"]["median_gb_per_s"] <= report["copy"]["gb_per_s"]
     assert report["machine"]["load_average"]  # a figure is read with the load it was taken under
     assert "GFLOP/s" in out.with_suffix(".md").read_text()
 

@@ -2,8 +2,6 @@
 XLA, timed, and read against the machine's ceilings; and ``hlo_bytes.hlo_flops``, which counts a
 compiled program's products with its loops' trip counts."""
 
-import statistics
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,7 +88,7 @@ def test_a_decode_steps_products_are_timed_at_the_rows_asked():
     rate = ceilings.products_at_rows(config, rows=4, repeats=2)
     assert rate["rows"] == 4 and len(rate["runs_s"]) == 2
     assert rate["flops"] == ceilings.product_flops(config, 4, 4)  # every block's products and the logits, per row
-    assert rate["gflop_per_s"] == pytest.approx(rate["flops"] / statistics.median(rate["runs_s"]) / 1e9)
+    assert rate["gflop_per_s"] == pytest.approx(rate["flops"] / min(rate["runs_s"]) / 1e9)  # its fastest run
 
 
 def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
