@@ -125,4 +125,10 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
         assert p["reachable_s"] == pytest.approx(ceilings.in_sequence_seconds(p, peak, bandwidth, products))
         assert p["of_reachable"] == pytest.approx(p["reachable_s"] / p["seconds"])
     assert account["rollout_of_reachable"] == pytest.approx(sum(p["reachable_s"] for p in rollout) / account["rollout_phases_s"])
+    # the rollout as run: its one timed iteration is the last, whose shapes the phases were timed on
+    (it,) = account["rollout_as_run"]["iterations"]
+    assert it["rollout_s"] == account["runs_s"]["rollout"][0]
+    assert it["in_sequence_s"] == pytest.approx(sum(p["least_in_sequence_s"] for p in rollout))
+    assert it["reachable_s"] == pytest.approx(sum(p["reachable_s"] for p in rollout))
+    assert account["rollout_as_run"]["of_reachable"] == pytest.approx(it["reachable_s"] / it["rollout_s"])
     assert "of ceiling" in (text := (tmp_path / "c.md").read_text()) and "in sequence" in text and "at its rows" in text

@@ -252,6 +252,13 @@ def products_rate(schedule: list[tuple[int, int]], gflop_per_s: dict[int, float]
     return sum(live for _, live in schedule) / sum(live / (gflop_per_s[rows] * 1e9) for rows, live in schedule)
 
 
+def reachable_seconds(phase: dict, peak_flops: float, bandwidth: float, gflop_per_s: dict[int, float]) -> float:
+    """A phase's least time in sequence, a decode's products at the rates of its rows (``products_rate``
+    of its schedule); the other phases' products have thousands of rows, at the peak."""
+    rate = products_rate(phase["schedule"], gflop_per_s) if phase["phase"] == "decode" else None
+    return in_sequence_seconds(phase, peak_flops, bandwidth, rate)
+
+
 def _triangle(start, count):
     """Sum of ``start + 1 .. start + count`` per element: the slots attended by ``count`` tokens
     appended after ``start`` held ones."""
@@ -274,9 +281,10 @@ def _timed_median(run, repeats: int) -> list[float]:
     return timed_runs(run, repeats)[0]
 
 
-def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
+def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[dict]:
     """The rollout's prefill, appends and decode as programs of their own on ``traj``'s shapes:
-    their FLOPs and bytes from the shapes and from XLA, and their seconds (median of ``repeats``)."""
+    their FLOPs and bytes from the shapes and from XLA, and their seconds (median of ``repeats``).
+    ``timed=False``: the shapes' counts only, nothing compiled or run."""
     plan, settings = exp.train_plan, exp.settings
     policy = sampling.sampling_policy(exp.model.graphdef, policy_weights(settings, state))
     config = policy.merge().config
@@ -289,12 +297,17 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
     answer = np.where(played, end - start, 0)
     rng = np.random.default_rng(0)
     vocab = config.vocab_size
-    empty = sampling.init_cache(config, B, plan.max_len)
+    new_cache = functools.partial(sampling.init_cache, config, B, plan.max_len)
+    empty = new_cache() if timed else jax.eval_shape(new_cache)  # the arguments' shapes are all a count needs
     phases: list[dict] = []
 
-    def add(name, turn, compiled, args, least: dict, trips=1, counted=None):
-        phases.append({"phase": name, "turn": turn, **least, "xla": xla_counts(counted or compiled, trips),
-                       "runs_s": _timed_median(lambda: compiled(*args), repeats)})
+    def add(name, turn, program, args, least: dict, trips=1, counted=None):
+        """``program``, ``counted``: jitted functions, compiled here where the phase is timed."""
+        phases.append({"phase": name, "turn": turn, **least})
+        if timed:
+            compiled = program.lower(*args).compile()
+            phases[-1] |= {"xla": xla_counts(counted.lower(*args).compile() if counted else compiled, trips),
+                           "runs_s": _timed_median(lambda: compiled(*args), repeats)}
 
     # The first turn: each group's prompt computed once (LLMResponder.prefill_first_prompts).
     first_width = max(t.prompts.first_len for t in exp.train_tables.tags)
@@ -303,7 +316,7 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)
     leaders = n0[:: plan.group_size]
-    add("prefill", 1, prefill.lower(*args).compile(), args,
+    add("prefill", 1, prefill, args,
         work(products=(product_flops(config, int(leaders.sum()), G), weights),
              attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)))
     next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
@@ -315,7 +328,7 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
             cache = empty.replace(lengths=held[:, t].astype(np.int32))
             args = (policy, cache, rng.integers(0, vocab, (B, next_width), np.int32), prompt[:, t].astype(np.int32))
             n = prompt[:, t]
-            add("appends", t + 1, sampling.append.lower(*args).compile(), args,
+            add("appends", t + 1, sampling.append, args,
                 work(products=(product_flops(config, int(n.sum()), int(active.sum())), weights),
                      attention=(attention_flops(config, _triangle(held[:, t], n)),
                                 int((held[:, t] * active).sum() + n.sum()) * kv)))
@@ -338,11 +351,11 @@ def rollout_phases(exp, state, traj, repeats: int) -> list[dict]:
         # XLA's count of a loop that ends on its data takes every trip as ``steps``: counted on the loop
         # that keeps every row to the end (the decode's moves into smaller batches off), an upper bound
         every_row = functools.partial(decode, min_live_rows=B + 1)
-        add("decode", t + 1, jax.jit(decode).lower(*args).compile(), args,
+        add("decode", t + 1, jax.jit(decode), args,
             work(products=(product_flops(config, int(a.sum()), int(a.sum())), steps * weights),
                  attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv),
                  ) | {"schedule": schedule},
-            trips=steps, counted=jax.jit(every_row).lower(*args).compile())
+            trips=steps, counted=jax.jit(every_row))
     return phases
 
 
@@ -395,6 +408,7 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
     collect = jax.jit(iteration.collect).lower(state, exp.train_tables, jax.random.PRNGKey(0)).compile()
     learns: dict = {}
     times: dict[str, list[float]] = {"rollout": [], "update": []}
+    as_run = []  # each timed iteration's rollout phases, by the shapes alone
     for i in range(steps + 1):  # the first iteration warms up
         t0 = time.perf_counter()
         traj = jax.block_until_ready(collect(state, exp.train_tables, jax.random.PRNGKey(i)))
@@ -408,6 +422,7 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         if i:
             times["rollout"].append(rollout_s)
             times["update"].append(time.perf_counter() - t0)
+            as_run.append(rollout_phases(exp, state, kept, steps, timed=False))
         bar.update()
     phases = rollout_phases(exp, state, kept, steps)
     phases.append(update_phase(exp, learns[layout], kept, layout, times["update"]))
@@ -422,11 +437,15 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         p |= {"seconds": seconds, "bound": "FLOPs" if p["flops"] / peak_flops >= p["least_bytes"] / bandwidth else "bytes",
               "least_s": least, "least_in_sequence_s": in_sequence, "of_ceiling": least / seconds,
               "of_ceiling_in_sequence": in_sequence / seconds, "xla_of_ceiling": xla / seconds}
-        if p["phase"] == "decode":  # its products at its rows' rates; the other phases' products have thousands of rows
-            in_sequence = in_sequence_seconds(p, peak_flops, bandwidth, products_rate(p["schedule"], rates))
-        p |= {"reachable_s": in_sequence, "of_reachable": in_sequence / seconds}
+        reachable = reachable_seconds(p, peak_flops, bandwidth, rates)
+        p |= {"reachable_s": reachable, "of_reachable": reachable / seconds}
     rollout = [p for p in phases if p["phase"] != "update"]
     measured = sum(p["seconds"] for p in rollout)
+    # The rollout as it runs (``collect``: one program, env steps and all), each iteration's least
+    # time over its own time; the phases timed apart each pay for a program of their own.
+    run = [{"rollout_s": seconds, "in_sequence_s": sum(in_sequence_seconds(p, peak_flops, bandwidth) for p in ph),
+            "reachable_s": sum(reachable_seconds(p, peak_flops, bandwidth, rates) for p in ph)}
+           for seconds, ph in zip(times["rollout"], as_run)]
     config = exp.model.merge().config
     return {
         "config": path, "overrides": overrides, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
@@ -437,6 +456,9 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         "rollout_of_ceiling": sum(p["least_s"] for p in rollout) / measured,
         "rollout_of_ceiling_in_sequence": sum(p["least_in_sequence_s"] for p in rollout) / measured,
         "rollout_of_reachable": sum(p["reachable_s"] for p in rollout) / measured,
+        "rollout_as_run": {"iterations": run,
+                           "of_ceiling_in_sequence": statistics.median(r["in_sequence_s"] / r["rollout_s"] for r in run),
+                           "of_reachable": statistics.median(r["reachable_s"] / r["rollout_s"] for r in run)},
         "decode_products": list(decode_products.values()),
         "generated_tokens": int(np.asarray(kept.response_tokens).sum()), "phases": phases,
     }  # fmt: skip
@@ -463,7 +485,9 @@ def markdown(report: dict) -> str:
                      f"{100 * a['rollout_of_ceiling_in_sequence']:.0f}% in sequence, "
                      f"{100 * a['rollout_of_reachable']:.0f}% of what the decode's rows reach; the decode's products "
                      f"at " + ", ".join(f"{r['rows']} rows {r['gflop_per_s']:.1f}" for r in a["decode_products"])
-                     + " GFLOP/s")
+                     + f" GFLOP/s. The rollout as run (`collect`, each iteration's least time over its time, median): "
+                     f"{100 * a['rollout_as_run']['of_ceiling_in_sequence']:.0f}% in sequence, "
+                     f"{100 * a['rollout_as_run']['of_reachable']:.0f}% at the decode's rows")
         rows = [[p["phase"], p["turn"] or "", f"{p['flops'] / 1e9:.1f}", f"{p['xla']['flops'] / 1e9:.1f}",
                  f"{p['xla']['cost_analysis_flops'] / 1e9:.1f}", f"{p['least_bytes'] / 1e9:.2f}",
                  f"{p['xla']['bytes'] / 1e9:.2f}", f"{p['seconds']:.2f}", p["bound"], f"{100 * p['of_ceiling']:.0f}%",
