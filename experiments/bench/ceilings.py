@@ -53,7 +53,9 @@ buffer writes) is the rest. Per phase:
   decode whose rows end at different steps this bound is the more optimistic.
 
 The rollout's phases are also summed: the rollout's least time at the ceilings over its measured
-phases, all three ways.
+phases, all three ways. And the rollout as it runs: each timed iteration's least time (in sequence,
+and at the decode's rows), counted from its own batch, over its ``collect`` time (median): the phases
+timed apart each pay for a program of their own (a fresh cache, ...), the rollout does not.
 
     python -m experiments.bench.ceilings                   # writes bench_results/bench_ceilings.json
     python -m experiments.bench.ceilings --quick           # smoke run
