@@ -279,6 +279,13 @@ def xla_counts(compiled, unknown_trips: int = 1) -> dict:
             "cost_analysis_bytes": float(cost.get("bytes accessed", 0.0))}
 
 
+def append_trips(rows: int, width: int, num_new) -> int:
+    """Trips of ``sampling.append``'s chunk loop for a block of ``width`` tokens of ``rows`` rows,
+    ``num_new`` of them real: the loop ends on its data, so XLA's count needs them told."""
+    _, size = sampling.even_chunks(width, sampling.chunk_tokens(rows, sampling.CHUNK_SIZE))
+    return int(sampling.chunks_used(int(np.max(num_new)), size))
+
+
 def _timed_median(run, repeats: int) -> list[float]:
     return timed_runs(run, repeats)[0]
 
@@ -320,7 +327,8 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     leaders = n0[:: plan.group_size]
     add("prefill", 1, prefill, args,
         work(products=(product_flops(config, int(leaders.sum()), G), weights),
-             attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)))
+             attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)),
+        trips=append_trips(G, first_width, leaders))
     next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
     for t in range(start.shape[1]):
         active = played[:, t]
@@ -333,7 +341,8 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
             add("appends", t + 1, sampling.append, args,
                 work(products=(product_flops(config, int(n.sum()), int(active.sum())), weights),
                      attention=(attention_flops(config, _triangle(held[:, t], n)),
-                                int((held[:, t] * active).sum() + n.sum()) * kv)))
+                                int((held[:, t] * active).sum() + n.sum()) * kv)),
+                trips=append_trips(B, next_width, n))
         steps = int(answer[:, t].max())
         if steps == 0:
             continue

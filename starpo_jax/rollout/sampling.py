@@ -87,6 +87,7 @@ def even_chunks(width: int, most: int) -> tuple[int, int]:
     return count, -(-width // count)
 
 
+CHUNK_SIZE = 128  # the most tokens of a prompt block ``append`` runs at once (on an accelerator)
 CPU_CHUNK_POSITIONS = 1024  # rows × tokens from which XLA:CPU's weight products run at full rate
 CPU_CHUNK_TOKENS = 16
 
@@ -103,9 +104,16 @@ def chunk_tokens(rows: int, most: int) -> int:
     return min(most, max(CPU_CHUNK_TOKENS, -(-CPU_CHUNK_POSITIONS // rows)))
 
 
+def chunks_used(longest, size: int):
+    """The chunks of ``size`` tokens that hold a real token of some row, the longest holding ``longest``:
+    the trips of ``append``'s loop."""
+    return (longest + size - 1) // size
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "windowed"))
 def append(
-    model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = 128, windowed: bool = True
+    model: ModelState, cache: KVCache, tokens: Array, num_new: Array, *, chunk_size: int = CHUNK_SIZE,
+    windowed: bool = True,
 ) -> tuple[KVCache, Array]:
     """Prefill / continue: append tokens [B, T] (row b's first ``num_new[b]`` are real) to the cache.
 
@@ -123,7 +131,7 @@ def append(
     B, T = tokens.shape
     num_chunks, size = even_chunks(T, chunk_tokens(B, chunk_size))
     chunks = jnp.pad(tokens, ((0, 0), (0, num_chunks * size - T))).reshape(B, num_chunks, size).swapaxes(0, 1)
-    used = (jnp.max(num_new) + size - 1) // size  # the chunks that hold a real token of some row
+    used = chunks_used(jnp.max(num_new), size)
 
     def append_in(cache: KVCache) -> tuple[KVCache, Array]:
         weights = decoder.layers.per_layer()  # split once, read by every chunk
