@@ -122,7 +122,14 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     assert account["rollout_of_ceiling"] <= account["rollout_of_ceiling_in_sequence"]
     rates = {r["rows"]: r["gflop_per_s"] for r in account["decode_products"]}
     assert set(rates) == {8, 16} and min(rates.values()) > 0  # the batch's rows and the half it may move to
-    peak, bandwidth = report["matmul"]["gflop_per_s"] * 1e9, report["copy"]["gb_per_s"] * 1e9
+    # read against the faster of the ceilings measured before the account and after it
+    after = account["ceilings_after"]
+    assert account["peak_gflop_per_s"] == max(report["matmul"]["gflop_per_s"], after["matmul"]["gflop_per_s"])
+    assert account["bandwidth_gb_per_s"] == max(report["copy"]["gb_per_s"], after["copy"]["gb_per_s"])
+    assert after["matmul"]["size"] == 64 and len(after["copy"]["runs_s"]) == 1  # measured as the command asked
+    peak, bandwidth = account["peak_gflop_per_s"] * 1e9, account["bandwidth_gb_per_s"] * 1e9
+    for p in account["phases"]:
+        assert p["least_s"] == pytest.approx(ceilings.least_seconds(p, peak, bandwidth)[0])
     for p in rollout:  # the decode's products at its rows' rates, the other phases' at the peak
         products = ceilings.products_rate(p["schedule"], rates) if p["phase"] == "decode" else None
         assert p["reachable_s"] == pytest.approx(ceilings.in_sequence_seconds(p, peak, bandwidth, products))

@@ -55,7 +55,7 @@ buffer writes) is the rest. Per phase:
 The rollout's phases are also summed: the rollout's least time at the ceilings over its measured
 phases, all three ways. And the rollout as it runs: each timed iteration's least time (in sequence,
 and at the decode's rows), counted from its own batch, over its ``collect`` time (median): the phases
-timed apart each pay for a program of their own (a fresh cache, ...), the rollout does not.
+timed apart each pay for a program of their own (a fresh cache for each), the rollout does not.
 
     python -m experiments.bench.ceilings                   # writes bench_results/bench_ceilings.json
     python -m experiments.bench.ceilings --quick           # smoke run
@@ -230,27 +230,27 @@ def products_at_rows(config, rows: int, repeats: int) -> dict:
     return {"rows": rows, "flops": flops, "runs_s": seconds, "gflop_per_s": flops / min(seconds) / 1e9}
 
 
-def decode_schedule(answers, steps: int, sizes: tuple[int, ...], shards: int = 1) -> list[tuple[int, int]]:
-    """(rows computed per device, rows still answering) at each step of ``sampling.decode_loop`` for
-    answers of these lengths: the loop moves its live rows into the next of ``sizes`` (rows per
-    device, descending) once every shard's fit it with ``sampling.MIN_STEPS_AFTER_MOVE`` steps of the
-    budget left, and ends when the longest answer does."""
+def decode_schedule(answers, steps: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(rows computed, rows still answering) at each step of ``sampling.decode_loop`` on one device
+    for answers of these lengths: the loop moves its live rows into the next of ``sizes``
+    (descending) once they fit it with ``sampling.MIN_STEPS_AFTER_MOVE`` steps of the budget left,
+    and ends when the longest answer does."""
     answers = np.asarray(answers)
     schedule, size = [], 0
     for step in range(steps):
         live = answers > step
-        if not live.any():
+        most = int(live.sum())
+        if not most:
             break
-        most = int(live.reshape(shards, -1).sum(axis=1).max())
         while size + 1 < len(sizes) and most <= sizes[size + 1] and step + sampling.MIN_STEPS_AFTER_MOVE <= steps:
             size += 1
-        schedule.append((sizes[size], int(live.sum())))
+        schedule.append((sizes[size], most))
     return schedule
 
 
 def products_rate(schedule: list[tuple[int, int]], gflop_per_s: dict[int, float]) -> float:
     """FLOP/s of a decode's products, each step's live rows at the rate products of the rows it
-    computes reach (``gflop_per_s`` by rows per device)."""
+    computes reach (``gflop_per_s`` by rows)."""
     return sum(live for _, live in schedule) / sum(live / (gflop_per_s[rows] * 1e9) for rows, live in schedule)
 
 
@@ -406,11 +406,13 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
             "xla": xla_counts(learn), "runs_s": seconds}
 
 
-def account(path: str, overrides: list[str], config, steps: int, peak_flops: float, bandwidth: float, bar,
-            repeats: int = 5) -> dict:
+def account(path: str, overrides: list[str], config, steps: int, before: dict, measure, bar, repeats: int = 5) -> dict:
     """One iteration of a config (``path`` plus ``overrides``, checked: ``config``) as
     ``experiments.run`` runs it, phase by phase (the docstring); the decode's products timed at its
-    rows ``repeats`` times."""
+    rows ``repeats`` times. Read against the ceilings measured ``before`` it (``{"matmul": ...,
+    "copy": ...}``) and again after it (``measure()``), the faster of the two: a shared host's speed
+    drifts over the minutes an account takes, and a slow minute at the start would pass a phase
+    for faster than the machine."""
     exp = built_or_exit(config)
     plan, settings = exp.train_plan, exp.settings
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), settings, plan)
@@ -440,6 +442,9 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
     decode_products = {n: products_at_rows(exp.model.merge().config, n, repeats)
                        for n in sampling.live_batch_sizes(plan.batch_size, sampling.MIN_LIVE_ROWS)}
     rates = {n: r["gflop_per_s"] for n, r in decode_products.items()}
+    after = measure()
+    peak_flops = max(before["matmul"]["gflop_per_s"], after["matmul"]["gflop_per_s"]) * 1e9
+    bandwidth = max(before["copy"]["gb_per_s"], after["copy"]["gb_per_s"]) * 1e9
     bar.update()
     for p in phases:
         seconds = statistics.median(p["runs_s"])
@@ -466,6 +471,7 @@ def account(path: str, overrides: list[str], config, steps: int, peak_flops: flo
         "rollout_rest_s": statistics.median(times["rollout"]) - measured, "rollout_phases_s": measured,
         "rollout_of_ceiling": sum(p["least_s"] for p in rollout) / measured,
         "rollout_of_ceiling_in_sequence": sum(p["least_in_sequence_s"] for p in rollout) / measured,
+        "ceilings_after": after, "peak_gflop_per_s": peak_flops / 1e9, "bandwidth_gb_per_s": bandwidth / 1e9,
         "rollout_of_reachable": sum(p["reachable_s"] for p in rollout) / measured,
         "rollout_as_run": {"iterations": run,
                            "of_ceiling_in_sequence": statistics.median(r["in_sequence_s"] / r["rollout_s"] for r in run),
@@ -488,8 +494,12 @@ def markdown(report: dict) -> str:
     parts = [head, markdown_table(["ceiling", "fastest run", "median", "runs (s)", "cores busy"], rows)]
     for a in report.get("accounts", []):
         it = a["iteration_s"]
+        after = a["ceilings_after"]
         parts.append(f"{a['config']}: {a['rows']} rows x {a['max_turn']} turns, answers <= {a['response_length']}, "
-                     f"context {a['max_len']}, {a['model']}, remat {a['remat']}; iteration {it['rollout']:.1f} s "
+                     f"context {a['max_len']}, {a['model']}, remat {a['remat']}; read against "
+                     f"{a['peak_gflop_per_s']:.1f} GFLOP/s and {a['bandwidth_gb_per_s']:.1f} GB/s, the faster of the "
+                     f"ceilings before it and after it ({after['matmul']['gflop_per_s']:.1f} GFLOP/s, "
+                     f"{after['copy']['gb_per_s']:.1f} GB/s); iteration {it['rollout']:.1f} s "
                      f"rollout + {it['update']:.1f} s update (median of {a['steps']}), rollout besides its phases "
                      f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated; the rollout's phases "
                      f"{a['rollout_phases_s']:.1f} s, {100 * a['rollout_of_ceiling']:.0f}% of ceiling, "
@@ -516,9 +526,11 @@ def main(argv=None) -> dict:
               "copy": copy_ceiling(args.copy_mib, args.repeats)}
     report["machine_balance_flop_per_byte"] = report["matmul"]["gflop_per_s"] / report["copy"]["gb_per_s"]
     if args.config:
-        peak, bandwidth = report["matmul"]["gflop_per_s"] * 1e9, report["copy"]["gb_per_s"] * 1e9
+        def measure() -> dict:
+            return {"matmul": matmul_ceiling(args.size, args.repeats), "copy": copy_ceiling(args.copy_mib, args.repeats)}
+
         with tqdm(total=len(args.config) * (args.steps + 2), desc="iterations", unit="it") as bar:
-            report["accounts"] = [account(path, args.overrides, config, args.steps, peak, bandwidth, bar, args.repeats)
+            report["accounts"] = [account(path, args.overrides, config, args.steps, report, measure, bar, args.repeats)
                                   for path, config in zip(args.config, checked)]
         report["load_average_after"] = list(os.getloadavg())
     text = markdown(report)
