@@ -439,7 +439,8 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
         bar.update()
     phases = rollout_phases(exp, state, kept, steps)
     phases.append(update_phase(exp, learns[layout], kept, layout, times["update"]))
-    decode_products = {n: products_at_rows(exp.model.merge().config, n, repeats)
+    config = exp.model.merge().config
+    decode_products = {n: products_at_rows(config, n, repeats)
                        for n in sampling.live_batch_sizes(plan.batch_size, sampling.MIN_LIVE_ROWS)}
     rates = {n: r["gflop_per_s"] for n, r in decode_products.items()}
     after = measure()
@@ -462,7 +463,6 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
     run = [{"rollout_s": seconds, "in_sequence_s": sum(in_sequence_seconds(p, peak_flops, bandwidth) for p in ph),
             "reachable_s": sum(reachable_seconds(p, peak_flops, bandwidth, rates) for p in ph)}
            for seconds, ph in zip(times["rollout"], as_run)]
-    config = exp.model.merge().config
     return {
         "config": path, "overrides": overrides, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
         "rows": plan.batch_size, "max_turn": plan.max_turn, "response_length": plan.response_length,
