@@ -188,8 +188,11 @@ def work(**kinds: tuple[int, int]) -> dict:
 def least_seconds(phase: dict, peak_flops: float, bandwidth: float) -> tuple[float, float]:
     """The least time of a phase's work at the ceilings: the whole at the ceiling that binds it (its
     kinds overlapped), and each kind at its own, one after the other (the docstring)."""
-    whole = max(phase["flops"] / peak_flops, phase["least_bytes"] / bandwidth)
-    return whole, in_sequence_seconds(phase, peak_flops, bandwidth)
+    in_sequence = in_sequence_seconds(phase, peak_flops, bandwidth)
+    # Overlapped is never slower than in sequence; the two divide and sum in different orders, so
+    # where one ceiling binds every kind they differ in the last bits, and min() keeps the order.
+    whole = min(max(phase["flops"] / peak_flops, phase["least_bytes"] / bandwidth), in_sequence)
+    return whole, in_sequence
 
 
 def in_sequence_seconds(phase: dict, peak_flops: float, bandwidth: float, products_flops: float | None = None) -> float:
