@@ -22,8 +22,10 @@ and why (docs/results.md §4 has the measurements):
 - 8 groups of 8 per step (192 turns, where a valid one is rare), the filter keeping the top 25 %
   (2 groups, 16 rows; the paper's ratio): each turn prefills every row's new observation and the
   update reads whole multi-turn rows, so 16 rows keep the update within a few minutes on 2 cores;
-- the update rematerialises attention (``model.remat=dots``: the weight products are kept, the
-  [rows, heads, T, T] scores recomputed), micro-batches of 4 rows: the update's memory is ~3 GiB;
+- micro-batches of 4 rows, nothing rematerialised (the recipe's ``model.remat=none``): keeping the
+  attention's activations costs the host a few GiB more than recomputing them (``model.remat=dots``)
+  and saves the update that work (docs/benchmarks.md, "The FrozenLake preset without
+  rematerialisation");
 - validation on 64 fixed levels (seeds 123-186) before, half-way and after 16 steps.
 """
 
@@ -32,7 +34,6 @@ from configs import base, frozen_lake, learn_bandit
 CHANGES = {
     **frozen_lake.CHANGES,
     **learn_bandit.RECIPE,
-    "model.remat": "dots",
     "rollout.enable_think": True,
     "reward.method": "identity",
     "algorithm.grpo_norm_by_std": True,

@@ -176,13 +176,21 @@ def first_prompt_split(traj: Trajectories):
     return jnp.maximum(traj.turn_start[..., 0] - 1, 0).astype(jnp.int32)
 
 
+FINE_WIDTH = 256  # from this width on, eight sizes per octave (``size_bucket``)
+
+
 def size_bucket(n: int, limit: int | None = None) -> int:
-    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 3·2^(k-1)) that holds ``n``, at most
-    ``limit`` (the rows' own width): at most half of a computed width is padding, and a run
-    compiles the update for few widths."""
+    """The smallest of 16, 24, 32, 48, 64, 96, 128, 192, 256 (2^k and 3·2^(k-1)), then eight sizes
+    per octave (288, 320, …, 512, 576, …) that holds ``n``, at most ``limit`` (the rows' own width).
+    Each new size costs the run one compile of its update (seconds), padding costs every step: below
+    ``FINE_WIDTH`` at most half of a width is padding, few widths a run; above, at most an eighth,
+    where the padding of a long multi-turn row is worth more than a compile."""
     size = 16
     while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        if size >= FINE_WIDTH:
+            size += 1 << (size.bit_length() - 4)  # an eighth of the octave it is in
+        else:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return size if limit is None else min(size, limit)
 
 

@@ -277,7 +277,7 @@ def test_frozen_lake_preset_thinks_and_normalises_by_the_std_as_ragen():
     config = load("learn_frozen_lake.py")
     train, _, settings = plans(config)
     assert train.enable_think and (train.max_turn, train.response_length, train.max_len) == (3, 48, 640)
-    assert (settings.reward_method, settings.grpo_norm_by_std, config.model.remat) == ("identity", True, "dots")
+    assert (settings.reward_method, settings.grpo_norm_by_std, config.model.remat) == ("identity", True, "none")
 
 
 def test_val_chunks_must_split_every_validation_tag():

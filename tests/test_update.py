@@ -25,7 +25,9 @@ from starpo_jax.forward import (
     first_prompt_split,
     full_layout,
     policy_tokens_per_row,
+    FINE_WIDTH,
     share_rows,
+    size_bucket,
     token_logprobs,
     token_values,
     update_forward,
@@ -354,6 +356,19 @@ def test_update_layout_holds_the_batch_in_few_widths():
     assert layout.prefix == 24 and layout.width >= int((np.asarray(traj.length) - split).max())
     assert layout.width == 16  # rows hold at most 8 response + 2 closing tokens after the split
     assert update_layout(traj, PLAN, share=1) == (0, 32)  # nothing shared: every row from 0, to 30 tokens
+
+
+def test_size_buckets_pad_at_most_half_below_the_fine_width_and_an_eighth_above():
+    """The update compiles one program per width: few coarse sizes where rows are short, eight per
+    octave where the padding of long multi-turn rows would cost more than a compile."""
+    sizes = sorted({size_bucket(n) for n in range(1, 4 * FINE_WIDTH + 1)})
+    assert sizes[:9] == [16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert sizes[9:13] == [288, 320, 352, 384] and sizes[-2:] == [960, 1024]
+    for n in range(1, 4 * FINE_WIDTH + 1):
+        size = size_bucket(n)
+        assert size >= n and size_bucket(size) == size
+        assert size - n < (size / 2 if size <= FINE_WIDTH else size / 8) or size == 16
+    assert size_bucket(343) == 352 and size_bucket(343, limit=340) == 340
 
 
 def test_a_layout_is_no_wider_than_the_plan_can_need():
