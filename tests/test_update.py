@@ -20,12 +20,12 @@ from flax import nnx
 import envs_jax
 from starpo_jax.algo import advantages, rewards
 from starpo_jax.forward import (
+    FINE_WIDTH,
     ForwardPass,
     Rows,
     first_prompt_split,
     full_layout,
     policy_tokens_per_row,
-    FINE_WIDTH,
     share_rows,
     size_bucket,
     token_logprobs,
