@@ -118,7 +118,7 @@ def template_collapse(exp, policy, traj, plan, prefix: str) -> dict:
         return {}
     t0 = time.perf_counter()
     metrics = collapse_metrics(policy, traj, plan, prefix, max_prompts=exp.config.trainer.mi_prompts,
-                               micro_batch=exp.settings.micro_batch_size, temperature=exp.settings.rollout_temperature)
+                               positions=exp.settings.logprob_chunk, temperature=exp.settings.rollout_temperature)
     return metrics | {f"timing_s/{prefix}_mi": time.perf_counter() - t0} if metrics else {}
 
 

@@ -157,10 +157,19 @@ def test_collapse_metrics_per_env_tag(model):
     bandit = envs_jax.make("Bandit")  # the tags' env is not read
     plan = RolloutPlan(tags=(TagPlan("A", bandit, 2, 5), TagPlan("B", bandit, 1, 5)), group_size=GROUP_SIZE,
                        response_length=ANSWER, max_len=LENGTH)
-    got = collapse_metrics(model, traj, plan, "val-env", max_prompts=8, micro_batch=4, temperature=1.0)
+    got = collapse_metrics(model, traj, plan, "val-env", max_prompts=8, positions=1, temperature=1.0)
     expected = template_collapse_metrics(cross_scores(
         model.graphdef, model.params, traj, group_size=GROUP_SIZE, groups=(0, 1), width=16, response_length=ANSWER,
         micro_batch=2, temperature=1.0))
     assert set(got) == {f"val-env/A/{key}" for key in expected}
     for key, value in expected.items():  # another micro-batch and prompt width: the same sums, reordered
         assert got[f"val-env/A/{key}"] == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
+
+
+def test_a_scoring_pass_holds_the_fewest_rows_that_reach_its_positions():
+    from starpo_jax.diagnostics.template_collapse import rows_per_pass
+
+    assert rows_per_pass(64, 48, 512) == 16  # 8 rows hold 384 positions, 16 hold 768
+    assert rows_per_pass(64, 16, 512) == 32
+    assert rows_per_pass(12, 48, 512) == 12  # no divisor of 12 reaches 512: every row at once
+    assert rows_per_pass(4, 6, 1) == 1

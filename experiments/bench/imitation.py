@@ -141,7 +141,7 @@ def validate(exp, state, key) -> dict:
     levels = fixed_levels(plan, exp.val_tables, cfg.envs.val.seed, cfg.trainer.val_chunks)
     result = evaluate_levels(levels, policy, key, cfg.rollout.val_temperature, "val")
     collapse = collapse_metrics(policy, result.traj, plan, "val", max_prompts=max(cfg.trainer.mi_prompts, 2),
-                                micro_batch=exp.settings.micro_batch_size, temperature=exp.settings.rollout_temperature)
+                                positions=exp.settings.logprob_chunk, temperature=exp.settings.rollout_temperature)
     records = trajectory_records(result.traj, plan, exp.tokenizer, cfg.envs.val.seed)
     first = Counter(r["turns"][0]["answer"].strip() if r["turns"] else "" for r in records)
     solved, n = sum(bool(r["success"]) for r in records), len(records)

@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     for _ in range(1 + args.repeats):
         t0 = time.perf_counter()
         figures = collapse_metrics(policy, traj, exp.train_plan, "train", max_prompts=exp.config.trainer.mi_prompts,
-                                   micro_batch=exp.settings.micro_batch_size,
+                                   positions=exp.settings.logprob_chunk,
                                    temperature=exp.settings.rollout_temperature)
         seconds.append(time.perf_counter() - t0)
     report = {

@@ -132,12 +132,20 @@ def cross_scores(graphdef, params, traj: Trajectories, *, group_size: int, group
 _figures = jax.jit(template_collapse_metrics)
 
 
+def rows_per_pass(rows: int, response_length: int, positions: int) -> int:
+    """The fewest of ``rows`` (a divisor) whose answers hold ``positions``: a pass of few positions
+    leaves the products short of their rate (a FrozenLake scoring, 48-token answers: 52 s at 4 rows
+    a pass, 46 s at 16; docs/benchmarks.md), and its logits [rows, response_length, V] stay bounded."""
+    return next(d for d in range(1, rows + 1) if rows % d == 0 and (d * response_length >= positions or d == rows))
+
+
 def collapse_metrics(policy: ModelState, traj: Trajectories, plan: RolloutPlan, prefix: str, *, max_prompts: int,
-                     micro_batch: int, temperature: float) -> dict[str, float]:
+                     positions: int, temperature: float) -> dict[str, float]:
     """``{prefix}/{tag}/mi``, ``mi_seq``, ``retrieval_acc`` and ``retrieval_chance`` of a rollout batch,
     per env tag with two prompts or more: the first answers of the tag's first ``max_prompts``
     groups scored by ``policy`` (the weights that sampled them, at their sampling ``temperature``)
-    after each of those groups' first prompts."""
+    after each of those groups' first prompts, at least ``positions`` answer positions a pass (the
+    update's ``logprob_chunk``, the vocabulary projection's chunk)."""
     width = prompt_width(traj, plan)
     out: dict[str, float] = {}
     for name, groups in sampled_groups(plan, max_prompts):
@@ -146,7 +154,8 @@ def collapse_metrics(policy: ModelState, traj: Trajectories, plan: RolloutPlan, 
         rows = len(groups) * plan.group_size
         scores = cross_scores(policy.graphdef, policy.params, traj, group_size=plan.group_size,
                               groups=tuple(int(g) for g in groups), width=width, response_length=plan.response_length,
-                              micro_batch=math.gcd(micro_batch, rows), temperature=temperature)
+                              micro_batch=rows_per_pass(rows, plan.response_length, positions),
+                              temperature=temperature)
         figures = distributed.to_host(_figures(scores))  # on every process, wherever the batch was scored
         out |= {f"{prefix}/{name}/{key}": float(value) for key, value in figures.items()}
     return out
