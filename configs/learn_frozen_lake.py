@@ -24,8 +24,8 @@ and why (docs/results.md §4 has the measurements):
   update reads whole multi-turn rows, so 16 rows keep the update within a few minutes on 2 cores;
 - micro-batches of 4 rows, nothing rematerialised (the recipe's ``model.remat=none``): keeping the
   attention's activations costs the host a few GiB more than recomputing them (``model.remat=dots``)
-  and saves the update that work (docs/benchmarks.md, "The FrozenLake preset without
-  rematerialisation");
+  and saves the update that work (docs/benchmarks.md, "The FrozenLake preset's update
+  without rematerialisation …");
 - validation on 64 fixed levels (seeds 123-186) before, half-way and after 16 steps.
 """
 

@@ -134,8 +134,8 @@ _figures = jax.jit(template_collapse_metrics)
 
 def rows_per_pass(rows: int, response_length: int, positions: int) -> int:
     """The fewest of ``rows`` (a divisor) whose answers hold ``positions``: a pass of few positions
-    leaves the products short of their rate (a FrozenLake scoring, 48-token answers: 52 s at 4 rows
-    a pass, 46 s at 16; docs/benchmarks.md), and its logits [rows, response_length, V] stay bounded."""
+    leaves the products short of their rate (docs/benchmarks.md, "The FrozenLake preset's update
+    without rematerialisation …"), and its logits [rows, response_length, V] stay bounded."""
     return next(d for d in range(1, rows + 1) if rows % d == 0 and (d * response_length >= positions or d == rows))
 
 
