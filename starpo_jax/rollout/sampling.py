@@ -398,9 +398,10 @@ def decode_step(decoder, weights, s: DecodeState, key: Array, temperature, top_k
 
 #: A decode moves its live rows into a quarter or a half of its batch where they fit
 #: (``live_batch_sizes``) if each device keeps at least this many rows; ``multi_turn.on_live_rows``
-#: does the same for a later turn. Smaller batches gain less than the gather, the scatter and the
-#: programs' compiles cost.
-MIN_LIVE_ROWS = 8
+#: does the same for a later turn. A step of fewer rows is hardly cheaper (it still reads every
+#: weight, and a CPU's products slow as their rows shrink), while each size is one more copy of the
+#: decode step's layers in the rollout program, whose compile and load grow faster than its size.
+MIN_LIVE_ROWS = 32
 #: ... and if at least this many steps of the budget remain: each move copies the live rows' cache
 #: out and back, about the time of one step of the batch it leaves.
 MIN_STEPS_AFTER_MOVE = 4
