@@ -95,8 +95,8 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     """Two FrozenLake turns of a tiny model: every phase counted, timed and read against a ceiling."""
     report = ceilings.main([
         "--quick", "--size", "64", "--copy-mib", "4", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "c.json"),
-        "--config", "configs/learn_frozen_lake.py", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)",
-        "--config.filter.ratio=0.5", "--config.actor.ppo_mini_batch_size=8", "--config.rollout.max_turn=2",
+        "--config", "configs/learn_frozen_lake.py", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(8,)",
+        "--config.filter.ratio=0.125", "--config.actor.ppo_mini_batch_size=8", "--config.rollout.max_turn=2",
         "--config.rollout.response_length=4", "--config.rollout.max_model_len=512",
     ])  # fmt: skip
     (account,) = report["accounts"]
@@ -121,7 +121,8 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
     assert account["rollout_of_ceiling"] == pytest.approx(sum(p["least_s"] for p in rollout) / account["rollout_phases_s"])
     assert account["rollout_of_ceiling"] <= account["rollout_of_ceiling_in_sequence"]
     rates = {r["rows"]: r["gflop_per_s"] for r in account["decode_products"]}
-    assert set(rates) == {8, 16} and min(rates.values()) > 0  # the batch's rows and the half it may move to
+    # the batch's 64 rows and the half it may move to (a quarter would be fewer than MIN_LIVE_ROWS)
+    assert set(rates) == {64, 32} == set(sampling.live_batch_sizes(64, sampling.MIN_LIVE_ROWS)) and min(rates.values()) > 0
     # read against the faster of the ceilings measured before the account and after it
     after = account["ceilings_after"]
     assert account["peak_gflop_per_s"] == max(report["matmul"]["gflop_per_s"], after["matmul"]["gflop_per_s"])
