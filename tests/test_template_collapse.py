@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starpo_jax.diagnostics.template_collapse import CrossScores, cross_scores, template_collapse_metrics
+from starpo_jax.diagnostics.template_collapse import (
+    CrossScores,
+    cross_scores,
+    rows_per_pass,
+    template_collapse_metrics,
+)
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout.multi_turn import Trajectories
 
@@ -167,8 +172,6 @@ def test_collapse_metrics_per_env_tag(model):
 
 
 def test_a_scoring_pass_holds_the_fewest_rows_that_reach_its_positions():
-    from starpo_jax.diagnostics.template_collapse import rows_per_pass
-
     assert rows_per_pass(64, 48, 512) == 16  # 8 rows hold 384 positions, 16 hold 768
     assert rows_per_pass(64, 16, 512) == 32
     assert rows_per_pass(12, 48, 512) == 12  # no divisor of 12 reaches 512: every row at once
