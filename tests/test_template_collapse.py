@@ -13,6 +13,7 @@ from flax import nnx
 from starpo_jax.diagnostics.template_collapse import (
     CrossScores,
     cross_scores,
+    distinct_prompts,
     rows_per_pass,
     template_collapse_metrics,
 )
@@ -85,15 +86,17 @@ def test_answers_that_are_a_function_of_the_prompt_score_clearly_above():
 GROUPS, GROUP_SIZE, LENGTH, ANSWER = 3, 2, 40, 6
 
 
-def fake_batch(seed: int, same_last_token: bool = False) -> Trajectories:
+def fake_batch(seed: int, same_last_token: bool = False, prompt_of=tuple(range(GROUPS))) -> Trajectories:
     """Rows of 3 groups x 2: a group's rows share a first prompt (of 9, 12 or 15 tokens), then each
-    row's own first answer of 3 to 6 tokens, then whatever follows."""
+    row's own first answer of 3 to 6 tokens, then whatever follows. Group g's prompt is group
+    ``prompt_of[g]``'s (the same tokens)."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(5, 200, (GROUPS * GROUP_SIZE, LENGTH)).astype(np.int32)
-    prompt_length = np.repeat([9, 12, 15], GROUP_SIZE)
+    prompt_length = np.repeat(np.array([9, 12, 15])[list(prompt_of)], GROUP_SIZE)
     for g in range(GROUPS):
         rows = slice(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)
-        tokens[rows, : prompt_length[g * GROUP_SIZE]] = tokens[g * GROUP_SIZE, : prompt_length[g * GROUP_SIZE]]
+        source = prompt_of[g] * GROUP_SIZE
+        tokens[rows, : prompt_length[source]] = tokens[source, : prompt_length[source]]
     if same_last_token:
         tokens[np.arange(len(tokens)), prompt_length - 1] = 7
     answer_length = rng.integers(3, ANSWER + 1, len(tokens))
@@ -138,6 +141,24 @@ def test_cross_scores_equal_a_forward_pass_over_each_prompt_and_answer(model):
         assert float(got.per_token[r, p]) == pytest.approx(expected / (end[r] - start[r]), rel=1e-4, abs=1e-4)
     np.testing.assert_array_equal(got.own, np.repeat(np.arange(GROUPS), GROUP_SIZE))
     np.testing.assert_array_equal(got.same_prompt, np.eye(GROUPS, dtype=bool))
+
+
+def test_answers_are_scored_once_after_each_distinct_prompt(model):
+    """Groups 0 and 2 share a prompt: it is scored after once, and both take those scores, which
+    equal scoring after every prompt."""
+    traj = fake_batch(5, prompt_of=(0, 1, 0))
+    np.testing.assert_array_equal(distinct_prompts(traj, np.arange(GROUPS), GROUP_SIZE), [0, 1])
+    np.testing.assert_array_equal(distinct_prompts(fake_batch(5), np.arange(GROUPS), GROUP_SIZE), [0, 1, 2])
+    np.testing.assert_array_equal(distinct_prompts(traj, np.arange(1, GROUPS), GROUP_SIZE), [0, 1])
+    every = score(model, traj)
+    once = cross_scores(model.graphdef, model.params, traj, group_size=GROUP_SIZE, groups=(0, 1, 2), width=16,
+                        response_length=ANSWER, micro_batch=2, temperature=1.0, scored=np.array([0, 1], np.int32))
+    np.testing.assert_array_equal(once.per_sequence[:, 2], once.per_sequence[:, 0])
+    # two programs (two prompts' passes against three): the same sums, compiled apart
+    np.testing.assert_allclose(once.per_sequence, every.per_sequence, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(once.per_token, every.per_token, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(once.same_prompt, every.same_prompt)
+    assert bool(every.same_prompt[0, 2]) and not bool(every.same_prompt[0, 1])
 
 
 def test_a_model_that_cannot_read_its_prompt_scores_zero_mi(model):

@@ -16,6 +16,9 @@ Here the prompt is a group's first prompt (a group's rows start from the same le
 response its first turn's answer, as RAGEN-2's first-turn sample. The cross log-probs are one
 compiled program: each prompt's keys and values computed once (``Decoder.prefix_keys_values``),
 every response continued from them (``hidden_states_after``), one micro-batch of rows at a time.
+Prompts with the same tokens (the Bandit has two: its arms in either order) are scored after once
+(``distinct_prompts``, picked on the host) and their scores shared: the same figures for a fraction
+of the work.
 """
 
 from __future__ import annotations
@@ -76,6 +79,18 @@ def sampled_groups(plan: RolloutPlan, max_prompts: int) -> list[tuple[str, np.nd
     return out
 
 
+def distinct_prompts(traj: Trajectories, groups: np.ndarray, group_size: int) -> np.ndarray:
+    """int32 [D]: the first of ``groups``' first prompts with each distinct token sequence (its tokens
+    up to and including the split's), as indices into ``groups``: the prompts ``cross_scores``
+    scores after. Read on the host, on every process alike."""
+    leaders = np.asarray(groups) * group_size
+    tokens, split = distributed.to_host((traj.tokens[leaders], first_prompt_split(traj)[leaders]))
+    first: dict[bytes, int] = {}
+    for i, (row, end) in enumerate(zip(np.asarray(tokens), np.asarray(split))):
+        first.setdefault(row[: end + 1].tobytes(), i)
+    return np.asarray(sorted(first.values()), np.int32)
+
+
 def prompt_width(traj: Trajectories, plan: RolloutPlan) -> int:
     """The static width that holds every row's first prompt: the update layout's prefix
     (``forward.first_prompt_width``), picked on the host, a few compiled widths per run."""
@@ -85,19 +100,26 @@ def prompt_width(traj: Trajectories, plan: RolloutPlan) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "groups", "width", "response_length",
                                              "micro_batch", "temperature"))
 def cross_scores(graphdef, params, traj: Trajectories, *, group_size: int, groups: tuple[int, ...], width: int,
-                 response_length: int, micro_batch: int, temperature: float) -> CrossScores:
+                 response_length: int, micro_batch: int, temperature: float,
+                 scored: jax.Array | np.ndarray | None = None) -> CrossScores:
     """The first answers of ``groups``' rows scored after each of those groups' first prompts.
 
     ``width``: the static width that holds the prompts (``prompt_width``); ``response_length``: the
     longest first answer; rows are scored ``micro_batch`` at a time, so at most [micro_batch,
-    response_length, V] logits exist at once."""
+    response_length, V] logits exist at once. ``scored``: int32 [D], the prompts (indices into
+    ``groups``) the answers are scored after, one of each distinct prompt (``distinct_prompts``);
+    every other prompt takes the scores of the scored one with its tokens. None: every prompt."""
     model = nnx.merge(graphdef, params)
     leaders = np.asarray(groups) * group_size
     rows = (leaders[:, None] + np.arange(group_size)[None]).reshape(-1)
     split = first_prompt_split(traj)[leaders]  # each first prompt's last token: it predicts the first answer token
     prompts = traj.tokens[leaders, :width]
-    keys, values = model.prefix_keys_values(prompts, split)
     last = traj.tokens[leaders, split]
+    prompt_only = jnp.where(jnp.arange(width)[None] < split[:, None], prompts, -1)
+    same = jnp.all(prompt_only[:, None] == prompt_only[None], axis=-1) & (last[:, None] == last[None])
+    scored = jnp.arange(len(leaders)) if scored is None else jnp.asarray(scored, jnp.int32)
+    keys, values = model.prefix_keys_values(prompts[scored], split[scored])
+    split, last = split[scored], last[scored]
 
     start = traj.turn_start[rows, 0]
     answer_length = traj.turn_end[rows, 0] - start
@@ -106,7 +128,7 @@ def cross_scores(graphdef, params, traj: Trajectories, *, group_size: int, group
     real = offsets[None] < answer_length[:, None]
 
     def after_prompt(p):
-        """float32 [R]: each answer's summed log-prob after prompt p."""
+        """float32 [R]: each answer's summed log-prob after the p-th scored prompt."""
 
         def micro(batch):
             answer, mask = batch
@@ -121,10 +143,9 @@ def cross_scores(graphdef, params, traj: Trajectories, *, group_size: int, group
         shaped = [x.reshape((-1, micro_batch) + x.shape[1:]) for x in (answers, real)]
         return jax.lax.map(micro, tuple(shaped)).reshape(-1)
 
-    summed = jax.lax.map(after_prompt, jnp.arange(len(leaders))).T  # [R, P]
+    summed = jax.lax.map(after_prompt, jnp.arange(scored.shape[0])).T  # [R, D]
+    summed = summed[:, jnp.argmax(same[:, scored], axis=1)]  # [R, P]: each prompt the scores of its scored twin
     counts = jnp.maximum(answer_length, 1).astype(jnp.float32)[:, None]
-    prompt_only = jnp.where(jnp.arange(width)[None] < split[:, None], prompts, -1)
-    same = jnp.all(prompt_only[:, None] == prompt_only[None], axis=-1) & (last[:, None] == last[None])
     own = jnp.repeat(jnp.arange(len(leaders), dtype=jnp.int32), group_size)
     return CrossScores(summed / counts, summed, own, same)
 
@@ -155,7 +176,7 @@ def collapse_metrics(policy: ModelState, traj: Trajectories, plan: RolloutPlan, 
         scores = cross_scores(policy.graphdef, policy.params, traj, group_size=plan.group_size,
                               groups=tuple(int(g) for g in groups), width=width, response_length=plan.response_length,
                               micro_batch=rows_per_pass(rows, plan.response_length, positions),
-                              temperature=temperature)
+                              temperature=temperature, scored=distinct_prompts(traj, groups, plan.group_size))
         figures = distributed.to_host(_figures(scores))  # on every process, wherever the batch was scored
         out |= {f"{prefix}/{name}/{key}": float(value) for key, value in figures.items()}
     return out
