@@ -84,11 +84,9 @@ def distinct_prompts(traj: Trajectories, groups: np.ndarray, group_size: int) ->
     up to and including the split's), as indices into ``groups``: the prompts ``cross_scores``
     scores after. Read on the host, on every process alike."""
     leaders = np.asarray(groups) * group_size
-    tokens, split = distributed.to_host((traj.tokens[leaders], first_prompt_split(traj)[leaders]))
-    first: dict[bytes, int] = {}
-    for i, (row, end) in enumerate(zip(np.asarray(tokens), np.asarray(split))):
-        first.setdefault(row[: end + 1].tobytes(), i)
-    return np.asarray(sorted(first.values()), np.int32)
+    tokens, split = (np.asarray(x) for x in distributed.to_host((traj.tokens[leaders], first_prompt_split(traj)[leaders])))
+    prompts = np.where(np.arange(tokens.shape[1])[None] <= split[:, None], tokens, -1)
+    return np.sort(np.unique(prompts, axis=0, return_index=True)[1]).astype(np.int32)
 
 
 def prompt_width(traj: Trajectories, plan: RolloutPlan) -> int:
