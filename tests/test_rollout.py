@@ -485,6 +485,35 @@ def test_the_first_turn_prefills_each_distinct_first_prompt_once():
         np.testing.assert_allclose(shared.v, every_row.v, rtol=1e-5, atol=1e-6)
 
 
+def test_the_first_turn_counts_the_distinct_prompts_of_sampled_levels():
+    """By default (sampled levels) the first turn counts the batch's distinct first prompts in its
+    program and prefills them in the smallest batch that holds them: the same cache and logits as
+    prefilling every row, whether they fit the small batch (2 of 8 groups) or not (3, 8)."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout.multi_turn import prefill_batch_sizes
+    from starpo_jax.rollout.sampling import append, init_cache
+
+    model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+    plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 8, 1),), group_size=2, max_len=32)
+    assert prefill_batch_sizes(plan.num_groups) == (2, 8)
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, 200, (8, 12))
+    cache = init_cache(model.merge().config, 16, plan.max_len)
+    prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
+    for distinct in (2, 3, 8):
+        level = np.repeat(rng.permutation(np.arange(8) % distinct), 2)  # each group's prompt, two rows each
+        ids = jnp.asarray(prompts[level], jnp.int32)
+        num_new = jnp.asarray(12 - level % 3, jnp.int32)  # a prompt's length is its own
+        every_row, every_logits = append(model, cache, ids, num_new)
+        shared, logits = prefill(model, ids, num_new, cache)
+        np.testing.assert_allclose(logits, every_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(shared.lengths, num_new)
+        np.testing.assert_allclose(shared.k, every_row.k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(shared.v, every_row.v, rtol=1e-5, atol=1e-6)
+
+
 def test_the_first_turn_reads_and_writes_only_the_head_it_can_reach():
     """The first turn runs in the cache's first ``first prompt width + token budget`` slots: slots
     past them, here NaN, are neither read (a NaN read by attention would reach every logit) nor
@@ -654,6 +683,46 @@ def test_a_later_turn_on_the_rows_still_playing_equals_the_whole_batch(live):
     for got, want, before in zip(compact.cache.k + compact.cache.v, whole.cache.k + whole.cache.v, cache.k + cache.v):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(got[~np.asarray(active)], np.asarray(before)[~np.asarray(active)])
+
+
+FIRST_PROMPTS_ON_TWO_DEVICES = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+import envs_jax
+from starpo_jax.models import Decoder, ModelState, preset
+from starpo_jax.rollout.multi_turn import LLMResponder, RolloutPlan, TagPlan
+from starpo_jax.rollout.sampling import append, init_cache
+from starpo_jax.runtime import sharding
+
+model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 8, 1),), group_size=2, max_len=32)
+rng = np.random.default_rng(0)
+ids = jnp.asarray(rng.integers(1, 200, (2, 12))[np.arange(16) // 3 % 2], jnp.int32)  # two prompts, mixed
+num_new = jnp.asarray(np.where(np.arange(16) // 3 % 2, 12, 10), jnp.int32)
+cache = init_cache(model.merge().config, 16, plan.max_len)
+_, whole = append(model, cache, ids, num_new)
+mesh = sharding.make_mesh(2, 1, 1)
+with sharding.use_mesh(mesh):
+    by_rows = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    model = jax.device_put(model, NamedSharding(mesh, P()))
+    shared, logits = jax.jit(LLMResponder(plan).prefill_first_prompts)(model, by_rows(ids), by_rows(num_new),
+                                                                      jax.tree.map(by_rows, cache))
+print(json.dumps({"logits": float(np.abs(np.asarray(logits) - np.asarray(whole)).max()),
+                  "lengths": np.asarray(shared.lengths).tolist() == np.asarray(num_new).tolist()}))
+"""
+
+
+def test_a_row_sharded_first_turn_prefills_its_distinct_prompts_as_one_device():
+    """On two devices splitting the rows, the first turn counts the batch's two distinct prompts
+    across both and prefills them in its small batch: the logits of prefilling every row on one."""
+    env = {**os.environ, **simulated_devices(2)}
+    proc = subprocess.run([sys.executable, "-c", FIRST_PROMPTS_ON_TWO_DEVICES],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["lengths"] and out["logits"] < 1e-4, out
 
 
 LIVE_ROWS_ON_TWO_DEVICES = r"""

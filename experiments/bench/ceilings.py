@@ -24,10 +24,11 @@ for as many steps as that turn's longest answer, each row stopping where its ans
 buffer writes) is the rest. Per phase:
 
 - FLOPs from the shapes (``product_flops``, ``attention_flops``: the products of the real tokens,
-  prompts counted once per group where the program shares them; an update's backward twice its
-  forward, and the rematerialised products once more), and from XLA: the matrix products of the
-  compiled program (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed,
-  padding and masked cache slots included; for a decode, its loop with every row kept to the end,
+  a prompt counted once where the program shares it (the rollout's first prompts once each, the
+  update's once per group); an update's backward twice its forward, and the rematerialised
+  products once more), and from XLA: the matrix products of the compiled program
+  (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed, padding and
+  masked cache slots included; for a decode, its loop with every row kept to the end,
   an upper bound, since the rows that stop early move out of the loop's batch), and
   ``compiled.cost_analysis()`` as XLA reports it (a loop's body counted once);
 - bytes: weights and KV cache read and written (the least the phase must move) and what the
@@ -89,7 +90,7 @@ from experiments.bench.common import (
 from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
 from starpo_jax.forward import policy_tokens_per_row, share_rows
 from starpo_jax.rollout import sampling
-from starpo_jax.rollout.multi_turn import LLMResponder
+from starpo_jax.rollout.multi_turn import LLMResponder, prefill_batch_sizes
 from starpo_jax.runtime import allocator
 from starpo_jax.runtime.planning import iteration_program, kv_bytes_per_token
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
@@ -321,17 +322,20 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
             phases[-1] |= {"xla": xla_counts(counted.lower(*args).compile() if counted else compiled, trips),
                            "runs_s": _timed_median(lambda: compiled(*args), repeats)}
 
-    # The first turn: each group's prompt computed once (LLMResponder.prefill_first_prompts).
+    # The first turn: each distinct first prompt of the batch computed once, in the smallest batch
+    # that holds them (LLMResponder.prefill_first_prompts), on the batch's own prompts.
     first_width = max(t.prompts.first_len for t in exp.train_tables.tags)
-    ids = np.repeat(rng.integers(0, vocab, (G, first_width), np.int32), plan.group_size, axis=0)
     n0 = prompt[:, 0]
+    ids = np.asarray(jax.device_get(traj.tokens))[:, :first_width]
+    _, first_rows = np.unique(np.where(np.arange(first_width)[None] < n0[:, None], ids, -1), axis=0, return_index=True)
+    leaders = n0[first_rows]
+    rows = min(n for n in prefill_batch_sizes(G) if n >= len(leaders))
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)
-    leaders = n0[:: plan.group_size]
     add("prefill", 1, prefill, args,
-        work(products=(product_flops(config, int(leaders.sum()), G), weights),
+        work(products=(product_flops(config, int(leaders.sum()), len(leaders)), weights),
              attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)),
-        trips=append_trips(G, first_width, leaders))
+        trips=append_trips(rows, first_width, leaders))
     next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
     for t in range(start.shape[1]):
         active = played[:, t]

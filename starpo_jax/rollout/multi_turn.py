@@ -565,8 +565,10 @@ class LLMResponder:
     ignored, as if each turn ended there; the plan's ``response_length`` still sizes the context
     budget and the update. A fixed workload for random weights, which never stop on their own.
 
-    ``first_prompts``: at most this many distinct first prompts in a batch (default: one per group,
-    since a group's rows start from the same level); the first turn prefills each once.
+    ``first_prompts``: at most this many distinct first prompts in a batch, counted on the host for
+    fixed levels (``distinct_first_prompts``). By default one per group, since a group's rows start
+    from the same level, and the first turn counts them in its program: sampled levels may repeat a
+    prompt (the Bandit's show two). The first turn prefills each distinct prompt once.
 
     ``min_live_rows``: later turns run on the rows still playing (``on_live_rows``), and a decode
     goes on with the rows still answering (``sampling.decode``), in batches of no fewer than this
@@ -622,20 +624,40 @@ class LLMResponder:
     def prefill_first_prompts(self, model, prompt_ids, num_new, cache):
         """The first turn's prefill, once per distinct first prompt: each is computed for one of its
         rows and its keys, values and logits gathered to every row that reads it. A group's rows read
-        the same prompt (the same level), and fixed validation levels often repeat one (the
-        Bandit's levels show two), so this is most of the first turn's compute saved."""
+        the same prompt (the same level), and levels often repeat one (the Bandit's show two: its
+        arms in either order), so this is most of the first turn's compute saved. The batch's
+        distinct prompts of sampled levels are counted in the program, and the prefill runs in the
+        smallest of ``prefill_batch_sizes`` that holds them (one ``lax.switch``)."""
         count = self.first_prompts or self.plan.num_groups
         if count >= prompt_ids.shape[0]:
             return append(model, cache, prompt_ids, num_new)
         real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
-        _, leaders, inverse = jnp.unique(
+        distinct, leaders, inverse = jnp.unique(
             sharding.replicated(jnp.where(real, prompt_ids, -1)),
             axis=0, size=count, return_index=True, return_inverse=True, fill_value=-1,
         )
-        inverse = inverse.reshape(-1)
-        distinct, logits = append(model, init_cache(model.merge().config, count, cache.max_len),
-                                  prompt_ids[leaders], num_new[leaders])
-        return distinct.rows(inverse), logits[inverse]
+        inverse = inverse.reshape(-1)  # each row's prompt among ``distinct``, the first ones
+
+        def in_batch_of(size: int):
+            def run():
+                lead = leaders[:size]
+                once, logits = append(model, init_cache(model.merge().config, size, cache.max_len),
+                                      prompt_ids[lead], num_new[lead])
+                return once.rows(inverse), logits[inverse]
+            return run
+
+        sizes = (count,) if self.first_prompts else prefill_batch_sizes(count)
+        if len(sizes) == 1:
+            return in_batch_of(count)()
+        found = jnp.sum(distinct[:, 0] >= 0)  # a padding row is all fill; a prompt's first token is real
+        return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), found), [in_batch_of(n) for n in sizes])
+
+
+def prefill_batch_sizes(groups: int) -> tuple[int, ...]:
+    """The batch sizes a first turn of ``groups`` sampled groups prefills its distinct prompts in,
+    ascending: one per group, and a quarter and an eighth of that where they divide it, 2 at least
+    (the Bandit's two prompts). Each is a prefill compiled in the rollout, run when it holds them."""
+    return tuple(sorted({groups} | {groups // d for d in (4, 8) if groups % d == 0 and groups // d >= 2}))
 
 
 def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:
