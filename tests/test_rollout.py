@@ -488,7 +488,7 @@ def test_the_first_turn_prefills_each_distinct_first_prompt_once():
 def test_the_first_turn_counts_the_distinct_prompts_of_sampled_levels():
     """By default (sampled levels) the first turn counts the batch's distinct first prompts in its
     program and prefills them in the smallest batch that holds them: the same cache and logits as
-    prefilling every row, whether they fit the small batch (2 of 8 groups) or not (3, 8)."""
+    prefilling every row, in each of its batches (2 of 8 groups, 3 in 4 rows, 8)."""
     from flax import nnx
 
     from starpo_jax.models import Decoder, ModelState, preset
@@ -497,7 +497,7 @@ def test_the_first_turn_counts_the_distinct_prompts_of_sampled_levels():
 
     model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
     plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 8, 1),), group_size=2, max_len=32)
-    assert prefill_batch_sizes(plan.num_groups) == (2, 8)
+    assert prefill_batch_sizes(plan.num_groups) == (2, 4, 8)
     rng = np.random.default_rng(1)
     prompts = rng.integers(1, 200, (8, 12))
     cache = init_cache(model.merge().config, 16, plan.max_len)

@@ -655,9 +655,10 @@ class LLMResponder:
 
 def prefill_batch_sizes(groups: int) -> tuple[int, ...]:
     """The batch sizes a first turn of ``groups`` sampled groups prefills its distinct prompts in,
-    ascending: one per group, and a quarter and an eighth of that where they divide it, 2 at least
-    (the Bandit's two prompts). Each is a prefill compiled in the rollout, run when it holds them."""
-    return tuple(sorted({groups} | {groups // d for d in (4, 8) if groups % d == 0 and groups // d >= 2}))
+    ascending: one per group, and a half, a quarter and an eighth of that where they divide it, 2 at
+    least (the Bandit's two prompts). Each is a prefill compiled in the rollout, run when it holds
+    them."""
+    return tuple(sorted({groups} | {groups // d for d in (2, 4, 8) if groups % d == 0 and groups // d >= 2}))
 
 
 def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states) -> int:
