@@ -332,10 +332,12 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     rows = min(n for n in prefill_batch_sizes(G) if n >= len(leaders))
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)
+    # XLA's count reads every branch of the program's switch: counted on the one that runs
+    in_rows = jax.jit(LLMResponder(plan, first_prompts=rows).prefill_first_prompts)
     add("prefill", 1, prefill, args,
         work(products=(product_flops(config, int(leaders.sum()), len(leaders)), weights),
              attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)),
-        trips=append_trips(rows, first_width, leaders))
+        trips=append_trips(rows, first_width, leaders), counted=in_rows)
     next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
     for t in range(start.shape[1]):
         active = played[:, t]
