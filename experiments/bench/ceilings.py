@@ -90,7 +90,7 @@ from experiments.bench.common import (
 from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
 from starpo_jax.forward import policy_tokens_per_row, share_rows
 from starpo_jax.rollout import sampling
-from starpo_jax.rollout.multi_turn import LLMResponder, prefill_batch_sizes
+from starpo_jax.rollout.multi_turn import LLMResponder, first_rows_of_distinct_prompts, prefill_batch_sizes
 from starpo_jax.runtime import allocator
 from starpo_jax.runtime.planning import iteration_program, kv_bytes_per_token
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
@@ -327,8 +327,7 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     first_width = max(t.prompts.first_len for t in exp.train_tables.tags)
     n0 = prompt[:, 0]
     ids = np.asarray(jax.device_get(traj.tokens))[:, :first_width]
-    _, first_rows = np.unique(np.where(np.arange(first_width)[None] < n0[:, None], ids, -1), axis=0, return_index=True)
-    leaders = n0[first_rows]
+    leaders = n0[first_rows_of_distinct_prompts(ids, n0)]
     rows = min(n for n in prefill_batch_sizes(G) if n >= len(leaders))
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)

@@ -35,7 +35,7 @@ from flax import nnx
 from starpo_jax.algo import losses
 from starpo_jax.forward import first_prompt_split, first_prompt_width
 from starpo_jax.models.decoder import ModelState
-from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories
+from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories, first_rows_of_distinct_prompts
 from starpo_jax.runtime import distributed
 
 
@@ -84,9 +84,8 @@ def distinct_prompts(traj: Trajectories, groups: np.ndarray, group_size: int) ->
     up to and including the split's), as indices into ``groups``: the prompts ``cross_scores``
     scores after. Read on the host, on every process alike."""
     leaders = np.asarray(groups) * group_size
-    tokens, split = (np.asarray(x) for x in distributed.to_host((traj.tokens[leaders], first_prompt_split(traj)[leaders])))
-    prompts = np.where(np.arange(tokens.shape[1])[None] <= split[:, None], tokens, -1)
-    return np.sort(np.unique(prompts, axis=0, return_index=True)[1]).astype(np.int32)
+    tokens, split = distributed.to_host((traj.tokens[leaders], first_prompt_split(traj)[leaders]))
+    return first_rows_of_distinct_prompts(tokens, np.asarray(split) + 1).astype(np.int32)
 
 
 def prompt_width(traj: Trajectories, plan: RolloutPlan) -> int:

@@ -666,8 +666,15 @@ def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states
     ``first_prompts`` of an ``LLMResponder`` that plays them."""
     # on every process, wherever the current mesh put them
     ids, lengths = distributed.to_host(jax.jit(functools.partial(first_prompts, plan))(tables, init_states))
-    rows = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
-    return len(np.unique(rows, axis=0))
+    return len(first_rows_of_distinct_prompts(ids, lengths))
+
+
+def first_rows_of_distinct_prompts(ids, lengths) -> np.ndarray:
+    """int [D], ascending: the first row of each distinct prompt among ``ids`` [B, W] (host), a
+    row's prompt being its first ``lengths[b]`` tokens (what lies past them is not part of it)."""
+    ids, lengths = np.asarray(ids), np.asarray(lengths)
+    prompts = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
+    return np.sort(np.unique(prompts, axis=0, return_index=True)[1])
 
 
 # ---- tables: built once on the host, read by every turn --------------------------------------------
