@@ -33,8 +33,11 @@ Choices, each for the budget or for what the probe runs showed (docs/results.md)
   costs decode steps and update width;
 - full weights in float32 (bfloat16 runs slower under XLA:CPU: docs/benchmarks.md), no
   rematerialisation (the update's memory is small), log-probs from the sampler (no recomputation
-  pass), micro-batches of 8 rows: one group per micro-batch, so its first prompt is computed once
-  (``forward.UpdateLayout``);
+  pass);
+- the 32 kept rows in one micro-batch: the update computes each distinct first prompt of a
+  micro-batch once (``forward.UpdateLayout``), and the Bandit's levels show two (its arms in either
+  order), so one micro-batch of 4 groups computes 2 prompts where 4 micro-batches of one group
+  each computed 4: the update ~1.4× faster (docs/benchmarks.md);
 - the learning rate from ``experiments.sweep`` (docs/results.md).
 """
 
@@ -53,7 +56,6 @@ RECIPE = {
     "rollout.use_sampler_logprobs": True,
     "actor.lr": 3e-5,
     "actor.ppo_mini_batch_size": 32,
-    "actor.micro_batch_size": 8,
 }
 
 CHANGES = {
@@ -61,6 +63,7 @@ CHANGES = {
     **RECIPE,
     "envs.train.n_groups": (16,),
     "filter.ratio": 0.25,
+    "actor.micro_batch_size": 32,
     "envs.val.n_groups": (256, 256),
     "rollout.response_length": 16,
     "rollout.max_model_len": 256,

@@ -34,7 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from starpo_jax.forward import ForwardPass, Rows, UpdateLayout, token_logprobs
+from starpo_jax.forward import ForwardPass, Rows, UpdateLayout, most_prompts_per_micro_batch, token_logprobs
 from starpo_jax.rollout.multi_turn import (
     RolloutPlan,
     RolloutTables,
@@ -207,10 +207,11 @@ def supervised_step(settings: TrainSettings, graphdef, group_size: int, answer_w
     """One step of supervised learning on ``batch``'s answers, whose rows come in blocks of
     ``group_size`` that share a prompt: (trained weights, optimiser state, metrics)."""
     micro = math.gcd(settings.micro_batch_size, batch.tokens.shape[0])
-    # As the update computes its rows: a group's prompt once per block of rows that share it, and
-    # from each prompt's last token on only the answer's width.
-    layout = UpdateLayout(prefix=batch.tokens.shape[1] - answer_width, width=answer_width + 1)
-    ctx = ForwardPass(graphdef, layout, answer_width, settings.logprob_chunk, 1.0, math.gcd(micro, group_size))
+    # As the update computes its rows: each group's prompt once, and from each prompt's last token on
+    # only the answer's width.
+    layout = UpdateLayout(prefix=batch.tokens.shape[1] - answer_width, width=answer_width + 1,
+                          prompts=most_prompts_per_micro_batch(micro, group_size))
+    ctx = ForwardPass(graphdef, layout, answer_width, settings.logprob_chunk, 1.0)
 
     def loss_fn(trained, b: AnswerBatch, hyper):
         rows = Rows(b.tokens, b.length, b.split, b.mask)

@@ -4,8 +4,8 @@ The update reads log-probs (``token_logprobs``) and values (``token_values``) on
 tokens of the kept rows. Both gather those positions' final hidden states (``hidden_predicting``)
 and project only them, in chunks under ``jax.checkpoint`` (``_chunked``), so the [B, L, V] logits
 never exist at once. Which positions are computed is an ``UpdateLayout``, picked on the host per
-batch (``update_layout``): each row from its first prompt's end on, the first prompt computed once
-per block of rows that share it (a group's rows start from the same level).
+batch (``update_layout``): each row from its first prompt's end on, each distinct first prompt of a
+micro-batch computed once (a group's rows start from the same level, and groups may share one).
 
 Each takes one static ``ForwardPass`` (the model's graphdef, the layout, how many positions and
 how to score them), then arrays: ``token_logprobs(ctx, params, rows)``.
@@ -24,7 +24,7 @@ from flax import nnx
 
 from starpo_jax.algo import losses
 from starpo_jax.models import lora
-from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories
+from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories, first_rows_of_distinct_prompts
 from starpo_jax.runtime import distributed
 from starpo_jax.runtime.settings import TrainSettings
 from starpo_jax.runtime.sharding import scatter_rows
@@ -63,14 +63,12 @@ class ForwardPass(NamedTuple):
     max_tokens: int  # the most positions a loss reads per row (K, static): ``policy_tokens_per_row``
     chunk: int  # positions per vocabulary projection (``logprob_chunk``)
     temperature: float = 1.0  # the log-probs are of logits / temperature
-    share: int = 1  # rows per shared first prompt (``share_rows``), when ``layout.prefix`` > 0
 
 
 def update_forward(settings: TrainSettings, graphdef, plan: RolloutPlan, layout: UpdateLayout) -> ForwardPass:
-    """The forward pass of the update: the policy's sampling temperature, every policy token of a
-    row, a group's first prompt once per ``share_rows`` rows."""
+    """The forward pass of the update: the policy's sampling temperature, every policy token of a row."""
     return ForwardPass(graphdef, layout, policy_tokens_per_row(plan), settings.logprob_chunk,
-                       settings.rollout_temperature, share_rows(settings, plan.group_size))
+                       settings.rollout_temperature)
 
 
 def token_logprobs(ctx: ForwardPass, params, rows: Rows):
@@ -105,18 +103,18 @@ def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
     position ``index - 1``; every index is past the row's split, or is padding whose result no one
     reads).
 
-    Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, the
-    first prompts (tokens before the split) are computed once per block of ``ctx.share`` rows, in the
-    rows' own pass over the layers (``Decoder.hidden_states_sharing_prefix``), and the rows attend to
-    them: exactly the same attention as over the whole rows."""
+    Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, each
+    distinct first prompt (the tokens before the split) among the rows is computed once
+    (``shared_prompts``), in the rows' own pass over the layers (``Decoder.hidden_states_sharing_prefix``),
+    and the rows attend to theirs: exactly the same attention as over the whole rows."""
     layout, tokens, split = ctx.layout, rows.tokens, rows.split
     B, L = tokens.shape
     start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
     positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
     row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
     if layout.prefix:
-        leaders = slice(None, None, ctx.share)
-        hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders],
+        leaders, owner = shared_prompts(tokens[:, : layout.prefix], split, layout.prompts)
+        hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders], owner,
                                                     row_tokens, positions)
     else:
         hidden = model.hidden_states(row_tokens, positions, (positions < rows.length[:, None]).astype(jnp.int32))
@@ -137,6 +135,20 @@ def _chunked(fn, hidden, targets, chunk: int):
     return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(B, n * chunk)[:, :K], out)
 
 
+def shared_prompts(prompts, split, count: int):
+    """The distinct first prompts among rows ``prompts`` [B, P] (row b's prompt: its first
+    ``split[b]`` tokens): (leaders int32 [count], the first row of each in order; owner int32 [B],
+    which of them is row b's). ``count`` (static) must be at least how many there are
+    (``update_layout`` counts them on the host); slots past the last are row 0's."""
+    B, P = prompts.shape
+    prompt = jnp.where(jnp.arange(P)[None] < split[:, None], prompts, -1)
+    same = jnp.all(prompt[:, None] == prompt[None], axis=-1)  # [B, B]
+    first = jnp.argmax(same, axis=1)  # the first row with row b's prompt
+    leader = first == jnp.arange(B)
+    leaders = jnp.nonzero(leader, size=count, fill_value=0)[0].astype(jnp.int32)
+    return leaders, (jnp.cumsum(leader) - 1)[first].astype(jnp.int32)
+
+
 def policy_positions(mask, max_tokens: int):
     """Indices [B, K] of each row's masked positions (K = max_tokens, static), and which are real."""
     index = jax.vmap(lambda m: jnp.nonzero(m, size=max_tokens, fill_value=m.shape[0])[0])(mask)
@@ -150,23 +162,25 @@ class UpdateLayout(NamedTuple):
     """Which positions of the update batch's rows the forward passes compute (static).
 
     Each row is computed from its ``split`` on, ``width`` positions. With ``prefix`` > 0 the tokens
-    before the split, the row's first prompt, are computed once per block of rows that share it
-    (``share_rows``: a group's rows start from the same level, so their first prompts are the same
-    tokens) and the rows continue from its keys and values. ``update_layout`` picks the smallest
-    layout that holds a rollout batch; ``full_layout`` is every position of every row."""
+    before the split, the row's first prompt, are computed once for all the rows of a micro-batch
+    that share it (a group's rows start from the same level, so their first prompts are the same
+    tokens; several groups may have the same one), ``prompts`` of them a micro-batch, and the rows
+    continue from their keys and values. ``update_layout`` picks the smallest layout that holds a
+    rollout batch; ``full_layout`` is every position of every row."""
 
     prefix: int  # positions of the shared first prompts (0: nothing shared, every split is 0)
     width: int  # positions per row from its split on
+    prompts: int = 0  # distinct first prompts computed per micro-batch, when ``prefix`` > 0
 
 
 def full_layout(max_len: int) -> UpdateLayout:
     return UpdateLayout(prefix=0, width=max_len)
 
 
-def share_rows(settings: TrainSettings, group_size: int) -> int:
-    """Rows per shared first prompt: consecutive blocks of this many rows lie within one group and
-    one micro-batch (the kept batch is whole groups, in order)."""
-    return math.gcd(settings.micro_batch_size, group_size)
+def most_prompts_per_micro_batch(micro_batch_size: int, group_size: int) -> int:
+    """The most first prompts a micro-batch can hold by its groups: one per group it touches (the
+    kept batch is whole groups in order, cut into micro-batches of consecutive rows)."""
+    return micro_batch_size // math.gcd(micro_batch_size, group_size)
 
 
 def first_prompt_split(traj: Trajectories):
@@ -216,18 +230,27 @@ def first_prompt_width(split: np.ndarray, plan: RolloutPlan) -> int:
     return _holding(int(split.max()), plan.max_len, widest_layout(plan).prefix)
 
 
-def update_layout(traj: Trajectories, plan: RolloutPlan, share: int) -> UpdateLayout:
+def update_layout(traj: Trajectories, plan: RolloutPlan, micro_batch_size: int) -> UpdateLayout:
     """The smallest layout (sizes from ``size_bucket``) that holds every row of a rollout batch:
     picked on the host between rollout and update, so the update computes only what is there.
     With leading axes (a sweep's settings, ``[S, B]`` rows) it holds every row of every setting.
+
+    A micro-batch's first prompts are computed once each, as many as the most it can hold: one per
+    group it touches, or the distinct prompts of the whole batch where those are fewer (the Bandit's
+    groups show two: its arms in either order). Where every row of a micro-batch may have its own,
+    nothing is shared.
 
     A size is also allowed exactly at the most the plan can need (``widest_layout``): a one-turn
     batch where any answer runs to the budget (most, early in training) computes 17 positions per
     row for 16-token answers, not the next bucket's 24, and the shared part of 209-token first
     prompts is 208 positions, not the context's 225."""
-    length = np.asarray(distributed.to_host(traj.length))  # every process picks the same layout
-    if share == 1:
+    # every process picks the same layout
+    length, split, tokens = (np.asarray(distributed.to_host(x)) for x in (traj.length, first_prompt_split(traj), traj.tokens))
+    distinct = max(len(first_rows_of_distinct_prompts(ids, s))
+                   for ids, s in zip(tokens.reshape(-1, *tokens.shape[-2:]), split.reshape(-1, split.shape[-1])))
+    prompts = min(most_prompts_per_micro_batch(micro_batch_size, plan.group_size), distinct)
+    if prompts == micro_batch_size:
         return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
-    split = np.asarray(distributed.to_host(first_prompt_split(traj)))
     return UpdateLayout(prefix=first_prompt_width(split, plan),
-                        width=_holding(int((length - split).max()), plan.max_len, widest_layout(plan).width))
+                        width=_holding(int((length - split).max()), plan.max_len, widest_layout(plan).width),
+                        prompts=prompts)

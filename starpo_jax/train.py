@@ -78,7 +78,6 @@ from starpo_jax.forward import (
     UpdateLayout,
     first_prompt_split,
     full_layout,
-    share_rows,
     token_logprobs,
     token_values,
     update_forward,
@@ -215,10 +214,9 @@ def jit_iteration(step: TrainStep, settings: TrainSettings, plan: RolloutPlan, a
             one = functools.partial(step.learn, layout=layout)
             return jax.vmap(one, in_axes=(axes, 0, 0), out_axes=(axes, 0))(state, traj, hyper)
 
-    share = share_rows(settings, plan.group_size)
     return JittedIteration(
         jax.jit(collect), jax.jit(learn, donate_argnums=0, static_argnums=3),
-        lambda traj: update_layout(traj, plan, share),
+        lambda traj: update_layout(traj, plan, settings.micro_batch_size),
     )
 
 

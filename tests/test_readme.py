@@ -40,7 +40,8 @@ QUICK_BENCH = ("--quick",)
 
 # configs/learn_bandit.py: 2 groups (one kept), 4 + 4 validation levels (its 4 chunks of one), 2 steps.
 TINY_LEARN = (*TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(2,)", "--config.envs.val.n_groups=(4,4)",
-              "--config.actor.ppo_mini_batch_size=8", "--config.trainer.total_steps=2", "--config.trainer.test_freq=2")
+              "--config.actor.ppo_mini_batch_size=8", "--config.actor.micro_batch_size=8", "--config.trainer.total_steps=2",
+              "--config.trainer.test_freq=2")
 LEARN = ".venv/bin/python -m experiments.run --config configs/learn_bandit.py"
 CURVES = ".venv/bin/python -m experiments.curves runs/learn_bandit --out runs/learn_bandit/curves.png"
 ONE_STEP_OFF = ("JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m experiments.run --config configs/quickstart.py "

@@ -26,7 +26,6 @@ from starpo_jax.forward import (
     first_prompt_split,
     full_layout,
     policy_tokens_per_row,
-    share_rows,
     size_bucket,
     token_logprobs,
     token_values,
@@ -340,10 +339,11 @@ def test_forward_passes_are_the_models_on_policy_tokens_only(model):
     assert not np.any(old_values(sampling, state, kept, mask))
 
 
-def shared_prompt_batch(seed=0) -> Trajectories:
-    """``rollout_batch`` as a rollout makes it: the rows of a group read the same first prompt."""
+def shared_prompt_batch(seed=0, prompt_of_group=range(G)) -> Trajectories:
+    """``rollout_batch`` as a rollout makes it: the rows of a group read the same first prompt,
+    group g group ``prompt_of_group[g]``'s (by default each its own)."""
     traj = rollout_batch(seed=seed)
-    prompt = np.repeat(np.asarray(traj.tokens)[::N, :PROMPT], N, axis=0)
+    prompt = np.repeat(np.asarray(traj.tokens)[::N, :PROMPT][list(prompt_of_group)], N, axis=0)
     return traj.replace(tokens=traj.tokens.at[:, :PROMPT].set(prompt))
 
 
@@ -352,10 +352,24 @@ def test_update_layout_holds_the_batch_in_few_widths():
     traj = shared_prompt_batch()
     split = np.asarray(first_prompt_split(traj))
     assert set(split) == {PROMPT - 1}
-    layout = update_layout(traj, PLAN, share=N)
+    layout = update_layout(traj, PLAN, micro_batch_size=N)
     assert layout.prefix == 24 and layout.width >= int((np.asarray(traj.length) - split).max())
     assert layout.width == 16  # rows hold at most 8 response + 2 closing tokens after the split
-    assert update_layout(traj, PLAN, share=1) == (0, 32)  # nothing shared: every row from 0, to 30 tokens
+    assert layout.prompts == 1  # a micro-batch of 8 rows is one group
+    assert update_layout(traj, PLAN, micro_batch_size=1) == (0, 32, 0)  # nothing shared: every row from 0
+
+
+def test_a_micro_batch_computes_as_many_first_prompts_as_it_can_hold():
+    """One per group a micro-batch touches, or the batch's distinct prompts where those are fewer."""
+    four, two = shared_prompt_batch(), shared_prompt_batch(prompt_of_group=(0, 0, 2, 0))
+    assert [update_layout(four, PLAN, m).prompts for m in (4, 8, 16, 32)] == [1, 1, 2, 4]
+    assert [update_layout(two, PLAN, m).prompts for m in (4, 8, 16, 32)] == [1, 1, 2, 2]
+    # groups of 4 in micro-batches of 8 rows (two groups each) or of 6 (one group and part of another)
+    plan = dataclasses.replace(PLAN, group_size=4)
+    assert [update_layout(four, plan, m).prompts for m in (6, 8)] == [3, 2]
+    # a row that never played has no first prompt: an empty one, distinct from the rest
+    idle = two.replace(turn_start=two.turn_start.at[5].set(0))
+    assert update_layout(idle, PLAN, 32).prompts == 3
 
 
 def test_size_buckets_pad_at_most_half_below_the_fine_width_and_an_eighth_above():
@@ -380,13 +394,13 @@ def test_a_layout_is_no_wider_than_the_plan_can_need():
     start = np.asarray(traj.turn_start)[:, 0]
     answers = np.arange(traj.length.shape[0]) % PLAN.response_length + 1  # 1..8 tokens, 8 = the budget
     full = traj.replace(length=jnp.asarray(start + answers, jnp.int32))
-    assert update_layout(full, PLAN, N) == (24, 1 + PLAN.response_length)
-    assert update_layout(full, dataclasses.replace(PLAN, max_turn=2), N) == (24, 16)
+    assert update_layout(full, PLAN, N) == (24, 1 + PLAN.response_length, 1)
+    assert update_layout(full, dataclasses.replace(PLAN, max_turn=2), N) == (24, 16, 1)
     # A context just wide enough for the first prompt and one full answer (as ``fit_to_tables``
     # leaves it): no row's split can pass max_len − response_length − 1, so the prefix is that too.
     tight = dataclasses.replace(PLAN, max_len=PROMPT + PLAN.response_length)
-    assert update_layout(full, tight, N) == (PROMPT - 1, 1 + PLAN.response_length)
-    assert update_layout(full, PLAN, share=1).width == 32  # from position 0: the context's buckets
+    assert update_layout(full, tight, N) == (PROMPT - 1, 1 + PLAN.response_length, 1)
+    assert update_layout(full, PLAN, micro_batch_size=1).width == 32  # from position 0: the context's buckets
 
 
 def test_update_layout_of_stacked_batches_holds_every_setting():
@@ -397,11 +411,14 @@ def test_update_layout_of_stacked_batches_holds_every_setting():
     stacked = jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
     np.testing.assert_array_equal(first_prompt_split(stacked), np.stack([first_prompt_split(a), first_prompt_split(b)]))
     rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
-    for share in (1, N):
-        one, other = update_layout(a, PLAN, share), update_layout(b, PLAN, share)
-        expected = (max(one.prefix, other.prefix), max(one.width, other.width))
-        assert update_layout(stacked, PLAN, share) == update_layout(rows, PLAN, share) == expected
-    assert update_layout(a, PLAN, N) == (24, 16) and update_layout(stacked, PLAN, N) == (32, 16)
+    for micro in (1, N):
+        one, other = update_layout(a, PLAN, micro), update_layout(b, PLAN, micro)
+        expected = (max(one.prefix, other.prefix), max(one.width, other.width), one.prompts)
+        assert update_layout(stacked, PLAN, micro) == update_layout(rows, PLAN, micro) == expected
+    assert update_layout(a, PLAN, N) == (24, 16, 1) and update_layout(stacked, PLAN, N) == (32, 16, 1)
+    # the most distinct prompts of any one setting, not of all settings' rows together
+    c = shared_prompt_batch(seed=1, prompt_of_group=(0, 0, 0, 1))
+    assert update_layout(jax.tree.map(lambda x, y: jnp.stack([x, y]), c, c), PLAN, G * N).prompts == 2
 
 
 def assert_same_adam_step(params, expected, lr: float) -> None:
@@ -415,15 +432,17 @@ def assert_same_adam_step(params, expected, lr: float) -> None:
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
-    """Computing each group's first prompt once (and only the rows' used width) gives the same
-    log-probs, values and update as every position of every row: the same attention, in matmuls of
-    other shapes (float32 rounding). Shares of 4 rows (micro-batches of 4 within groups of 8) and 8."""
-    traj = shared_prompt_batch()
-    for micro in (4, 8):
+    """Computing each distinct first prompt of a micro-batch once (and only the rows' used width)
+    gives the same log-probs, values and update as every position of every row: the same attention,
+    in matmuls of other shapes (float32 rounding). Micro-batches of 4 rows within groups of 8 (one
+    prompt each), and of 16, two groups each, where groups 0, 1 and 3 read the same prompt and
+    group 2 another: the filter's order (groups 0, 3, 2, 1) puts groups 0 and 3 in the first
+    micro-batch, one prompt for both, and the second holds two."""
+    traj = shared_prompt_batch(prompt_of_group=(0, 0, 2, 0))
+    for micro in (4, 16):
         settings = settings_for(adv_estimator=estimator, micro_batch_size=micro, ppo_mini_batch_size=16)
-        share = share_rows(settings, N)
-        assert share == micro
-        layout = update_layout(traj, PLAN, share)
+        layout = update_layout(traj, PLAN, micro)
+        assert layout.prompts == {4: 1, 16: 2}[micro]
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
         learn = jax.jit(make_train_step(settings, model.graphdef, PLAN).learn, static_argnums=3)
         full_state, full_metrics = learn(state, traj, HYPER, full_layout(L))
@@ -438,8 +457,9 @@ def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
         if estimator == "gae":
             np.testing.assert_allclose(metrics["critic/values/mean"], full_metrics["critic/values/mean"], rtol=2e-5, atol=1e-6)
             np.testing.assert_allclose(metrics["critic/grad_norm"], full_metrics["critic/grad_norm"], rtol=2e-5)
-    # the first prompts really are shared: rows whose prompts differ get other log-probs
-    mixed = traj.replace(tokens=traj.tokens.at[1, 0].set(traj.tokens[1, 0] + 1))
+    # only ``layout.prompts`` are computed: a micro-batch of three (rows 1 and 2 of group 0 changed)
+    # gets other log-probs
+    mixed = traj.replace(tokens=traj.tokens.at[1, 0].add(1).at[2, 0].add(2))
     _, wrong = learn(state, mixed, HYPER, layout)
     _, right = learn(state, mixed, HYPER, full_layout(L))
     assert not np.isclose(wrong["rollout/old_log_prob"], right["rollout/old_log_prob"], rtol=1e-6, atol=0)

@@ -88,7 +88,7 @@ from experiments.bench.common import (
     write_report,
 )
 from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
-from starpo_jax.forward import policy_tokens_per_row, share_rows
+from starpo_jax.forward import policy_tokens_per_row
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import LLMResponder, first_rows_of_distinct_prompts, prefill_batch_sizes
 from starpo_jax.runtime import allocator
@@ -387,12 +387,12 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
     M = settings.kept_groups * plan.group_size
     length, split = (np.asarray(x) for x in jax.device_get((traj.length, traj.turn_start[:, 0])))
     # The kept rows are the filter's; every row of the batch stands in for them at its mean size.
-    first = float(split.mean())  # each group's first prompt, once per group
+    first = float(split.mean())  # a first prompt, computed once for each micro-batch that holds it
     rest = float((length - split).mean())  # the rest of a row
     answers = float(np.asarray(traj.response_tokens).mean())
-    groups = settings.kept_groups
-    tokens = groups * first + M * rest
-    attended = groups * first * (first + 1) / 2 + M * (rest * first + rest * (rest + 1) / 2)
+    prompts = layout.prompts * (M // settings.micro_batch_size) if layout.prefix else M
+    tokens = prompts * first + M * rest
+    attended = prompts * first * (first + 1) / 2 + M * (rest * first + rest * (rest + 1) / 2)
     products = product_flops(config, int(tokens), int(M * answers))
     attention = attention_flops(config, int(attended))
     logits = product_flops(config, 0, int(M * answers))
@@ -409,7 +409,7 @@ def update_phase(exp, learn, traj, layout, seconds: list[float]) -> dict:
             **work(products=(3 * products + remat_products, 0), attention=(3 * attention + remat_attention, 0),
                    weight_passes=(0, micro * 3 * weights + steps * 7 * weights)),
             "flops_parts": {"forward": forward, "backward": 2 * forward, "remat": remat_products + remat_attention},
-            "layout": {"prefix": layout.prefix, "width": layout.width, "share": share_rows(settings, plan.group_size),
+            "layout": {"prefix": layout.prefix, "width": layout.width, "prompts": layout.prompts,
                        "rows": M, "logit_positions": policy_tokens_per_row(plan)},
             "xla": xla_counts(learn), "runs_s": seconds}
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from configs import bandit, base
 from experiments.bench.common import machine, require_positive, require_presets, write_report
-from starpo_jax.forward import share_rows, update_layout
+from starpo_jax.forward import update_layout
 from starpo_jax.runtime import allocator
 from starpo_jax.runtime.experiment import build_experiment
 from starpo_jax.runtime.planning import program_memory
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     collect = jax.jit(make_train_step(exp.settings, exp.model.graphdef, exp.train_plan).collect)
     traj = jax.block_until_ready(collect(state, exp.train_tables, jax.random.PRNGKey(1)))
     full = bench_mode(exp, traj, 0, args.repeats)
-    layout = update_layout(traj, exp.train_plan, share_rows(exp.settings, exp.train_plan.group_size))
+    layout = update_layout(traj, exp.train_plan, exp.settings.micro_batch_size)
     laid_out = bench_mode(exp, traj, 0, args.repeats, layout)
     lora = bench_mode(exp, traj, args.lora_rank, args.repeats)
     held = lambda r: r["learn_bytes"]["arguments"] + r["learn_bytes"]["temporaries"]  # noqa: E731

@@ -675,31 +675,37 @@ class Decoder(nnx.Module):
                                  remat=self.config.remat)
         return x
 
-    def hidden_states_sharing_prefix(self, prefix: Array, prefix_length: Array, tokens: Array,
+    def hidden_states_sharing_prefix(self, prefix: Array, prefix_length: Array, owner: Array, tokens: Array,
                                      positions: Array) -> Array:
-        """Final-normed hidden states [B, T, D] of tokens [B, T] at ``positions`` that follow their
-        group's prefix: ``prefix`` [G, P] (its first ``prefix_length[g]`` tokens real) is shared by
-        the B / G consecutive rows of group g. The same values as ``hidden_states`` of the whole
-        rows, with each prefix computed once, in the same pass over the layers as the rows: each of
-        a group's rows carries 1 / share of the prefix's positions alongside its own, so a layer's
-        weight products run once on all of them (not once for the prefixes and again for the
-        rows: half the per-layer passes, products of more rows), and the batch axis stays the rows'
-        (a mesh splits it as it splits the rows). Rematerialised under ``jax.grad`` as
-        ``hidden_states``."""
+        """Final-normed hidden states [B, T, D] of tokens [B, T] at ``positions`` that follow a shared
+        prefix: ``prefix`` [G, P] (its first ``prefix_length[g]`` tokens real) is row b's prefix for
+        ``owner[b]`` = g. The same values as ``hidden_states`` of the whole rows, with each prefix
+        computed once, in the same pass over the layers as the rows: the G prefixes' positions are
+        spread over the B rows alongside their own, so a layer's weight products run once on all of
+        them (not once for the prefixes and again for the rows: half the per-layer passes, products
+        of more rows), and the batch axis stays the rows' (a mesh splits it as it splits the rows).
+        Rematerialised under ``jax.grad`` as ``hidden_states``."""
         (G, P), B = prefix.shape, tokens.shape[0]
-        share = B // G
-        S = -(-P // share)  # prefix positions per row
-        prefix = jnp.pad(prefix, ((0, 0), (0, S * share - P)))  # the padding is past every length
-        prefix_positions = jnp.broadcast_to(jnp.arange(S * share, dtype=jnp.int32), prefix.shape)
+        S = -(-G * P // B)  # prefix positions carried per row; the last row's tail is padding
+
+        def in_rows(x):  # [G, P, ...] -> [B, S, ...]
+            flat = x.reshape(G * P, *x.shape[2:])
+            return jnp.pad(flat, [(0, B * S - G * P)] + [(0, 0)] * (x.ndim - 2)).reshape(B, S, *x.shape[2:])
+
+        def in_prefixes(x):  # and back
+            return x.reshape(B * S, *x.shape[2:])[: G * P].reshape(G, P, *x.shape[2:])
+
+        prefix_positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prefix.shape)
         allowed = sequence_mask((prefix_positions < prefix_length[:, None]).astype(jnp.int32))
-        visible = (jnp.arange(S * share) < jnp.repeat(prefix_length, share)[:, None])[:, None, :]  # [B, 1, P]
-        in_rows = lambda x: x.reshape(B, S, *x.shape[2:])  # noqa: E731  [G, P, ...] -> [B, S, ...]
-        in_groups = lambda x: x.reshape(G, S * share, *x.shape[2:])  # noqa: E731  and back
+        visible = (jnp.arange(P) < prefix_length[owner][:, None])[:, None, :]  # [B, 1, P]
+        # Row b reads its prefix's keys and values as a product with its one-hot row of ``owner``:
+        # the backward then sums a prefix's gradients over its rows in one product too.
+        choose = jax.nn.one_hot(owner, G)  # [B, G]
 
         def attention(q, k, v, _):
-            qp, kp, vp = (in_groups(a[:, :S]) for a in (q, k, v))
+            qp, kp, vp = (in_prefixes(a[:, :S]) for a in (q, k, v))
             prefix_out = self_attention(qp, kp, vp, allowed)
-            kp, vp = (jnp.repeat(a.transpose(0, 2, 1, 3), share, axis=0) for a in (kp, vp))
+            kp, vp = (jnp.einsum("bg,gskd->bksd", choose.astype(a.dtype), a) for a in (kp, vp))
             rows_out = _attend_after(q[:, S:], k[:, S:], v[:, S:], kp, vp, visible)
             return jnp.concatenate([in_rows(prefix_out), rows_out], axis=1)
 

@@ -95,26 +95,26 @@ def test_cached_extend_matches_full_forward(pair):
         np.testing.assert_allclose(h2[b, : 10 - first[b]], full[b, first[b] :], atol=1e-5)
 
 
-def test_a_prefix_shared_by_its_groups_rows_gives_the_whole_rows_hidden_states(pair):
-    """Two groups of three rows, each group's prefix computed once, in the rows' own pass
-    (``hidden_states_sharing_prefix``): 7 slots, 5 and 6 of them real (the rest junk tokens), not a
-    multiple of the three rows that carry its positions. Every row's hidden states are those of
-    the whole row, its group's real prefix and then its own tokens."""
+def test_a_prefix_shared_by_its_rows_gives_the_whole_rows_hidden_states(pair):
+    """Two prefixes shared by six rows in no order, each prefix computed once, in the rows' own pass
+    (``hidden_states_sharing_prefix``): 7 slots, 5 and 6 of them real (the rest junk tokens); their
+    14 positions are not a multiple of the six rows that carry them. Every row's hidden states are
+    those of the whole row, its own prefix's real tokens and then its own."""
     config, _, model = pair
-    G, share, P, T = 2, 3, 7, 4
+    G, B, P, T = 2, 6, 7, 4
     rng = np.random.default_rng(3)
     prefix = rng.integers(1, config.vocab_size, (G, P))
     length = np.array([5, 6])
-    rows = rng.integers(1, config.vocab_size, (G * share, T))
-    group = np.repeat(np.arange(G), share)
+    rows = rng.integers(1, config.vocab_size, (B, T))
+    group = np.array([1, 0, 0, 1, 1, 0])
     positions = length[group][:, None] + np.arange(T)[None]
-    whole = np.zeros((G * share, P + T), np.int64)
+    whole = np.zeros((B, P + T), np.int64)
     for b, g in enumerate(group):
         whole[b, : length[g] + T] = np.concatenate([prefix[g, : length[g]], rows[b]])
     full = jax.jit(lambda m: m.hidden_states(whole, np.broadcast_to(np.arange(P + T), whole.shape),
                                              (whole != 0).astype(np.int32)))(model)
-    shared = jax.jit(lambda m: m.hidden_states_sharing_prefix(prefix, length, rows, positions))(model)
-    assert shared.shape == (G * share, T, config.hidden_size)
+    shared = jax.jit(lambda m: m.hidden_states_sharing_prefix(prefix, length, group, rows, positions))(model)
+    assert shared.shape == (B, T, config.hidden_size)
     for b, g in enumerate(group):
         np.testing.assert_allclose(shared[b], full[b, length[g] : length[g] + T], atol=1e-5)
 
@@ -408,7 +408,8 @@ def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do
     k = v = jnp.zeros((config.num_layers, B, config.num_kv_heads, S, config.head_dim))
     jax.eval_shape(lambda m: m.hidden_states_after(tokens, positions + S, k, v, jnp.full((B,), 4)), model)
     caller = "hidden_states_sharing_prefix"
-    jax.eval_shape(lambda m: m.hidden_states_sharing_prefix(tokens[:1], jnp.full((1,), 4), tokens, positions + 4), model)
+    jax.eval_shape(lambda m: m.hidden_states_sharing_prefix(tokens[:1], jnp.full((1,), 4), jnp.zeros((B,), jnp.int32),
+                                                            tokens, positions + 4), model)
     caller = "hidden_states"
     jax.eval_shape(lambda m: m.hidden_states(tokens, positions), model)
     assert set(seen) == {("append", True), ("decode step", False), ("hidden_states_after", False),
