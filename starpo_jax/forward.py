@@ -104,17 +104,22 @@ def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
     reads).
 
     Computes ``layout.width`` positions of each row from its split on. With ``layout.prefix``, each
-    distinct first prompt (the tokens before the split) among the rows is computed once
-    (``shared_prompts``), in the rows' own pass over the layers (``Decoder.hidden_states_sharing_prefix``),
-    and the rows attend to theirs: exactly the same attention as over the whole rows."""
+    group's first prompt (the tokens before the split) is computed once, or with
+    ``layout.across_groups`` each distinct one among the rows (``shared_prompts``), in the rows' own
+    pass over the layers (``Decoder.hidden_states_sharing_prefix``), and the rows attend to theirs:
+    exactly the same attention as over the whole rows."""
     layout, tokens, split = ctx.layout, rows.tokens, rows.split
     B, L = tokens.shape
     start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
     positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
     row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
-    if layout.prefix:
+    if layout.prefix and layout.across_groups:
         leaders, owner = shared_prompts(tokens[:, : layout.prefix], split, layout.prompts)
         hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders], owner,
+                                                    row_tokens, positions)
+    elif layout.prefix:  # one prompt per block of B / prompts consecutive rows: a group, or part of one
+        leaders = slice(None, None, B // layout.prompts)
+        hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders], None,
                                                     row_tokens, positions)
     else:
         hidden = model.hidden_states(row_tokens, positions, (positions < rows.length[:, None]).astype(jnp.int32))
@@ -170,7 +175,10 @@ class UpdateLayout(NamedTuple):
 
     prefix: int  # positions of the shared first prompts (0: nothing shared, every split is 0)
     width: int  # positions per row from its split on
-    prompts: int = 0  # distinct first prompts computed per micro-batch, when ``prefix`` > 0
+    prompts: int = 0  # first prompts computed per micro-batch, when ``prefix`` > 0
+    # Fewer prompts than groups a micro-batch: which rows share one is found in the program
+    # (``shared_prompts``); otherwise each group's (or each block of B / prompts rows') is its own.
+    across_groups: bool = False
 
 
 def full_layout(max_len: int) -> UpdateLayout:
@@ -245,12 +253,13 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, micro_batch_size: int) 
     row for 16-token answers, not the next bucket's 24, and the shared part of 209-token first
     prompts is 208 positions, not the context's 225."""
     # every process picks the same layout
-    length, split, tokens = (np.asarray(distributed.to_host(x)) for x in (traj.length, first_prompt_split(traj), traj.tokens))
+    length, split, tokens = map(np.asarray, distributed.to_host((traj.length, first_prompt_split(traj), traj.tokens)))
     distinct = max(len(first_rows_of_distinct_prompts(ids, s))
                    for ids, s in zip(tokens.reshape(-1, *tokens.shape[-2:]), split.reshape(-1, split.shape[-1])))
-    prompts = min(most_prompts_per_micro_batch(micro_batch_size, plan.group_size), distinct)
+    by_group = most_prompts_per_micro_batch(micro_batch_size, plan.group_size)
+    prompts = min(by_group, distinct)
     if prompts == micro_batch_size:
         return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
     return UpdateLayout(prefix=first_prompt_width(split, plan),
                         width=_holding(int((length - split).max()), plan.max_len, widest_layout(plan).width),
-                        prompts=prompts)
+                        prompts=prompts, across_groups=prompts < by_group)

@@ -264,11 +264,12 @@ def test_learning_presets_are_starpo_s_grpo(spec, env, groups, kept, val_groups)
 
 
 def test_bandit_preset_centres_rewards_without_the_std_and_answers_only():
-    """docs/results.md: dividing by the group's std favours the safe arm; one group per micro-batch."""
+    """docs/results.md: dividing by the group's std favours the safe arm; the kept groups in one
+    micro-batch, so groups that drew the same first prompt compute it once."""
     config = load("learn_bandit.py")
     train, _, settings = plans(config)
     assert (settings.reward_method, settings.grpo_norm_by_std, config.model.remat) == ("mean", False, "none")
-    assert settings.micro_batch_size == train.group_size and not train.enable_think
+    assert settings.micro_batch_size == settings.kept_groups * train.group_size and not train.enable_think
 
 
 def test_frozen_lake_preset_thinks_and_normalises_by_the_std_as_ragen():

@@ -26,6 +26,7 @@ from starpo_jax.forward import (
     first_prompt_split,
     full_layout,
     policy_tokens_per_row,
+    shared_prompts,
     size_bucket,
     token_logprobs,
     token_values,
@@ -355,15 +356,17 @@ def test_update_layout_holds_the_batch_in_few_widths():
     layout = update_layout(traj, PLAN, micro_batch_size=N)
     assert layout.prefix == 24 and layout.width >= int((np.asarray(traj.length) - split).max())
     assert layout.width == 16  # rows hold at most 8 response + 2 closing tokens after the split
-    assert layout.prompts == 1  # a micro-batch of 8 rows is one group
-    assert update_layout(traj, PLAN, micro_batch_size=1) == (0, 32, 0)  # nothing shared: every row from 0
+    assert layout.prompts == 1 and not layout.across_groups  # a micro-batch of 8 rows is one group
+    assert update_layout(traj, PLAN, micro_batch_size=1) == (0, 32, 0, False)  # nothing shared: every row from 0
 
 
 def test_a_micro_batch_computes_as_many_first_prompts_as_it_can_hold():
-    """One per group a micro-batch touches, or the batch's distinct prompts where those are fewer."""
+    """One per group a micro-batch touches, or the batch's distinct prompts where those are fewer
+    (then found in the program: ``across_groups``)."""
     four, two = shared_prompt_batch(), shared_prompt_batch(prompt_of_group=(0, 0, 2, 0))
     assert [update_layout(four, PLAN, m).prompts for m in (4, 8, 16, 32)] == [1, 1, 2, 4]
     assert [update_layout(two, PLAN, m).prompts for m in (4, 8, 16, 32)] == [1, 1, 2, 2]
+    assert [update_layout(two, PLAN, m).across_groups for m in (4, 8, 16, 32)] == [False, False, False, True]
     # groups of 4 in micro-batches of 8 rows (two groups each) or of 6 (one group and part of another)
     plan = dataclasses.replace(PLAN, group_size=4)
     assert [update_layout(four, plan, m).prompts for m in (6, 8)] == [3, 2]
@@ -394,12 +397,12 @@ def test_a_layout_is_no_wider_than_the_plan_can_need():
     start = np.asarray(traj.turn_start)[:, 0]
     answers = np.arange(traj.length.shape[0]) % PLAN.response_length + 1  # 1..8 tokens, 8 = the budget
     full = traj.replace(length=jnp.asarray(start + answers, jnp.int32))
-    assert update_layout(full, PLAN, N) == (24, 1 + PLAN.response_length, 1)
-    assert update_layout(full, dataclasses.replace(PLAN, max_turn=2), N) == (24, 16, 1)
+    assert update_layout(full, PLAN, N) == (24, 1 + PLAN.response_length, 1, False)
+    assert update_layout(full, dataclasses.replace(PLAN, max_turn=2), N) == (24, 16, 1, False)
     # A context just wide enough for the first prompt and one full answer (as ``fit_to_tables``
     # leaves it): no row's split can pass max_len − response_length − 1, so the prefix is that too.
     tight = dataclasses.replace(PLAN, max_len=PROMPT + PLAN.response_length)
-    assert update_layout(full, tight, N) == (PROMPT - 1, 1 + PLAN.response_length, 1)
+    assert update_layout(full, tight, N) == (PROMPT - 1, 1 + PLAN.response_length, 1, False)
     assert update_layout(full, PLAN, micro_batch_size=1).width == 32  # from position 0: the context's buckets
 
 
@@ -413,9 +416,9 @@ def test_update_layout_of_stacked_batches_holds_every_setting():
     rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
     for micro in (1, N):
         one, other = update_layout(a, PLAN, micro), update_layout(b, PLAN, micro)
-        expected = (max(one.prefix, other.prefix), max(one.width, other.width), one.prompts)
+        expected = (max(one.prefix, other.prefix), max(one.width, other.width), one.prompts, False)
         assert update_layout(stacked, PLAN, micro) == update_layout(rows, PLAN, micro) == expected
-    assert update_layout(a, PLAN, N) == (24, 16, 1) and update_layout(stacked, PLAN, N) == (32, 16, 1)
+    assert update_layout(a, PLAN, N) == (24, 16, 1, False) and update_layout(stacked, PLAN, N) == (32, 16, 1, False)
     # the most distinct prompts of any one setting, not of all settings' rows together
     c = shared_prompt_batch(seed=1, prompt_of_group=(0, 0, 0, 1))
     assert update_layout(jax.tree.map(lambda x, y: jnp.stack([x, y]), c, c), PLAN, G * N).prompts == 2
@@ -435,14 +438,13 @@ def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
     """Computing each distinct first prompt of a micro-batch once (and only the rows' used width)
     gives the same log-probs, values and update as every position of every row: the same attention,
     in matmuls of other shapes (float32 rounding). Micro-batches of 4 rows within groups of 8 (one
-    prompt each), and of 16, two groups each, where groups 0, 1 and 3 read the same prompt and
-    group 2 another: the filter's order (groups 0, 3, 2, 1) puts groups 0 and 3 in the first
-    micro-batch, one prompt for both, and the second holds two."""
+    prompt each), and one of 32, where groups 0, 1 and 3 read the same prompt and group 2 another:
+    2 prompts for the 4 groups, which rows read which found in the program."""
     traj = shared_prompt_batch(prompt_of_group=(0, 0, 2, 0))
-    for micro in (4, 16):
-        settings = settings_for(adv_estimator=estimator, micro_batch_size=micro, ppo_mini_batch_size=16)
+    for micro in (4, 32):
+        settings = settings_for(adv_estimator=estimator, micro_batch_size=micro, ppo_mini_batch_size=max(16, micro))
         layout = update_layout(traj, PLAN, micro)
-        assert layout.prompts == {4: 1, 16: 2}[micro]
+        assert (layout.prompts, layout.across_groups) == {4: (1, False), 32: (2, True)}[micro]
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
         learn = jax.jit(make_train_step(settings, model.graphdef, PLAN).learn, static_argnums=3)
         full_state, full_metrics = learn(state, traj, HYPER, full_layout(L))
@@ -463,6 +465,16 @@ def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
     _, wrong = learn(state, mixed, HYPER, layout)
     _, right = learn(state, mixed, HYPER, full_layout(L))
     assert not np.isclose(wrong["rollout/old_log_prob"], right["rollout/old_log_prob"], rtol=1e-6, atol=0)
+
+
+def test_shared_prompts_finds_each_rows_prompt_among_the_distinct_ones():
+    """Rows 0, 2 and 3 read one prompt (row 3's tokens past its split differ: not part of it), row 1
+    another, row 4 a shorter one with the same first tokens: three prompts, leaders in row order,
+    and a fourth slot (more than there are) filled with row 0."""
+    prompts = jnp.asarray([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 7, 0], [5, 6, 7, 9], [5, 6, 7, 0]])
+    split = jnp.asarray([3, 3, 3, 3, 2])
+    leaders, owner = shared_prompts(prompts, split, 4)
+    assert leaders.tolist() == [0, 1, 4, 0] and owner.tolist() == [0, 1, 0, 0, 2]
 
 
 def test_token_level_rewards_put_scores_or_turn_rewards_on_tokens_less_the_kl():
