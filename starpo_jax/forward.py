@@ -245,8 +245,8 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, micro_batch_size: int) 
 
     A micro-batch's first prompts are computed once each, as many as the most it can hold: one per
     group it touches, or the distinct prompts of the whole batch where those are fewer (the Bandit's
-    groups show two: its arms in either order). Where every row of a micro-batch may have its own,
-    nothing is shared.
+    groups show two: its arms in either order; within one process). Where every row of a
+    micro-batch may have its own, nothing is shared.
 
     A size is also allowed exactly at the most the plan can need (``widest_layout``): a one-turn
     batch where any answer runs to the budget (most, early in training) computes 17 positions per
@@ -257,7 +257,9 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, micro_batch_size: int) 
     distinct = max(len(first_rows_of_distinct_prompts(ids, s))
                    for ids, s in zip(tokens.reshape(-1, *tokens.shape[-2:]), split.reshape(-1, split.shape[-1])))
     by_group = most_prompts_per_micro_batch(micro_batch_size, plan.group_size)
-    prompts = min(by_group, distinct)
+    # Searching the rows puts collectives into a row-sharded update, which XLA:CPU issued in different
+    # orders on two processes (gloo aborts): across processes each group keeps its own prompt.
+    prompts = min(by_group, distinct) if jax.process_count() == 1 else by_group
     if prompts == micro_batch_size:
         return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
     return UpdateLayout(prefix=first_prompt_width(split, plan),

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import envs_jax
+from starpo_jax import forward
 from starpo_jax.algo import advantages, rewards
 from starpo_jax.forward import (
     FINE_WIDTH,
@@ -373,6 +374,15 @@ def test_a_micro_batch_computes_as_many_first_prompts_as_it_can_hold():
     # a row that never played has no first prompt: an empty one, distinct from the rest
     idle = two.replace(turn_start=two.turn_start.at[5].set(0))
     assert update_layout(idle, PLAN, 32).prompts == 3
+
+
+def test_across_processes_each_group_keeps_its_own_first_prompt(monkeypatch):
+    """Searching the rows for shared prompts would put collectives into the row-sharded update."""
+    two = shared_prompt_batch(prompt_of_group=(0, 0, 2, 0))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(forward.distributed, "to_host", lambda tree: tree)  # the batch is this process's whole
+    layout = update_layout(two, PLAN, 32)
+    assert (layout.prompts, layout.across_groups) == (4, False)
 
 
 def test_size_buckets_pad_at_most_half_below_the_fine_width_and_an_eighth_above():
