@@ -1,5 +1,6 @@
 """The same training step on one device and on data-parallel, FSDP, tensor-parallel and mixed meshes
-gives the same result.
+gives the same result (its update with the drivers' layout, each row's first prompt found in the
+program: ``UpdateLayout.across_groups``).
 
 Multi-device runs happen in a subprocess with simulated CPU devices (XLA's host platform device
 count must be set before JAX starts), with a thread pool larger than the cores
@@ -41,6 +42,7 @@ from starpo_jax.runtime import sharding
 from starpo_jax.models import Decoder, ModelState, preset
 from starpo_jax.rollout.multi_turn import RolloutPlan, TagPlan, build_tables, stop_tokens_for
 from starpo_jax.rollout.sampling import sampling_policy
+from starpo_jax.forward import update_layout
 from starpo_jax.train import Hyperparams, TrainSettings, init_train_state, make_train_step
 
 meshes = json.loads(sys.argv[1])
@@ -60,8 +62,11 @@ hyper = Hyperparams.create(actor_lr=1e-3, critic_lr=1e-3, kl_loss_coef=0.01, fil
 def one_step(mesh):
     with sharding.use_mesh(mesh):
         state = sharding.shard(init_train_state(settings, model, jax.random.PRNGKey(0)), mesh)
-        step = jax.jit(make_train_step(settings, model.graphdef, plan).step)
-        new, metrics = step(state, tables, hyper, jax.random.PRNGKey(1))
+        step = make_train_step(settings, model.graphdef, plan)
+        traj = jax.jit(step.collect)(state, tables, jax.random.PRNGKey(1))
+        # The drivers' layout, the rows searched for their first prompts in the program (across_groups).
+        layout = update_layout(traj, plan, settings.micro_batch_size)._replace(across_groups=True)
+        new, metrics = jax.jit(step.learn, static_argnums=3)(state, traj, hyper, layout)
         q = new.actor["layers"]["q_proj"][...]
         # The rollout's copy of the policy: gathered over fsdp, still split over model.
         decode = jax.jit(lambda s: sampling_policy(model.graphdef, s.actor).params)(new)["layers"]["q_proj"][...]
