@@ -113,13 +113,12 @@ def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
     start = split if layout.prefix else jnp.zeros((B,), jnp.int32)
     positions = start[:, None] + jnp.arange(layout.width, dtype=jnp.int32)[None]
     row_tokens = jnp.take_along_axis(tokens, jnp.minimum(positions, L - 1), axis=1)
-    if layout.prefix and layout.across_groups:
-        leaders, owner = shared_prompts(tokens[:, : layout.prefix], split, layout.prompts)
+    if layout.prefix:
+        if layout.across_groups:
+            leaders, owner = shared_prompts(tokens[:, : layout.prefix], split, layout.prompts)
+        else:  # one prompt per block of B / prompts consecutive rows: a group, or part of one
+            leaders, owner = slice(None, None, B // layout.prompts), None
         hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders], owner,
-                                                    row_tokens, positions)
-    elif layout.prefix:  # one prompt per block of B / prompts consecutive rows: a group, or part of one
-        leaders = slice(None, None, B // layout.prompts)
-        hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders], None,
                                                     row_tokens, positions)
     else:
         hidden = model.hidden_states(row_tokens, positions, (positions < rows.length[:, None]).astype(jnp.int32))
@@ -253,13 +252,14 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, micro_batch_size: int) 
     row for 16-token answers, not the next bucket's 24, and the shared part of 209-token first
     prompts is 208 positions, not the context's 225."""
     # every process picks the same layout
-    length, split, tokens = map(np.asarray, distributed.to_host((traj.length, first_prompt_split(traj), traj.tokens)))
-    distinct = max(len(first_rows_of_distinct_prompts(ids, s))
-                   for ids, s in zip(tokens.reshape(-1, *tokens.shape[-2:]), split.reshape(-1, split.shape[-1])))
-    by_group = most_prompts_per_micro_batch(micro_batch_size, plan.group_size)
+    length, split = map(np.asarray, distributed.to_host((traj.length, first_prompt_split(traj))))
+    prompts = by_group = most_prompts_per_micro_batch(micro_batch_size, plan.group_size)
     # Searching the rows puts collectives into a row-sharded update, which XLA:CPU issued in different
     # orders on two processes (gloo aborts): across processes each group keeps its own prompt.
-    prompts = min(by_group, distinct) if jax.process_count() == 1 else by_group
+    if by_group > 1 and jax.process_count() == 1:  # only then can the batch's prompts be fewer
+        tokens = np.asarray(distributed.to_host(traj.tokens))
+        prompts = min(by_group, max(len(first_rows_of_distinct_prompts(ids, s)) for ids, s in
+                                    zip(tokens.reshape(-1, *tokens.shape[-2:]), split.reshape(-1, split.shape[-1]))))
     if prompts == micro_batch_size:
         return UpdateLayout(prefix=0, width=size_bucket(int(length.max()), plan.max_len))
     return UpdateLayout(prefix=first_prompt_width(split, plan),
