@@ -116,8 +116,8 @@ def hidden_predicting(ctx: ForwardPass, model, rows: Rows, index):
     if layout.prefix:
         if layout.across_groups:
             leaders, owner = shared_prompts(tokens[:, : layout.prefix], split, layout.prompts)
-        else:  # one prompt per block of B / prompts consecutive rows: a group, or part of one
-            leaders, owner = slice(None, None, B // layout.prompts), None
+        else:  # one prompt per block of B / prompts consecutive rows (a group, or part of one): static
+            leaders, owner = slice(None, None, B // layout.prompts), jnp.arange(B) // (B // layout.prompts)
         hidden = model.hidden_states_sharing_prefix(tokens[leaders, : layout.prefix], split[leaders], owner,
                                                     row_tokens, positions)
     else:

@@ -447,14 +447,15 @@ def assert_same_adam_step(params, expected, lr: float) -> None:
 def test_a_shared_first_prompt_gives_the_full_rows_results(model, estimator):
     """Computing each distinct first prompt of a micro-batch once (and only the rows' used width)
     gives the same log-probs, values and update as every position of every row: the same attention,
-    in matmuls of other shapes (float32 rounding). Micro-batches of 4 rows within groups of 8 (one
-    prompt each), and one of 32, where groups 0, 1 and 3 read the same prompt and group 2 another:
-    2 prompts for the 4 groups, which rows read which found in the program."""
+    in matmuls of other shapes (float32 rounding). Groups 0, 1 and 3 read the same prompt and group
+    2 another. Micro-batches of 4 rows within groups of 8 (one prompt each); of 16, two groups (2
+    prompts, group g's 8 rows reading the g-th); and one of 32: 2 prompts for the 4 groups, which
+    rows read which found in the program."""
     traj = shared_prompt_batch(prompt_of_group=(0, 0, 2, 0))
-    for micro in (4, 32):
+    for micro in (4, 16, 32):
         settings = settings_for(adv_estimator=estimator, micro_batch_size=micro, ppo_mini_batch_size=max(16, micro))
         layout = update_layout(traj, PLAN, micro)
-        assert (layout.prompts, layout.across_groups) == {4: (1, False), 32: (2, True)}[micro]
+        assert (layout.prompts, layout.across_groups) == {4: (1, False), 16: (2, False), 32: (2, True)}[micro]
         state = init_train_state(settings, model, jax.random.PRNGKey(0))
         learn = jax.jit(make_train_step(settings, model.graphdef, PLAN).learn, static_argnums=3)
         full_state, full_metrics = learn(state, traj, HYPER, full_layout(L))

@@ -675,13 +675,16 @@ class Decoder(nnx.Module):
                                  remat=self.config.remat)
         return x
 
-    def hidden_states_sharing_prefix(self, prefix: Array, prefix_length: Array, owner: Array | None, tokens: Array,
+    def hidden_states_sharing_prefix(self, prefix: Array, prefix_length: Array, owner: Array, tokens: Array,
                                      positions: Array) -> Array:
         """Final-normed hidden states [B, T, D] of tokens [B, T] at ``positions`` that follow a shared
         prefix: ``prefix`` [G, P] (its first ``prefix_length[g]`` tokens real) is row b's prefix for
-        ``owner[b]`` = g, or with ``owner`` None for the B / G consecutive rows b of block g = b // (B / G)
-        (a static assignment: nothing in the program depends on which rows share a prefix, so a
-        row-sharded batch needs no collective to find out). The same values as ``hidden_states`` of the whole rows, with each prefix
+        ``owner[b]`` = g (a constant where the caller knows it: then nothing in the program depends on
+        which rows share a prefix, so a row-sharded batch needs no collective to find out). Row b
+        reads its prefix's keys and values as a product with its one-hot row of ``owner``, whose
+        backward sums a prefix's gradients over its rows in one product too (faster on a CPU than
+        repeating a prefix to its rows and reducing their gradients: docs/benchmarks.md, "A static
+        owner's one-hot product"). The same values as ``hidden_states`` of the whole rows, with each prefix
         computed once, in the same pass over the layers as the rows: the G prefixes' positions are
         spread over the B rows alongside their own, so a layer's weight products run once on all of
         them (not once for the prefixes and again for the rows: half the per-layer passes, products
@@ -699,15 +702,9 @@ class Decoder(nnx.Module):
 
         prefix_positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prefix.shape)
         allowed = sequence_mask((prefix_positions < prefix_length[:, None]).astype(jnp.int32))
-        if owner is None:
-            visible = (jnp.arange(P) < jnp.repeat(prefix_length, B // G)[:, None])[:, None, :]  # [B, 1, P]
-            to_rows = lambda a: jnp.repeat(a.transpose(0, 2, 1, 3), B // G, axis=0)  # noqa: E731  [B, kv_heads, P, d]
-        else:
-            visible = (jnp.arange(P) < prefix_length[owner][:, None])[:, None, :]
-            # Row b reads its prefix's keys and values as a product with its one-hot row of ``owner``:
-            # the backward then sums a prefix's gradients over its rows in one product too.
-            choose = jax.nn.one_hot(owner, G)  # [B, G]
-            to_rows = lambda a: jnp.einsum("bg,gskd->bksd", choose.astype(a.dtype), a)  # noqa: E731
+        visible = (jnp.arange(P) < prefix_length[owner][:, None])[:, None, :]  # [B, 1, P]
+        choose = jax.nn.one_hot(owner, G)  # [B, G]
+        to_rows = lambda a: jnp.einsum("bg,gskd->bksd", choose.astype(a.dtype), a)  # noqa: E731  [B, kv_heads, P, d]
 
         def attention(q, k, v, _):
             qp, kp, vp = (in_prefixes(a[:, :S]) for a in (q, k, v))
