@@ -682,9 +682,9 @@ class Decoder(nnx.Module):
         ``owner[b]`` = g (a constant where the caller knows it: then nothing in the program depends on
         which rows share a prefix, so a row-sharded batch needs no collective to find out). Row b
         reads its prefix's keys and values as a product with its one-hot row of ``owner``, whose
-        backward sums a prefix's gradients over its rows in one product too (faster on a CPU than
-        repeating a prefix to its rows and reducing their gradients: docs/benchmarks.md, "A static
-        owner's one-hot product"). The same values as ``hidden_states`` of the whole rows, with each prefix
+        backward sums a prefix's gradients over its rows in one product too (as fast on a CPU as
+        repeating a prefix to its rows and reducing their gradients, or faster: docs/benchmarks.md,
+        "A static owner's one-hot product"). The same values as ``hidden_states`` of the whole rows, with each prefix
         computed once, in the same pass over the layers as the rows: the G prefixes' positions are
         spread over the B rows alongside their own, so a layer's weight products run once on all of
         them (not once for the prefixes and again for the rows: half the per-layer passes, products
