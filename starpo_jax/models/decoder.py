@@ -684,11 +684,13 @@ class Decoder(nnx.Module):
         reads its prefix's keys and values as a product with its one-hot row of ``owner``, whose
         backward sums a prefix's gradients over its rows in one product too (as fast on a CPU as
         repeating a prefix to its rows and reducing their gradients, or faster: docs/benchmarks.md,
-        "A static owner's one-hot product"). The same values as ``hidden_states`` of the whole rows, with each prefix
-        computed once, in the same pass over the layers as the rows: the G prefixes' positions are
-        spread over the B rows alongside their own, so a layer's weight products run once on all of
-        them (not once for the prefixes and again for the rows: half the per-layer passes, products
-        of more rows), and the batch axis stays the rows' (a mesh splits it as it splits the rows).
+        "A static owner's one-hot product").
+
+        The same values as ``hidden_states`` of the whole rows, with each prefix computed once, in
+        the same pass over the layers as the rows: the G prefixes' positions are spread over the B
+        rows alongside their own, so a layer's weight products run once on all of them (not once
+        for the prefixes and again for the rows: half the per-layer passes, products of more rows),
+        and the batch axis stays the rows' (a mesh splits it as it splits the rows).
         Rematerialised under ``jax.grad`` as ``hidden_states``."""
         (G, P), B = prefix.shape, tokens.shape[0]
         S = -(-G * P // B)  # prefix positions carried per row; the last row's tail is padding
