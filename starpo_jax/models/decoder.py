@@ -706,12 +706,11 @@ class Decoder(nnx.Module):
         allowed = sequence_mask((prefix_positions < prefix_length[:, None]).astype(jnp.int32))
         visible = (jnp.arange(P) < prefix_length[owner][:, None])[:, None, :]  # [B, 1, P]
         choose = jax.nn.one_hot(owner, G)  # [B, G]
-        to_rows = lambda a: jnp.einsum("bg,gskd->bksd", choose.astype(a.dtype), a)  # noqa: E731  [B, kv_heads, P, d]
 
         def attention(q, k, v, _):
             qp, kp, vp = (in_prefixes(a[:, :S]) for a in (q, k, v))
             prefix_out = self_attention(qp, kp, vp, allowed)
-            kp, vp = to_rows(kp), to_rows(vp)
+            kp, vp = (jnp.einsum("bg,gskd->bksd", choose.astype(a.dtype), a) for a in (kp, vp))  # [B, kv_heads, P, d]
             rows_out = _attend_after(q[:, S:], k[:, S:], v[:, S:], kp, vp, visible)
             return jnp.concatenate([in_rows(prefix_out), rows_out], axis=1)
 
