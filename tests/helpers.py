@@ -243,7 +243,8 @@ def fake_decode_state(budgets: "np.ndarray", steps: int):
     from starpo_jax.rollout import sampling
 
     n = len(budgets)
-    cache = sampling.KVCache(k=(jnp.zeros((n, 1, 2, 1)),), v=(jnp.zeros((n, 1, 2, 1)),), lengths=jnp.zeros(n, jnp.int32))
+    cache = sampling.KVCache(k=(jnp.zeros((n, 1, 2, 1)),), v=(jnp.zeros((n, 1, 2, 1)),), lengths=jnp.zeros(n, jnp.int32),
+                             prefix_group=jnp.arange(n, dtype=jnp.int32), prefix_length=jnp.zeros(n, jnp.int32))
     return sampling.DecodeState(
         step=jnp.int32(0), cache=cache, next_token=jnp.zeros(n, jnp.int32), next_logprob=jnp.zeros(n),
         last_hidden=jnp.zeros((n, 1)), tokens=jnp.zeros((n, steps), jnp.int32), logprobs=jnp.zeros((n, steps)),

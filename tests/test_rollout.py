@@ -483,6 +483,15 @@ def test_the_first_turn_prefills_each_distinct_first_prompt_once():
         np.testing.assert_array_equal(shared.lengths, num_new)
         np.testing.assert_allclose(shared.k, every_row.k, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(shared.v, every_row.v, rtol=1e-5, atol=1e-6)
+        assert_prefix_groups(shared, np.repeat(np.arange(3), 2), num_new)
+
+
+def assert_prefix_groups(cache, prompt, num_new):
+    """Rows of one prompt are one prefix group, apart from the others, sharing their prompt's slots
+    (what the CPU kernel reads once for them)."""
+    group = np.asarray(cache.prefix_group)
+    np.testing.assert_array_equal(group[:, None] == group[None], prompt[:, None] == prompt[None])
+    np.testing.assert_array_equal(cache.prefix_length, num_new)
 
 
 def test_the_first_turn_counts_the_distinct_prompts_of_sampled_levels():
@@ -512,6 +521,7 @@ def test_the_first_turn_counts_the_distinct_prompts_of_sampled_levels():
         np.testing.assert_array_equal(shared.lengths, num_new)
         np.testing.assert_allclose(shared.k, every_row.k, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(shared.v, every_row.v, rtol=1e-5, atol=1e-6)
+        assert_prefix_groups(shared, level, num_new)
 
 
 def test_the_first_turn_reads_and_writes_only_the_head_it_can_reach():

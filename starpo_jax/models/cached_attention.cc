@@ -6,13 +6,15 @@
 // slots of the row's cached keys and values [kv_heads, slots, dim], then to the block's own new keys
 // and values [tokens, kv_heads, dim] up to its own (causal); the slots past length are never read. A
 // row's tokens from num_new[row] on are padding: their outputs are zeros. Every (row, kv head) pair
-// is one task, its tokens one after the other (the row's keys stay in the core's cache), and the
+// is one task (or a few rows' pairs: below), its tokens one after the other (the row's keys stay in the core's cache), and the
 // tasks are spread over XLA's intra-op threads. A decode step's token scores W cached keys at a time,
 // their sums across vector lanes taken together; while a task sums its values (already in the core's
 // cache), it asks the memory for the keys of the task its thread takes next, so that the memory keeps
-// streaming (a decode step's attention is bound by reading the cache). Leading dimensions before the
-// row's are flattened into rows (vmap adds one). Float32 throughout; the softmax is normalised after
-// its sums.
+// streaming (a decode step's attention is bound by reading the cache). Rows whose caches begin with
+// the same prompt (one prefix group) are a task together, a few at a time: each reads the prompt's
+// slots from the first one's cache, already in the core's cache after the first row, and sums them
+// as it would its own. Leading dimensions before the row's are flattened into rows (vmap adds one).
+// Float32 throughout; the softmax is normalised after its sums.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -126,12 +128,18 @@ inline vf exp_nonpositive(vf x) {
 }
 
 // The keys (or values) one token attends to: the cache's first `held` rows, then the block's new
-// ones, `stride` floats apart (the block's other kv heads lie between them).
+// ones, `stride` floats apart (the block's other kv heads lie between them). The first `shared` of
+// the cached rows are read from `prefix`, another row's cache that holds the same (a prompt that
+// rows share: read from memory once for all of them, then from the core's cache).
 struct Rows {
   const float* cache;
   const float* fresh;
   int64_t held, stride, dim;
-  const float* operator[](int64_t i) const { return i < held ? cache + i * dim : fresh + (i - held) * stride; }
+  const float* prefix = nullptr;
+  int64_t shared = 0;
+  const float* operator[](int64_t i) const {
+    return i < held ? (i < shared ? prefix : cache) + i * dim : fresh + (i - held) * stride;
+  }
 };
 
 // Asks the memory for the cached key and value rows [from, to), those the cache holds: 16 floats
@@ -139,8 +147,8 @@ struct Rows {
 inline void prefetch_rows(const Rows& keys, const Rows& values, int64_t from, int64_t to) {
   for (int64_t i = from; i < std::min(to, keys.held); ++i)
     for (int64_t c = 0; c < keys.dim; c += 16) {
-      __builtin_prefetch(keys.cache + i * keys.dim + c);
-      __builtin_prefetch(values.cache + i * keys.dim + c, 0, 2);
+      __builtin_prefetch(keys[i] + c);
+      __builtin_prefetch(values[i] + c, 0, 2);
     }
 }
 
@@ -424,12 +432,35 @@ void run_tasks(ffi::ThreadPool& pool, int64_t count, F run) {
   tasks->all_done.wait(lock, [&] { return tasks->finished == count; });
 }
 
+// Rows whose caches begin with the same slots (one `groups` id within a batch: the leading
+// dimensions' index, row / batch) are attended together, in chunks of up to CHUNK rows, each chunk's
+// rows reading the shared slots from its first row's cache: `order` lists the rows chunk by chunk (a
+// group's rows in batch order), and chunk c is order[starts[c]] to order[starts[c + 1] - 1].
+constexpr int64_t CHUNK = 8;
+
+struct Chunks {
+  std::vector<int64_t> order, starts;
+};
+
+Chunks chunked(const int32_t* groups, int64_t rows, int64_t batch) {
+  auto group = [&](int64_t row) { return std::make_pair(row / batch, groups[row]); };
+  Chunks c;
+  c.order.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) c.order[i] = i;
+  std::stable_sort(c.order.begin(), c.order.end(), [&](int64_t a, int64_t b) { return group(a) < group(b); });
+  for (int64_t i = 0; i < rows; ++i)
+    if (i == 0 || i - c.starts.back() == CHUNK || group(c.order[i]) != group(c.order[i - 1])) c.starts.push_back(i);
+  c.starts.push_back(rows);
+  return c;
+}
+
 }  // namespace
 
 static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                                   ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> num_new,
                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                  ffi::Buffer<ffi::S32> groups, ffi::Buffer<ffi::S32> shared,
                                   ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = keys.dimensions();
   const int64_t r = qd.size();
@@ -438,30 +469,45 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
                                        "[..., kv_heads, slots, dim] do not match");
   const Sizes s{qd[r - 4], qd[r - 3], qd[r - 2], kd[r - 3], qd[r - 1]};  // kd: one dimension fewer
   const int64_t rows = lengths.element_count();
-  if (q.element_count() != rows * s.tokens * s.kv_heads * s.group * s.dim || num_new.element_count() != rows)
-    return ffi::Error::InvalidArgument("cached attention: one length and one count of new tokens per row");
+  if (q.element_count() != rows * s.tokens * s.kv_heads * s.group * s.dim || num_new.element_count() != rows ||
+      groups.element_count() != rows || shared.element_count() != rows)
+    return ffi::Error::InvalidArgument("cached attention: one length, count of new tokens, prefix group and "
+                                       "shared length per row");
   const float *qp = q.typed_data(), *kp = keys.typed_data(), *vp = values.typed_data();
   const float *knp = k_new.typed_data(), *vnp = v_new.typed_data();
-  const int32_t *lp = lengths.typed_data(), *np_ = num_new.typed_data();
+  const int32_t *lp = lengths.typed_data(), *np_ = num_new.typed_data(), *sp = shared.typed_data();
   float* op = out->typed_data();
-  const int64_t count = rows * s.kv_heads, query = s.group * s.dim, step = s.kv_heads * query;
-  run_tasks(pool, count, [=](int64_t t, int64_t next) {
+  const auto ld = lengths.dimensions();
+  const Chunks chunks = chunked(groups.typed_data(), rows, ld.size() == 0 ? 1 : std::max<int64_t>(1, ld.back()));
+  const int64_t count = (static_cast<int64_t>(chunks.starts.size()) - 1) * s.kv_heads;
+  const int64_t query = s.group * s.dim, step = s.kv_heads * query;
+  auto held = [=](int64_t row) { return std::clamp<int64_t>(lp[row], 0, s.slots); };
+  auto cache = [=](int64_t row, int64_t head) { return (row * s.kv_heads + head) * s.slots * s.dim; };
+  run_tasks(pool, count, [=, &chunks](int64_t t, int64_t next) {
     thread_local std::vector<float> scratch;
-    const int64_t row = t / s.kv_heads, head = t % s.kv_heads;
-    const int64_t held = std::clamp<int64_t>(lp[row], 0, s.slots);
-    const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
-    const int64_t cache = t * s.slots * s.dim, fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
-    const Rows k{kp + cache, knp + fresh, held, s.kv_heads * s.dim, s.dim};
-    const Rows v{vp + cache, vnp + fresh, held, s.kv_heads * s.dim, s.dim};
-    const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
-    const float* ahead = next < count ? kp + next * s.slots * s.dim : nullptr;  // the next task's keys
-    if (real > 1 && s.dim % W == 0)
-      attend_block(s.group, scale, qp + first, step, real, k, v, op + first, scratch, ahead);
-    else
-      for (int64_t token = 0; token < real; ++token)  // the last token's values pass asks for `ahead`
-        attend_one(s.group, scale, qp + first + token * step, k, v, held + token + 1, op + first + token * step,
-                   scratch, token + 1 == real ? ahead : nullptr);
-    for (int64_t token = real; token < s.tokens; ++token) std::fill_n(op + first + token * step, query, 0.f);
+    const int64_t chunk = t / s.kv_heads, head = t % s.kv_heads;
+    const int64_t from = chunks.starts[chunk], to = chunks.starts[chunk + 1], first_row = chunks.order[from];
+    const int64_t leader = cache(first_row, head);
+    for (int64_t i = from; i < to; ++i) {
+      const int64_t row = chunks.order[i];
+      const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
+      // whole tiles of W keys only: a tile's keys are read from one row's cache (tile_scores)
+      const int64_t common = std::min<int64_t>({sp[row], sp[first_row], held(row), held(first_row)}) / W * W;
+      const int64_t own = cache(row, head), fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
+      const Rows k{kp + own, knp + fresh, held(row), s.kv_heads * s.dim, s.dim, kp + leader, common};
+      const Rows v{vp + own, vnp + fresh, held(row), s.kv_heads * s.dim, s.dim, vp + leader, common};
+      const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
+      // the next task's first keys, asked of the memory while the chunk's last row sums its values
+      const float* ahead = i + 1 == to && next < count
+          ? kp + cache(chunks.order[chunks.starts[next / s.kv_heads]], next % s.kv_heads) : nullptr;
+      if (real > 1 && s.dim % W == 0)
+        attend_block(s.group, scale, qp + first, step, real, k, v, op + first, scratch, ahead);
+      else
+        for (int64_t token = 0; token < real; ++token)  // the last token's values pass asks for `ahead`
+          attend_one(s.group, scale, qp + first + token * step, k, v, held(row) + token + 1,
+                     op + first + token * step, scratch, token + 1 == real ? ahead : nullptr);
+      for (int64_t token = real; token < s.tokens; ++token) std::fill_n(op + first + token * step, query, 0.f);
+    }
   });
   return ffi::Error::Success();
 }
@@ -477,4 +523,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(starpo_cached_attention, CachedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_new [...]: real new tokens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_new [..., tokens, kv_heads, dim]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_new, as k_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // groups [...]: rows sharing a prefix
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // shared [...]: slots of that prefix
                                   .Ret<ffi::Buffer<ffi::F32>>());  // as q

@@ -11,6 +11,13 @@ task on XLA's intra-op threads, its sums kept in vector registers; a row's token
 after the other while its keys stay in the core's cache, each reading only the row's first
 ``length`` slots and the block's own keys up to its own, and padding tokens are skipped.
 
+Rows that begin with the same prompt (the first turn's copies of each distinct first prompt:
+``KVCache.prefix_group``) are tasks of a few rows together, each row reading the prompt's slots
+from the first one's cache: a decode step reads a prompt's keys and values from memory once per
+few rows instead of once per row, which on the Bandit's 128 rows of two prompts halved the
+kernel's time, the rest then its sums (docs/benchmarks.md, "The decode's attention reads a shared
+prompt once"). Each row's sums are the same, in the same order: the same floats.
+
 It is built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
 (``-march=native``), into the cache folder (``runtime.caches``: ``kernels/``, keyed by the source,
 the compiler and the CPU), and registered with XLA. ``Decoder.extend`` uses it for every block it
@@ -79,7 +86,8 @@ def xla_attention():
         _held_off -= 1
 
 
-def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new, *, target: str = TARGET):
+def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new, prefix_group=None, prefix_length=None,
+                     *, target: str = TARGET):
     """Attention of a block of T new tokens per row, q [B, T, heads, d], to the first ``lengths[b]``
     slots of its layer cache k_cache, v_cache [B, kv_heads, S, d] and causally to the block's own
     keys and values k_new, v_new [B, T, kv_heads, d]: what ``decoder._attend_after`` computes for a
@@ -87,7 +95,13 @@ def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new, *, tar
     are padding, and come back as zeros. Returns [B, T, heads, d] in q's dtype. Call it where
     ``available()``: it builds the kernel if need be, and raises RuntimeError where it cannot be
     built. ``target``: the registered kernel to call (a test registers a build of another vector
-    width under a name of its own)."""
+    width under a name of its own).
+
+    ``prefix_group``, ``prefix_length`` [B] int32 (``KVCache``'s): rows of one group hold the same
+    keys and values in their first ``min`` of their prefix lengths' slots (a prompt they share).
+    The kernel attends a group's rows together, a few at a time, each reading those slots from the
+    first one's cache: the same sums in the same order, from one read of the memory instead of one
+    per row. Default: every row its own group."""
     if target == TARGET and not _registered():
         raise RuntimeError("starpo-jax's CPU attention kernel could not be built (the warning says why)")
     B, T, H, D = q.shape
@@ -95,9 +109,11 @@ def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new, *, tar
     f32, i32 = jnp.float32, jnp.int32
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((B, T, kv_heads, H // kv_heads, D), f32),
                             vmap_method="broadcast_all")
+    groups = jnp.arange(B, dtype=i32) if prefix_group is None else prefix_group.astype(i32)
+    shared = jnp.zeros((B,), i32) if prefix_length is None else prefix_length.astype(i32)
     out = call(q.reshape(B, T, kv_heads, H // kv_heads, D).astype(f32), k_cache.astype(f32), v_cache.astype(f32),
                jnp.minimum(lengths, k_cache.shape[2]).astype(i32), jnp.broadcast_to(num_new, (B,)).astype(i32),
-               k_new.astype(f32), v_new.astype(f32), scale=np.float32(D**-0.5))
+               k_new.astype(f32), v_new.astype(f32), groups, shared, scale=np.float32(D**-0.5))
     return out.reshape(B, T, H, D).astype(q.dtype)
 
 

@@ -160,12 +160,18 @@ class KVCache(struct.PyTreeNode):
     k: tuple[Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
     v: tuple[Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
     lengths: Array  # [batch] int32: slots [0, length) are valid
+    # Rows of one prefix group hold the same keys and values in their first min(prefix_length) slots:
+    # copies of one prompt's (``copies``). The CPU kernel reads them once for the group's rows.
+    prefix_group: Array  # [batch] int32
+    prefix_length: Array  # [batch] int32
 
     @classmethod
     def init(cls, config: ModelConfig, batch_size: int, max_len: int) -> "KVCache":
         shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
         zeros = [jnp.zeros(shape, cache_dtype(config)) for _ in range(2 * config.num_layers)]
-        return cls(k=tuple(zeros[0::2]), v=tuple(zeros[1::2]), lengths=jnp.zeros((batch_size,), jnp.int32))
+        return cls(k=tuple(zeros[0::2]), v=tuple(zeros[1::2]), lengths=jnp.zeros((batch_size,), jnp.int32),
+                   prefix_group=jnp.arange(batch_size, dtype=jnp.int32),
+                   prefix_length=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def max_len(self) -> int:
@@ -173,19 +179,22 @@ class KVCache(struct.PyTreeNode):
 
     def head(self, size: int) -> "KVCache":
         """The first ``size`` slots of every row, as a smaller cache (a copy)."""
-        return KVCache(k=tuple(k[:, :, :size] for k in self.k), v=tuple(v[:, :, :size] for v in self.v),
-                       lengths=self.lengths)
+        return self.replace(k=tuple(k[:, :, :size] for k in self.k), v=tuple(v[:, :, :size] for v in self.v))
 
     def with_head(self, head: "KVCache") -> "KVCache":
         """This cache with its first slots taken from ``head`` (the inverse of ``head``)."""
         size = head.max_len
-        return KVCache(k=tuple(k.at[:, :, :size].set(h) for k, h in zip(self.k, head.k)),
-                       v=tuple(v.at[:, :, :size].set(h) for v, h in zip(self.v, head.v)), lengths=head.lengths)
+        return head.replace(k=tuple(k.at[:, :, :size].set(h) for k, h in zip(self.k, head.k)),
+                            v=tuple(v.at[:, :, :size].set(h) for v, h in zip(self.v, head.v)))
 
     def rows(self, index: Array) -> "KVCache":
-        """The cache of rows ``index`` [N] (a gather: rows may repeat)."""
-        return KVCache(k=tuple(k[index] for k in self.k), v=tuple(v[index] for v in self.v),
-                       lengths=self.lengths[index])
+        """The cache of rows ``index`` [N] (a gather: rows may repeat), their prefix groups kept."""
+        return jax.tree.map(lambda x: x[index], self)
+
+    def copies(self, index: Array) -> "KVCache":
+        """Rows ``index`` [N] of this cache, the copies of one row a prefix group of its held slots
+        (every row's first prompt prefilled once, then copied to the rows that read it)."""
+        return self.rows(index).replace(prefix_group=index.astype(jnp.int32), prefix_length=self.lengths[index])
 
 
 def cache_dtype(config: ModelConfig, backend: str | None = None) -> jnp.dtype:
@@ -754,12 +763,13 @@ class Decoder(nnx.Module):
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
             if on_cpu_kernel:
-                attended = cpu_attention.cached_attention(q, k, v, ks[-1], vs[-1], cache.lengths, num_new)
+                attended = cpu_attention.cached_attention(q, k, v, ks[-1], vs[-1], cache.lengths, num_new,
+                                                          cache.prefix_group, cache.prefix_length)
             else:
                 attended = _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)
             x = _rounded(block_output(c, p, x, attended))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
+        return x, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
 
 
 class ModelState(struct.PyTreeNode):

@@ -643,7 +643,7 @@ class LLMResponder:
                 lead = leaders[:size]
                 once, logits = append(model, init_cache(model.merge().config, size, cache.max_len),
                                       prompt_ids[lead], num_new[lead])
-                return once.rows(inverse), logits[inverse]
+                return once.copies(inverse), logits[inverse]
             return run
 
         sizes = (count,) if self.first_prompts else prefill_batch_sizes(count)

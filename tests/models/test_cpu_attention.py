@@ -105,6 +105,41 @@ def test_slots_past_a_rows_length_are_never_read():
     assert np.array_equal(kernel(q, k_new, v_new, *poisoned, lengths, num_new), clean)
 
 
+# Rows 0, 2, 3 one prefix group (row 0 the first), rows 1 and 4 alone; 21 shared slots: not whole
+# tiles of 8 or 16 keys, so a tile holds shared slots and a row's own.
+GROUPS, SHARED = jnp.array([7, 5, 7, 7, 9], jnp.int32), 21
+
+
+def sharing(seed=0, tokens=1):
+    """``inputs`` whose rows 2 and 3 hold row 0's first SHARED slots (their own after), all holding
+    more than SHARED: what a group's copies of one prompt hold."""
+    q, k_new, v_new, k_cache, v_cache, _, num_new = inputs(seed, tokens=tokens)
+    copied = (jnp.arange(SLOTS) < SHARED)[None, None, :, None] & (GROUPS == 7)[:, None, None, None]
+    k_cache, v_cache = (jnp.where(copied, c[:1], c) for c in (k_cache, v_cache))
+    lengths = jnp.array([22, SLOTS, 23, SLOTS, 21], jnp.int32)
+    return q, k_new, v_new, k_cache, v_cache, lengths, num_new
+
+
+@pytest.mark.parametrize("floats", [None, 8, 16])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_a_prefix_groups_rows_attend_exactly_as_each_alone(floats, tokens):
+    call = kernel if floats is None else width_kernel(floats)
+    args = sharing(tokens=tokens)
+    shared = jnp.full((B,), SHARED, jnp.int32)
+    # each row's sums in the same order, over the same values: the same floats
+    assert np.array_equal(call(*args, GROUPS, shared), call(*args))
+
+
+def test_a_prefix_groups_shared_slots_are_read_from_its_first_row():
+    q, k_new, v_new, k_cache, v_cache, lengths, num_new = sharing()
+    shared = jnp.full((B,), 16, jnp.int32)  # whole tiles, at either width
+    others = (jnp.arange(SLOTS) < 16)[None, None, :, None] & (jnp.arange(B) != 0)[:, None, None, None]
+    poisoned = [jnp.where(others & (GROUPS == 7)[:, None, None, None], jnp.nan, c) for c in (k_cache, v_cache)]
+    clean = kernel(q, k_new, v_new, k_cache, v_cache, lengths, num_new)
+    assert np.array_equal(kernel(q, k_new, v_new, *poisoned, lengths, num_new, GROUPS, shared), clean)
+    assert np.isnan(kernel(q, k_new, v_new, *poisoned, lengths, num_new)[2:4]).all()  # read where alone
+
+
 def test_bfloat16_queries_come_back_in_bfloat16():
     args = inputs(dtype=jnp.bfloat16)
     got = kernel(*args)
@@ -113,7 +148,8 @@ def test_bfloat16_queries_come_back_in_bfloat16():
 
 
 def test_vmapped_it_computes_each_member_alone():
-    members = [inputs(seed, tokens=2) for seed in (1, 2)]
+    # the same prefix groups in both members, which hold different caches: a group is a member's own
+    members = [(*sharing(seed, tokens=2), GROUPS, jnp.full((B,), SHARED, jnp.int32)) for seed in (1, 2)]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
     got = jax.jit(jax.vmap(cpu_attention.cached_attention))(*stacked)
     for i, args in enumerate(members):
@@ -137,6 +173,25 @@ def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same()
     assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
     assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
     np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
+
+
+def test_a_decode_reads_a_prefix_groups_shared_slots_from_its_first_row():
+    """A cache of copies of two prompts (``KVCache.copies``, the first turn's): each decode step
+    reads a group's first 16 slots (whole tiles) from its first row, so NaN in the other rows'
+    copies changes nothing (the same program, the same floats)."""
+    config = preset("tiny-qwen2")
+    model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
+    prompts = jax.random.randint(jax.random.key(2), (2, 20), 0, config.vocab_size)
+    once, logits = sampling.append(model, sampling.init_cache(config, 2, 32), prompts, jnp.array([20, 17]))
+    source = jnp.array([0, 0, 1, 0, 1])
+    cache = once.copies(source)
+    copy = (jnp.arange(5) != jnp.array([0, 0, 2, 0, 2]))[:, None, None, None]  # not a group's first row
+    poisoned = cache.replace(**{kv: tuple(jnp.where(copy & (jnp.arange(32) < 16)[:, None], jnp.nan, x)
+                                          for x in getattr(cache, kv)) for kv in ("k", "v")})
+    decode = jax.jit(lambda c: sampling.decode(model, c, logits[source], jax.random.key(0), max_new_tokens=4))
+    clean, got = decode(cache), decode(poisoned)
+    assert np.isfinite(got.logprobs).all()
+    assert np.array_equal(got.tokens, clean.tokens) and np.array_equal(got.logprobs, clean.logprobs)
 
 
 def append_with(model, config, kernel: bool):
