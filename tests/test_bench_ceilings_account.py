@@ -51,6 +51,14 @@ def test_one_token_is_two_flops_per_weight_of_its_products_and_a_pair_four_per_h
     assert ceilings._triangle([0, 10], [3, 1]) == (1 + 2 + 3) + 11
 
 
+def test_a_prefix_groups_shared_slots_are_read_once_a_pass_for_its_rows():
+    # rows 0 and 2 share 10 slots and pass over them 3 and 5 times (decode steps): 5 passes of the
+    # group's 10 slots, not 8; row 1 alone shares nothing; rows 3, 4 share 4 slots, one pass each
+    group, shared = [0, 1, 0, 2, 2], [10, 0, 10, 4, 4]
+    assert ceilings.shared_reads_saved([3, 7, 5, 1, 1], group, shared) == 10 * 3 + 4
+    assert ceilings.shared_reads_saved([0, 7, 0, 1, 0], group, shared) == 0  # a group with one row left
+
+
 def test_the_least_time_overlaps_the_two_kinds_of_work_or_runs_them_in_sequence():
     """A decode-like phase: products bound by the peak (2 s), attention by the cache's bytes (1 s)."""
     phase = ceilings.work(products=(200, 10), attention=(20, 100))

@@ -24,12 +24,15 @@ def test_quick_benchmark_times_the_kernel_and_both_orientations(tmp_path, monkey
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     (row,) = report["results"].values()
     assert (row["model"], row["batch"], row["new_tokens"]) == ("tiny-llama", 4, 8)
-    variants = ["kernel", "keys-first", "queries-first"] if cpu_attention.available() else ["keys-first", "queries-first"]
+    variants = ["kernel", "kernel-shared", "keys-first", "queries-first"] if cpu_attention.available() \
+        else ["keys-first", "queries-first"]
     assert list(row["seconds"]) == variants and all(len(row["seconds"][o]) == 2 for o in variants)  # one round
     assert row["speedup"] == row["median_s"]["queries-first"] / row["median_s"]["keys-first"]
     if "kernel" in variants:
         assert row["kernel_speedup"] == row["median_s"]["keys-first"] / row["median_s"]["kernel"]
         assert 0.0 <= row["kernel_same_tokens"] <= 1.0
+        assert row["shared_speedup"] == row["median_s"]["kernel"] / row["median_s"]["kernel-shared"]
+        assert row["shared_same_tokens"] == 1.0  # every row holds the same: the same floats from either
     # tiny-llama decodes with 2 queries per kv head: keys-first under the library's threshold, not under 0
     assert {(limit, keys_first) for limit, keys_first in seen} == {(decoder.KEYS_LEAD_MAX_QUERIES, True), (0, False)}
     assert 0.0 <= row["same_tokens"] <= 1.0
@@ -38,8 +41,8 @@ def test_quick_benchmark_times_the_kernel_and_both_orientations(tmp_path, monkey
 
     assert charts.kind_of(report) == "decode_attention" and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     bars = charts.draw_decode_attention(report).axes[0].patches
-    assert [b.get_height() for b in bars] == [row["median_s"][o] for o in ("queries-first", "keys-first", "kernel")
-                                              if o in variants]
+    assert [b.get_height() for b in bars] == [row["median_s"][o] for o in ("queries-first", "keys-first", "kernel",
+                                                                           "kernel-shared") if o in variants]
 
 
 @pytest.mark.parametrize("argv, message", [

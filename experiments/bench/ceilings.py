@@ -31,8 +31,10 @@ buffer writes) is the rest. Per phase:
   masked cache slots included; for a decode, its loop with every row kept to the end,
   an upper bound, since the rows that stop early move out of the loop's batch), and
   ``compiled.cost_analysis()`` as XLA reports it (a loop's body counted once);
-- bytes: weights and KV cache read and written (the least the phase must move) and what the
-  compiled program accesses (``hlo_bytes.hlo_bytes``);
+- bytes: weights and KV cache read and written (the least the phase must move: where the CPU
+  kernel attends, a first prompt that rows share read once a step for them all, as the kernel
+  can, and the later phases' caches marked so, as the rollout's are) and what the compiled program
+  accesses (``hlo_bytes.hlo_bytes``);
 - the ceiling that binds: the time the least work would take at the measured peak FLOP/s or copy
   bandwidth, whichever is longer, as a fraction of the measured time ("of ceiling"); and the same
   for what XLA computes ("XLA work");
@@ -89,8 +91,14 @@ from experiments.bench.common import (
 )
 from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
 from starpo_jax.forward import policy_tokens_per_row
+from starpo_jax.models import cpu_attention
 from starpo_jax.rollout import sampling
-from starpo_jax.rollout.multi_turn import LLMResponder, first_rows_of_distinct_prompts, prefill_batch_sizes
+from starpo_jax.rollout.multi_turn import (
+    LLMResponder,
+    distinct_prompt_of_rows,
+    first_rows_of_distinct_prompts,
+    prefill_batch_sizes,
+)
 from starpo_jax.runtime import allocator
 from starpo_jax.runtime.planning import iteration_program, kv_bytes_per_token
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
@@ -283,6 +291,15 @@ def xla_counts(compiled, unknown_trips: int = 1) -> dict:
             "cost_analysis_bytes": float(cost.get("bytes accessed", 0.0))}
 
 
+def shared_reads_saved(reads, group, shared) -> int:
+    """Cache slots that ``reads`` [B] passes over each row's cache need not read from memory: a
+    prefix group's ``shared`` first slots (its rows' first prompt) are read once a pass for all of
+    its rows, not once for each (the CPU kernel's, ``KVCache.prefix_group``)."""
+    reads, group, shared = (np.asarray(x, np.int64) for x in (reads, group, shared))
+    once = sum(int(shared[group == g].max() * reads[group == g].max()) for g in np.unique(group))
+    return int(np.sum(reads * shared)) - once
+
+
 def append_trips(rows: int, width: int, num_new) -> int:
     """Trips of ``sampling.append``'s chunk loop for a block of ``width`` tokens of ``rows`` rows,
     ``num_new`` of them real: the loop ends on its data, so XLA's count needs them told."""
@@ -328,6 +345,12 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     n0 = prompt[:, 0]
     ids = np.asarray(jax.device_get(traj.tokens))[:, :first_width]
     leaders = n0[first_rows_of_distinct_prompts(ids, n0)]
+    # The later phases' caches hold each row's first prompt copied from one prefill, as the rollout's
+    # do: one prefix group per distinct prompt, whose slots the CPU kernel reads once for its rows.
+    group = distinct_prompt_of_rows(ids, n0).astype(np.int32)
+    shared = n0.astype(np.int32) if cpu_attention.available() else np.zeros_like(n0, np.int32)
+    cache_of = lambda lengths: empty.replace(lengths=lengths.astype(np.int32), prefix_group=group,  # noqa: E731
+                                             prefix_length=shared)
     rows = min(n for n in prefill_batch_sizes(G) if n >= len(leaders))
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)
@@ -343,18 +366,18 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
         if not active.any():
             break
         if t:  # a later turn's prompt appended to every row still playing
-            cache = empty.replace(lengths=held[:, t].astype(np.int32))
-            args = (policy, cache, rng.integers(0, vocab, (B, next_width), np.int32), prompt[:, t].astype(np.int32))
+            args = (policy, cache_of(held[:, t]), rng.integers(0, vocab, (B, next_width), np.int32),
+                    prompt[:, t].astype(np.int32))
             n = prompt[:, t]
+            read = int((held[:, t] * active).sum() + n.sum()) - shared_reads_saved(active, group, shared)
             add("appends", t + 1, sampling.append, args,
                 work(products=(product_flops(config, int(n.sum()), int(active.sum())), weights),
-                     attention=(attention_flops(config, _triangle(held[:, t], n)),
-                                int((held[:, t] * active).sum() + n.sum()) * kv)),
+                     attention=(attention_flops(config, _triangle(held[:, t], n)), read * kv)),
                 trips=append_trips(B, next_width, n))
         steps = int(answer[:, t].max())
         if steps == 0:
             continue
-        cache = empty.replace(lengths=start[:, t].astype(np.int32))
+        cache = cache_of(start[:, t])
         logits = np.zeros((B, vocab), np.float32)
 
         def decode(model, cache, logits, key, budgets, steps=steps, min_live_rows=sampling.MIN_LIVE_ROWS):
@@ -372,7 +395,8 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
         every_row = functools.partial(decode, min_live_rows=B + 1)
         add("decode", t + 1, jax.jit(decode), args,
             work(products=(product_flops(config, int(a.sum()), int(a.sum())), steps * weights),
-                 attention=(attention_flops(config, _triangle(start[:, t], a)), _triangle(start[:, t], a) * kv),
+                 attention=(attention_flops(config, _triangle(start[:, t], a)),
+                            (_triangle(start[:, t], a) - shared_reads_saved(a, group, shared)) * kv),
                  ) | {"schedule": schedule},
             trips=steps, counted=jax.jit(every_row))
     return phases

@@ -158,10 +158,11 @@ def draw_step(report: dict):
 
 def draw_decode_attention(report: dict):
     """Seconds per decode call with each attention variant (queries-first, keys-first, the CPU
-    kernel where it ran), per workload."""
+    kernel where it ran, alone and with prefix groups), per workload."""
     results = report["results"]
     names = list(results)
-    variants = [v for v in ("queries-first", "keys-first", "kernel") if v in results[names[0]]["median_s"]]
+    variants = [v for v in ("queries-first", "keys-first", "kernel", "kernel-shared")
+                if v in results[names[0]]["median_s"]]
     fig, (ax,) = _figure(width=1.6 + 0.7 * len(variants) * len(results))
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):

@@ -17,6 +17,12 @@ reported. The kernel is timed where it is available (a CPU with a C++ compiler).
 - ``frozen-lake``: ``configs/learn_frozen_lake.py``'s decode (SmolLM2-135M, 64 rows, 640 slots).
 - ``generate``: ``bench.generate``'s CPU row (SmolLM2-135M, 32 rows, a 256-token prompt), 64 new tokens.
 - ``qwen``: Qwen2.5-0.5B's shape at 128 rows in a 896-slot window (``bench.step --cost-only``'s).
+- ``bandit``: ``configs/learn_bandit.py``'s first turn (SmolLM2-135M, 128 rows, 225 slots, 209 held).
+
+The kernel runs twice: each row reading its own held slots, and (``kernel-shared``) the rows in
+prefix groups of ``SHARED_ROWS`` that share their held slots (a first prompt copied to the rows
+that read it, ``KVCache.prefix_group``), which the kernel reads once for a few rows. Every row of
+the benchmark's cache holds the same (zeros), so both decode the same tokens.
 """
 
 from __future__ import annotations
@@ -41,12 +47,15 @@ WORKLOADS = {  # name: (model, batch, cache slots, tokens held, new tokens)
     "frozen-lake": ("smollm2-135m-instruct", 64, 640, 300, 48),
     "generate": ("smollm2-135m-instruct", 32, 512, 256, 64),
     "qwen": ("qwen2.5-0.5b", 128, 896, 512, 16),
+    "bandit": ("smollm2-135m-instruct", 128, 225, 209, 16),
 }
 QUICK = {"tiny": ("tiny-llama", 4, 64, 16, 8)}
-VARIANTS = {  # name: (the most queries per kv head whose scores are keys-first, the CPU kernel on)
-    "kernel": (decoder.KEYS_LEAD_MAX_QUERIES, True),
-    "keys-first": (decoder.KEYS_LEAD_MAX_QUERIES, False),
-    "queries-first": (0, False),
+SHARED_ROWS = 16  # rows of a prefix group in ``kernel-shared`` (a FrozenLake preset's group)
+VARIANTS = {  # name: (the most queries per kv head whose scores are keys-first, the CPU kernel on, prefix groups)
+    "kernel": (decoder.KEYS_LEAD_MAX_QUERIES, True, False),
+    "kernel-shared": (decoder.KEYS_LEAD_MAX_QUERIES, True, True),
+    "keys-first": (decoder.KEYS_LEAD_MAX_QUERIES, False, False),
+    "queries-first": (0, False, False),
 }
 
 
@@ -62,11 +71,16 @@ def parse_args(argv=None):
     return args
 
 
-def decode_program(config, batch: int, cache_slots: int, held: int, new: int, max_queries: int, kernel: bool):
-    """The decode call compiled with the scores oriented by ``max_queries``, or with the CPU kernel,
-    and its arguments."""
+def decode_program(config, batch: int, cache_slots: int, held: int, new: int, max_queries: int, kernel: bool,
+                   shared: bool):
+    """The decode call compiled with the scores oriented by ``max_queries``, or with the CPU kernel
+    (``shared``: its rows in prefix groups of ``SHARED_ROWS`` sharing their held slots), and its
+    arguments."""
     model = ModelState.split(Decoder(config, rngs=nnx.Rngs(0)))
     cache = sampling.init_cache(config, batch, cache_slots).replace(lengths=np.full((batch,), held, np.int32))
+    if shared:
+        cache = cache.replace(prefix_group=np.arange(batch, dtype=np.int32) // SHARED_ROWS,
+                              prefix_length=np.full((batch,), held, np.int32))
     logits = np.random.default_rng(0).standard_normal((batch, config.vocab_size)).astype(np.float32)
     args = (model, cache, logits, jax.random.key(0))
     with mock.patch.object(decoder, "KEYS_LEAD_MAX_QUERIES", max_queries), \
@@ -80,7 +94,7 @@ def decode_program(config, batch: int, cache_slots: int, held: int, new: int, ma
 def run_workload(spec, repeats: int) -> dict:
     name, batch, cache_slots, held, new = spec
     config = preset(name, dtype="float32", param_dtype="float32")
-    order = [v for v, (_, kernel) in VARIANTS.items() if not kernel or cpu_attention.available()]
+    order = [v for v, (_, kernel, _) in VARIANTS.items() if not kernel or cpu_attention.available()]
     programs = {o: decode_program(config, batch, cache_slots, held, new, *VARIANTS[o]) for o in order}
     outputs: dict = {}  # variant -> the warm-up's decoded output
     times: dict[str, list[float]] = {o: [] for o in order}
@@ -98,7 +112,9 @@ def run_workload(spec, repeats: int) -> dict:
 
     median = {o: statistics.median(times[o]) for o in order}
     kernel = {"kernel_speedup": median["keys-first"] / median["kernel"],
-              "kernel_same_tokens": alike("kernel", "keys-first")} if "kernel" in order else {}
+              "kernel_same_tokens": alike("kernel", "keys-first"),
+              "shared_speedup": median["kernel"] / median["kernel-shared"],
+              "shared_same_tokens": alike("kernel-shared", "kernel")} if "kernel" in order else {}
     return {
         "model": name, "batch": batch, "cache": cache_slots, "held": held, "new_tokens": new,
         "seconds": {o: times[o] for o in order},
@@ -122,14 +138,16 @@ def main(argv=None) -> dict:
     report = {"machine": machine(args.note), "repeats": repeats, "results": results}
     path = write_report(report, args.out)
     def kernel_cells(r):
-        return [f"{r['median_s']['kernel']:.2f}", f"{r['kernel_speedup']:.2f}x", f"{r['kernel_same_tokens']:.3f}"] \
-            if "kernel" in r["median_s"] else ["", "", ""]
+        return [f"{r['median_s']['kernel']:.2f}", f"{r['kernel_speedup']:.2f}x", f"{r['kernel_same_tokens']:.3f}",
+                f"{r['median_s']['kernel-shared']:.2f}", f"{r['shared_speedup']:.2f}x",
+                f"{r['shared_same_tokens']:.3f}"] if "kernel" in r["median_s"] else [""] * 6
 
     rows = [[w, f"{r['model']}, {r['batch']} rows, {r['cache']} slots ({r['held']} held), {r['new_tokens']} new",
              f"{r['median_s']['queries-first']:.2f}", f"{r['median_s']['keys-first']:.2f}", f"{r['speedup']:.2f}x",
              f"{r['same_tokens']:.3f}", *kernel_cells(r)] for w, r in results.items()]
     write_markdown(markdown_table(["workload", "decode", "queries-first s", "keys-first s", "keys-first speed-up",
-                                   "tokens alike", "kernel s", "kernel over keys-first", "tokens alike (kernel)"],
+                                   "tokens alike", "kernel s", "kernel over keys-first", "tokens alike (kernel)",
+                                   f"kernel, groups of {SHARED_ROWS} s", "over the kernel", "tokens alike (groups)"],
                                   rows), path)
     print(f"wrote {path}")
     return report

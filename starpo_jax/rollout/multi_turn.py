@@ -672,9 +672,19 @@ def distinct_first_prompts(plan: RolloutPlan, tables: RolloutTables, init_states
 def first_rows_of_distinct_prompts(ids, lengths) -> np.ndarray:
     """int [D], ascending: the first row of each distinct prompt among ``ids`` [B, W] (host), a
     row's prompt being its first ``lengths[b]`` tokens (what lies past them is not part of it)."""
+    return np.sort(np.unique(_prompts(ids, lengths), axis=0, return_index=True)[1])
+
+
+def distinct_prompt_of_rows(ids, lengths) -> np.ndarray:
+    """int [B]: which of the distinct prompts among ``ids`` [B, W] each row reads (host; as
+    ``first_rows_of_distinct_prompts`` reads them)."""
+    return np.unique(_prompts(ids, lengths), axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _prompts(ids, lengths) -> np.ndarray:
+    """``ids`` with each row's tokens past its length -1."""
     ids, lengths = np.asarray(ids), np.asarray(lengths)
-    prompts = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
-    return np.sort(np.unique(prompts, axis=0, return_index=True)[1])
+    return np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, -1)
 
 
 # ---- tables: built once on the host, read by every turn --------------------------------------------
