@@ -6,15 +6,16 @@
 // slots of the row's cached keys and values [kv_heads, slots, dim], then to the block's own new keys
 // and values [tokens, kv_heads, dim] up to its own (causal); the slots past length are never read. A
 // row's tokens from num_new[row] on are padding: their outputs are zeros. Every (row, kv head) pair
-// is one task (or a few rows' pairs: below), its tokens one after the other (the row's keys stay in the core's cache), and the
-// tasks are spread over XLA's intra-op threads. A decode step's token scores W cached keys at a time,
-// their sums across vector lanes taken together; while a task sums its values (already in the core's
-// cache), it asks the memory for the keys of the task its thread takes next, so that the memory keeps
-// streaming (a decode step's attention is bound by reading the cache). Rows whose caches begin with
-// the same prompt (one prefix group) are a task together, a few at a time: each reads the prompt's
-// slots from the first one's cache, already in the core's cache after the first row, and sums them
-// as it would its own. Leading dimensions before the row's are flattened into rows (vmap adds one).
-// Float32 throughout; the softmax is normalised after its sums.
+// is one task (or a few rows' pairs: below), its tokens one after the other (the row's keys stay in
+// the core's cache), and the tasks are spread over XLA's intra-op threads. A decode step's token
+// scores W cached keys at a time, their sums across vector lanes taken together; while a task sums
+// its values (already in the core's cache), it asks the memory for the keys of the task its thread
+// takes next, so that the memory keeps streaming (a decode step's attention is bound by reading the
+// cache). Rows whose caches begin with the same prompt (one prefix group) are a task together, a
+// few at a time: each reads the prompt's slots from the first one's cache, already in the core's
+// cache after the first row, and sums them as it would its own. Leading dimensions before the row's
+// are flattened into rows (vmap adds one). Float32 throughout; the softmax is normalised after its
+// sums.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -487,15 +488,15 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
     thread_local std::vector<float> scratch;
     const int64_t chunk = t / s.kv_heads, head = t % s.kv_heads;
     const int64_t from = chunks.starts[chunk], to = chunks.starts[chunk + 1], first_row = chunks.order[from];
-    const int64_t leader = cache(first_row, head);
+    const int64_t shared_from = cache(first_row, head);
     for (int64_t i = from; i < to; ++i) {
       const int64_t row = chunks.order[i];
       const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
       // whole tiles of W keys only: a tile's keys are read from one row's cache (tile_scores)
       const int64_t common = std::min<int64_t>({sp[row], sp[first_row], held(row), held(first_row)}) / W * W;
       const int64_t own = cache(row, head), fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
-      const Rows k{kp + own, knp + fresh, held(row), s.kv_heads * s.dim, s.dim, kp + leader, common};
-      const Rows v{vp + own, vnp + fresh, held(row), s.kv_heads * s.dim, s.dim, vp + leader, common};
+      const Rows k{kp + own, knp + fresh, held(row), s.kv_heads * s.dim, s.dim, kp + shared_from, common};
+      const Rows v{vp + own, vnp + fresh, held(row), s.kv_heads * s.dim, s.dim, vp + shared_from, common};
       const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
       // the next task's first keys, asked of the memory while the chunk's last row sums its values
       const float* ahead = i + 1 == to && next < count
