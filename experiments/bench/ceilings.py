@@ -349,8 +349,10 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     # do: one prefix group per distinct prompt, whose slots the CPU kernel reads once for its rows.
     group = distinct_prompt_of_rows(ids, n0).astype(np.int32)
     shared = n0.astype(np.int32) if cpu_attention.available() else np.zeros_like(n0, np.int32)
-    cache_of = lambda lengths: empty.replace(lengths=lengths.astype(np.int32), prefix_group=group,  # noqa: E731
-                                             prefix_length=shared)
+
+    def cache_of(lengths):
+        return empty.replace(lengths=lengths.astype(np.int32), prefix_group=group, prefix_length=shared)
+
     rows = min(n for n in prefill_batch_sizes(G) if n >= len(leaders))
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)

@@ -14,9 +14,9 @@ after the other while its keys stay in the core's cache, each reading only the r
 Rows that begin with the same prompt (the first turn's copies of each distinct first prompt:
 ``KVCache.prefix_group``) are tasks of a few rows together, each row reading the prompt's slots
 from the first one's cache: a decode step reads a prompt's keys and values from memory once per
-few rows instead of once per row, which on the Bandit's 128 rows of two prompts halved the
-kernel's time, the rest then its sums (docs/benchmarks.md, "The decode's attention reads a shared
-prompt once"). Each row's sums are the same, in the same order: the same floats.
+few rows instead of once per row, and reading them was most of the kernel's time where many rows
+share a prompt (docs/benchmarks.md, "The decode's attention reads a shared prompt once"). Each
+row's sums are the same, in the same order: the same floats.
 
 It is built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
 (``-march=native``), into the cache folder (``runtime.caches``: ``kernels/``, keyed by the source,
