@@ -555,6 +555,69 @@ def test_the_first_turn_reads_and_writes_only_the_head_it_can_reach():
         assert np.isnan(got[:, :, head:]).all() and not want[:, :, head:].any()
 
 
+def test_the_first_turn_prefills_the_head_every_first_prompt_begins_with_once():
+    """With ``plan.shared_head`` the first turn computes the head once, copies it to every row and
+    appends each row's own tokens: the same cache and logits as prefilling whole prompts (float32
+    rounding: the head's keys are attended as held slots, not in the block), whether every row is
+    prefilled or each distinct prompt once. The head is computed once, from one row: rows whose head
+    differed (no first prompt's does) get exactly what they get with the shared one."""
+    from flax import nnx
+
+    from starpo_jax.models import Decoder, ModelState, preset
+    from starpo_jax.rollout.sampling import init_cache
+
+    model = ModelState.split(Decoder(preset("tiny-llama"), rngs=nnx.Rngs(0)))
+    whole = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 3, 1),), group_size=2, max_len=32)
+    plan = dataclasses.replace(whole, shared_head=5)
+    prompts = np.random.default_rng(2).integers(1, 200, (3, 12))
+    prompts[:, :5] = prompts[0, :5]
+    level = np.repeat(np.arange(3), 2)
+    ids = jnp.asarray(prompts[level], jnp.int32)
+    num_new = jnp.asarray([12, 12, 9, 9, 12, 12], jnp.int32)
+    cache = init_cache(model.merge().config, 6, plan.max_len)
+    for count in (3, 6):  # each distinct prompt once; every row
+        prefill = jax.jit(LLMResponder(plan, first_prompts=count).prefill_first_prompts)
+        want, want_logits = LLMResponder(whole, first_prompts=count).prefill_first_prompts(model, ids, num_new, cache)
+        got, logits = prefill(model, ids, num_new, cache)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got.lengths, num_new)
+        np.testing.assert_allclose(got.k, want.k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.v, want.v, rtol=1e-5, atol=1e-6)
+        if count == 3:
+            assert_prefix_groups(got, level, num_new)
+        else:  # one group sharing the head
+            np.testing.assert_array_equal(got.prefix_group, 0)
+            np.testing.assert_array_equal(got.prefix_length, 5)
+        # the last group's head changed (still the greatest prompt, so the distinct ones keep their order)
+        other, other_logits = prefill(model, ids.at[4:, :5].set(250), num_new, cache)
+        np.testing.assert_array_equal(other_logits, logits)
+        for a, b in zip(other.k + other.v, got.k + got.v):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_shared_head_is_where_every_first_prompt_agrees(smollm2_tokenizer):
+    """``shared_head``: a tag's first prompts all begin with its head (the chat start, the env's
+    instructions, "Turn 1:\nState:\n"), whatever the level; prompts of several tags agree only as far
+    as their heads do."""
+    tok = smollm2_tokenizer
+
+    def heads_and_prompts(*names):
+        tags = tuple(TagPlan(name, envs_jax.make(name), 8, 10) for name in names)
+        plan = RolloutPlan(tags=tags, group_size=1, max_len=4096)
+        tables = build_tables(tok, plan)
+        ids, _ = jax.jit(lambda t, s: R_.first_prompts(plan, t, s))(tables, initial_states_from_seeds(plan, 123))
+        return R_.shared_head(tables), np.asarray(ids)
+
+    for name in ("FrozenLake", "SimpleSokoban", "Bandit"):
+        head, ids = heads_and_prompts(name)
+        assert (ids[:, :head] == ids[0, :head]).all(), name
+        text = tok.decode(ids[0, :head])
+        assert text.startswith("<|im_start|>system") and text.endswith("Turn 1:\nState:\n"), name
+    head, ids = heads_and_prompts("FrozenLake", "Bandit")
+    assert (ids[:, :head] == ids[0, :head]).all() and len(set(ids[:, head])) > 1
+    assert tok.decode(ids[0, :head]).endswith("<|im_start|>user\n")
+
+
 def test_distinct_first_prompts_counts_the_bandits_two_arm_orders(smollm2_tokenizer):
     """Validation's count: 8 Bandit levels show at most two first prompts (the arms' two orders)."""
     plan = RolloutPlan(tags=(TagPlan("Bandit", envs_jax.make("Bandit"), 8, 1),), group_size=1, max_turn=1,

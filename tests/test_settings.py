@@ -12,7 +12,7 @@ from configs import base
 from helpers import TINY_BANDIT
 from starpo_jax.algo import losses
 from starpo_jax.models.config import ModelConfig
-from starpo_jax.rollout.multi_turn import RolloutPlan, longest_trajectory
+from starpo_jax.rollout.multi_turn import RolloutPlan, longest_trajectory, shared_head
 from starpo_jax.runtime import experiment
 from starpo_jax.runtime.settings import (
     BY_KEY,
@@ -175,11 +175,14 @@ def test_build_experiment_takes_the_checked_config(k3):
     checked, exp = k3
     assert exp.settings is checked.settings and exp.hyper is checked.hyper and exp.mesh is checked.mesh
     assert (exp.settings.kl_loss_type, exp.settings.kl_penalty) == ("k3", "k3")
-    # the tokenizer's ids join the checked plans, whose length is fitted to what their prompts reach
+    # the tokenizer's ids join the checked plans, whose length is fitted to what their prompts reach,
+    # with the head their first prompts share
     assert exp.train_plan.stop_tokens and exp.train_plan.pad_id == exp.tokenizer.pad_token_id
     assert exp.train_plan.max_len == longest_trajectory(exp.train_plan, exp.train_tables) < checked.train_plan.max_len
+    assert exp.train_plan.shared_head == shared_head(exp.train_tables) > 0
     assert exp.train_plan == dataclasses.replace(checked.train_plan, stop_tokens=exp.train_plan.stop_tokens,
-                                                 pad_id=exp.tokenizer.pad_token_id, max_len=exp.train_plan.max_len)
+                                                 pad_id=exp.tokenizer.pad_token_id, max_len=exp.train_plan.max_len,
+                                                 shared_head=exp.train_plan.shared_head)
 
 
 def test_a_k3_kl_trains(k3):

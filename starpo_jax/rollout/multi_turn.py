@@ -92,6 +92,9 @@ class RolloutPlan:
     top_p: float = setting_default("RolloutPlan", "top_p")
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
+    # tokens every first prompt begins with, the tags' chat heads as far as they agree
+    # (``shared_head``; 0: none known): the first turn prefills them once for the whole batch
+    shared_head: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -627,10 +630,11 @@ class LLMResponder:
         the same prompt (the same level), and levels often repeat one (the Bandit's show two: its
         arms in either order), so this is most of the first turn's compute saved. The batch's
         distinct prompts of sampled levels are counted in the program, and the prefill runs in the
-        smallest of ``prefill_batch_sizes`` that holds them (one ``lax.switch``)."""
+        smallest of ``prefill_batch_sizes`` that holds them (one ``lax.switch``), the head they all
+        begin with computed once (``prefill``)."""
         count = self.first_prompts or self.plan.num_groups
         if count >= prompt_ids.shape[0]:
-            return append(model, cache, prompt_ids, num_new)
+            return self.prefill(model, prompt_ids, num_new, cache.max_len)
         real = jnp.arange(prompt_ids.shape[1])[None] < num_new[:, None]
         distinct, leaders, inverse = jnp.unique(
             sharding.replicated(jnp.where(real, prompt_ids, -1)),
@@ -641,8 +645,7 @@ class LLMResponder:
         def in_batch_of(size: int):
             def run():
                 lead = leaders[:size]
-                once, logits = append(model, init_cache(model.merge().config, size, cache.max_len),
-                                      prompt_ids[lead], num_new[lead])
+                once, logits = self.prefill(model, prompt_ids[lead], num_new[lead], cache.max_len)
                 return once.copies(inverse), logits[inverse]
             return run
 
@@ -651,6 +654,18 @@ class LLMResponder:
             return in_batch_of(count)()
         found = jnp.sum(distinct[:, 0] >= 0)  # a padding row is all fill; a prompt's first token is real
         return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), found), [in_batch_of(n) for n in sizes])
+
+    def prefill(self, model, prompt_ids, num_new, max_len: int):
+        """First prompts [R, W] prefilled into a fresh cache of ``max_len`` slots: the head every
+        first prompt begins with (``plan.shared_head`` tokens: the system message and the env's
+        instructions, most of a FrozenLake prompt) computed once and copied to every row, then each
+        row's own tokens appended. The rows are one prefix group, so the CPU kernel reads the head
+        once for a few of them."""
+        config, rows, head = model.merge().config, prompt_ids.shape[0], self.plan.shared_head
+        if not head:
+            return append(model, init_cache(config, rows, max_len), prompt_ids, num_new)
+        once, _ = append(model, init_cache(config, 1, max_len), prompt_ids[:1, :head], jnp.full((1,), head, jnp.int32))
+        return append(model, once.copies(jnp.zeros(rows, jnp.int32)), prompt_ids[:, head:], num_new - head)
 
 
 def prefill_batch_sizes(groups: int) -> tuple[int, ...]:
@@ -749,6 +764,16 @@ def stop_tokens_for(tokenizer, tables: RolloutTables) -> tuple[int, ...]:
     if isinstance(end_of_text, int) and end_of_text != tokenizer.unk_token_id:
         ids.add(end_of_text)
     return tuple(sorted(ids))
+
+
+def shared_head(tables: RolloutTables) -> int:
+    """How many tokens every first prompt of ``tables`` begins with: the tags' chat heads (system
+    message, the env's instructions, "Turn 1:") as far as they agree (host). A first prompt is its
+    tag's head, then the observation and the tail (``prompts.first_prompt_tokens``)."""
+    heads = [np.asarray(t.prompts.head.ids[0, : int(t.prompts.head.lengths[0])]) for t in tables.tags]
+    shortest = min(len(h) for h in heads)
+    agree = np.all([h[:shortest] == heads[0][:shortest] for h in heads], axis=0)
+    return int(shortest if agree.all() else np.argmin(agree))
 
 
 def longest_trajectory(plan: RolloutPlan, tables: RolloutTables) -> int:

@@ -29,6 +29,7 @@ from starpo_jax.rollout.multi_turn import (
     TagPlan,
     build_tables,
     fit_to_tables,
+    shared_head,
     stop_tokens_for,
 )
 from starpo_jax.rollout.prompts import PieceCutError
@@ -302,7 +303,8 @@ def tokenized_plan(config: ConfigDict, side: str, plan: RolloutPlan, tokenizer, 
         raise ConfigError(f"envs.{side}.tags: {err}") from err
     # Buffers, KV cache and the update's widest rows sized to what the prompts can reach, not to
     # rollout.max_model_len when that is more (the same rows play; see fit_to_tables).
-    plan = dataclasses.replace(fit_to_tables(plan, tables), stop_tokens=stop_tokens_for(tokenizer, tables))
+    plan = dataclasses.replace(fit_to_tables(plan, tables), stop_tokens=stop_tokens_for(tokenizer, tables),
+                               shared_head=shared_head(tables))
     return plan, tables
 
 
