@@ -119,6 +119,8 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
         # XLA computes at least the real tokens' weight products: every trip of a prompt block's chunk
         # loop and of the decode's counted (the attention may be the kernel's, which XLA does not see)
         assert p["xla"]["flops"] >= p["kinds"]["products"][0]
+        if p["phase"] == "prefill":  # the head's append and the rows', each loop counted with its own trips
+            assert p["xla"]["flops"] < 1.5 * p["kinds"]["products"][0]
         if p["phase"] == "update" or not cpu_attention.available():  # the CPU kernel's sums are not in XLA's
             assert p["flops"] / p["xla"]["flops"] < 1.5
     update = account["phases"][-1]

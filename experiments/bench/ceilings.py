@@ -24,8 +24,8 @@ for as many steps as that turn's longest answer, each row stopping where its ans
 buffer writes) is the rest. Per phase:
 
 - FLOPs from the shapes (``product_flops``, ``attention_flops``: the products of the real tokens,
-  a prompt counted once where the program shares it (the rollout's first prompts once each, the
-  update's once per group); an update's backward twice its forward, and the rematerialised
+  a prompt counted once where the program shares it (the rollout's first prompts once each and
+  the head they begin with once, the update's once per group); an update's backward twice its forward, and the rematerialised
   products once more), and from XLA: the matrix products of the compiled program
   (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed, padding and
   masked cache slots included; for a decode, its loop with every row kept to the end,
@@ -332,11 +332,13 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     phases: list[dict] = []
 
     def add(name, turn, program, args, least: dict, trips=1, counted=None):
-        """``program``, ``counted``: jitted functions, compiled here where the phase is timed."""
+        """``program``: a jitted function, compiled and timed here where the phase is timed. XLA counts
+        it, or ``counted``: the programs that do its work, ``(jitted, args, trips)`` each."""
         phases.append({"phase": name, "turn": turn, **least})
         if timed:
             compiled = program.lower(*args).compile()
-            phases[-1] |= {"xla": xla_counts(counted.lower(*args).compile() if counted else compiled, trips),
+            parts = [xla_counts(f.lower(*a).compile(), n) for f, a, n in counted or [(program, args, trips)]]
+            phases[-1] |= {"xla": {k: sum(part[k] for part in parts) for k in parts[0]},
                            "runs_s": _timed_median(lambda: compiled(*args), repeats)}
 
     # The first turn: each distinct first prompt of the batch computed once, in the smallest batch
@@ -344,7 +346,8 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     first_width = max(t.prompts.first_len for t in exp.train_tables.tags)
     n0 = prompt[:, 0]
     ids = np.asarray(jax.device_get(traj.tokens))[:, :first_width]
-    leaders = n0[first_rows_of_distinct_prompts(ids, n0)]
+    first_rows = first_rows_of_distinct_prompts(ids, n0)
+    leaders = n0[first_rows]
     # The later phases' caches hold each row's first prompt copied from one prefill, as the rollout's
     # do: one prefix group per distinct prompt, whose slots the CPU kernel reads once for its rows.
     group = distinct_prompt_of_rows(ids, n0).astype(np.int32)
@@ -356,12 +359,28 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     rows = min(n for n in prefill_batch_sizes(G) if n >= len(leaders))
     prefill = jax.jit(LLMResponder(plan).prefill_first_prompts)
     args: tuple = (policy, ids, n0, empty)
-    # XLA's count reads every branch of the program's switch: counted on the one that runs
-    in_rows = jax.jit(LLMResponder(plan, first_prompts=rows).prefill_first_prompts)
+    # The head every first prompt begins with once, then each distinct prompt's own tokens
+    # (LLMResponder.prefill). XLA's count reads every branch of the program's switch: counted on the
+    # appends of the one that runs, each loop with its own trips.
+    head = plan.shared_head
+    own = leaders - head
+    computed = head + int(own.sum())
+
+    def cache_of_rows(n, held):
+        cache = functools.partial(sampling.init_cache, config, n, plan.max_len)
+        return (cache() if timed else jax.eval_shape(cache)).replace(lengths=np.full(n, held, np.int32))
+
+    lead = np.resize(first_rows, rows)
+    counted = [(sampling.append, (policy, cache_of_rows(rows, head), ids[lead, head:], n0[lead] - head),
+                append_trips(rows, first_width - head, own))]
+    if head:
+        counted.append((sampling.append, (policy, cache_of_rows(1, 0), ids[:1, :head], np.array([head], np.int32)),
+                        append_trips(1, head, head)))
     add("prefill", 1, prefill, args,
-        work(products=(product_flops(config, int(leaders.sum()), len(leaders)), weights),
-             attention=(attention_flops(config, _triangle(0, leaders)), int(leaders.sum()) * kv)),
-        trips=append_trips(rows, first_width, leaders), counted=in_rows)
+        work(products=(product_flops(config, computed, len(leaders)), weights),
+             attention=(attention_flops(config, _triangle(0, head) + _triangle(np.full_like(own, head), own)),
+                        computed * kv)),
+        counted=counted)
     next_width = max(t.prompts.next_len for t in exp.train_tables.tags)
     for t in range(start.shape[1]):
         active = played[:, t]
@@ -400,7 +419,7 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
                  attention=(attention_flops(config, _triangle(start[:, t], a)),
                             (_triangle(start[:, t], a) - shared_reads_saved(a, group, shared)) * kv),
                  ) | {"schedule": schedule},
-            trips=steps, counted=jax.jit(every_row))
+            counted=[(jax.jit(every_row), args, steps)])
     return phases
 
 
