@@ -22,10 +22,13 @@ and why (docs/results.md §4 has the measurements):
 - 8 groups of 8 per step (192 turns, where a valid one is rare), the filter keeping the top 25 %
   (2 groups, 16 rows; the paper's ratio): each turn prefills every row's new observation and the
   update reads whole multi-turn rows, so 16 rows keep the update within a few minutes on 2 cores;
-- micro-batches of 4 rows, nothing rematerialised (the recipe's ``model.remat=none``): keeping the
+- micro-batches of one group (8 rows), nothing rematerialised (the recipe's ``model.remat=none``):
+  the update computes each distinct first prompt of a micro-batch once, so a group a micro-batch
+  computes each kept group's prompt once where micro-batches of 4 rows computed it twice, in larger
+  products (docs/benchmarks.md, "FrozenLake's update in micro-batches of one group"); keeping the
   attention's activations costs the host a few GiB more than recomputing them (``model.remat=dots``)
-  and saves the update that work (docs/benchmarks.md, "The FrozenLake preset's update
-  without rematerialisation …");
+  and saves the update that work (docs/benchmarks.md, "The FrozenLake preset's update without
+  rematerialisation …");
 - validation on 64 fixed levels (seeds 123-186) before, half-way and after 16 steps.
 """
 
@@ -40,7 +43,7 @@ CHANGES = {
     "envs.train.n_groups": (8,),
     "filter.ratio": 0.25,
     "actor.ppo_mini_batch_size": 16,
-    "actor.micro_batch_size": 4,
+    "actor.micro_batch_size": 8,
     "envs.val.n_groups": (64,),
     "rollout.max_turn": 3,
     "rollout.response_length": 48,

@@ -274,11 +274,13 @@ def test_bandit_preset_centres_rewards_without_the_std_and_answers_only():
 
 def test_frozen_lake_preset_thinks_and_normalises_by_the_std_as_ragen():
     """With <think> the untrained model sometimes copies the prompt's example answer; without it,
-    never (configs/learn_frozen_lake.py); three turns of 48 tokens in a 640-token context."""
+    never (configs/learn_frozen_lake.py); three turns of 48 tokens in a 640-token context; one group
+    a micro-batch, so each kept group's first prompt is computed once."""
     config = load("learn_frozen_lake.py")
     train, _, settings = plans(config)
     assert train.enable_think and (train.max_turn, train.response_length, train.max_len) == (3, 48, 640)
     assert (settings.reward_method, settings.grpo_norm_by_std, config.model.remat) == ("identity", True, "none")
+    assert settings.micro_batch_size == train.group_size
 
 
 def test_val_chunks_must_split_every_validation_tag():
