@@ -23,9 +23,9 @@ and why (docs/results.md §4 has the measurements):
   (2 groups, 16 rows; the paper's ratio): each turn prefills every row's new observation and the
   update reads whole multi-turn rows, so 16 rows keep the update within a few minutes on 2 cores;
 - micro-batches of one group (8 rows), nothing rematerialised (the recipe's ``model.remat=none``):
-  the update computes each distinct first prompt of a micro-batch once, so a group a micro-batch
-  computes each kept group's prompt once where micro-batches of 4 rows computed it twice, in larger
-  products (docs/benchmarks.md, "FrozenLake's update in micro-batches of one group"); keeping the
+  the update computes each distinct first prompt of a micro-batch once, so each kept group's prompt
+  is computed once where micro-batches of 4 rows (half a group) computed it twice, in products of
+  twice the rows (docs/benchmarks.md, "FrozenLake's update in micro-batches of one group"); keeping the
   attention's activations costs the host a few GiB more than recomputing them (``model.remat=dots``)
   and saves the update that work (docs/benchmarks.md, "The FrozenLake preset's update without
   rematerialisation …"). Micro-batches of 8 rows need more host memory than of 4, and the
