@@ -327,8 +327,14 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     answer = np.where(played, end - start, 0)
     rng = np.random.default_rng(0)
     vocab = config.vocab_size
-    new_cache = functools.partial(sampling.init_cache, config, B, plan.max_len)
-    empty = new_cache() if timed else jax.eval_shape(new_cache)  # the arguments' shapes are all a count needs
+
+    def new_cache(rows: int, held: int = 0):
+        """A cache of ``rows`` rows holding ``held`` tokens each; only its shapes where nothing runs
+        (the arguments' shapes are all a count needs)."""
+        make = functools.partial(sampling.init_cache, config, rows, plan.max_len)
+        return (make() if timed else jax.eval_shape(make)).replace(lengths=np.full(rows, held, np.int32))
+
+    empty = new_cache(B)
     phases: list[dict] = []
 
     def add(name, turn, program, args, least: dict, trips=1, counted=None):
@@ -365,16 +371,11 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     head = plan.shared_head
     own = leaders - head
     computed = head + int(own.sum())
-
-    def cache_of_rows(n, held):
-        cache = functools.partial(sampling.init_cache, config, n, plan.max_len)
-        return (cache() if timed else jax.eval_shape(cache)).replace(lengths=np.full(n, held, np.int32))
-
     lead = np.resize(first_rows, rows)
-    counted = [(sampling.append, (policy, cache_of_rows(rows, head), ids[lead, head:], n0[lead] - head),
+    counted = [(sampling.append, (policy, new_cache(rows, head), ids[lead, head:], n0[lead] - head),
                 append_trips(rows, first_width - head, own))]
     if head:
-        counted.append((sampling.append, (policy, cache_of_rows(1, 0), ids[:1, :head], np.array([head], np.int32)),
+        counted.append((sampling.append, (policy, new_cache(1), ids[:1, :head], np.array([head], np.int32)),
                         append_trips(1, head, head)))
     add("prefill", 1, prefill, args,
         work(products=(product_flops(config, computed, len(leaders)), weights),
