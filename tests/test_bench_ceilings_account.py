@@ -99,15 +99,25 @@ def test_a_decode_steps_products_are_timed_at_the_rows_asked():
     assert rate["gflop_per_s"] == pytest.approx(rate["flops"] / min(rate["runs_s"]) / 1e9)  # its fastest run
 
 
-def test_account_of_a_tiny_multi_turn_iteration(tmp_path):
+def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
     """Two FrozenLake turns of a tiny model: every phase counted, timed and read against a ceiling."""
+    init_keys = []
+    init = ceilings.init_train_state
+
+    def recorded_init(settings, model, key):
+        init_keys.append(key)
+        return init(settings, model, key)
+
+    monkeypatch.setattr(ceilings, "init_train_state", recorded_init)
     report = ceilings.main([
         "--quick", "--size", "64", "--copy-mib", "4", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "c.json"),
         "--config", "configs/learn_frozen_lake.py", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(8,)",
         "--config.filter.ratio=0.125", "--config.actor.ppo_mini_batch_size=8", "--config.rollout.max_turn=2",
-        "--config.rollout.response_length=4", "--config.rollout.max_model_len=512",
+        "--config.rollout.response_length=4", "--config.rollout.max_model_len=512", "--config.trainer.seed=5",
     ])  # fmt: skip
     (account,) = report["accounts"]
+    # the run's own batches: its seed's first train state (and rollout key)
+    assert account["seed"] == 5 and [k.tolist() for k in init_keys] == [jax.random.PRNGKey(5).tolist()]
     phases = [(p["phase"], p["turn"]) for p in account["phases"]]
     assert phases[:2] == [("prefill", 1), ("decode", 1)] and phases[-1] == ("update", None)
     assert set(phases) <= {("prefill", 1), ("decode", 1), ("appends", 2), ("decode", 2), ("update", None)}

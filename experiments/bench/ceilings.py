@@ -15,8 +15,9 @@ the load average, and a figure taken under load is not this machine's ceiling.
 
 ``--config PATH`` (repeatable; ``--config.KEY=VALUE`` overrides apply to each) adds the account of
 one training iteration of that config, as ``experiments.run`` runs it (its bundled weights, its
-compiled ``collect`` and ``learn``), phase by phase: the first turn's prefill, the later turns'
-appends, the decode, and the update (forward, backward and rematerialisation in one program).
+compiled ``collect`` and ``learn``, its seed's first batches; a format warm-up, where the config asks
+for one, is not run), phase by phase: the first turn's prefill, the later turns' appends, the
+decode, and the update (forward, backward and rematerialisation in one program).
 ``--steps`` warm iterations are timed (median); ``collect`` is one program, so its phases are timed
 as programs of their own on the last iteration's shapes (``sampling.append``, ``sampling.decode``
 for as many steps as that turn's longest answer, each row stopping where its answer did,
@@ -470,15 +471,20 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
     exp = built_or_exit(config)
     plan, settings = exp.train_plan, exp.settings
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), settings, plan)
-    state = init_train_state(settings, exp.model, jax.random.PRNGKey(0))
+    # The run's own first batches: its seed's train state and its rollout key, into which ``collect``
+    # folds the step (``experiments.run``). How long a rollout takes depends on when its answers end,
+    # which the weights and the key decide.
+    seed = config.config.trainer.seed
+    state = init_train_state(settings, exp.model, jax.random.PRNGKey(seed))
+    key = jax.random.PRNGKey(seed)
     jitted_learn: Any = iteration.learn
-    collect = jax.jit(iteration.collect).lower(state, exp.train_tables, jax.random.PRNGKey(0)).compile()
+    collect = jax.jit(iteration.collect).lower(state, exp.train_tables, key).compile()
     learns: dict = {}
     times: dict[str, list[float]] = {"rollout": [], "update": []}
     as_run = []  # each timed iteration's rollout phases, by the shapes alone
     for i in range(steps + 1):  # the first iteration warms up
         t0 = time.perf_counter()
-        traj = jax.block_until_ready(collect(state, exp.train_tables, jax.random.PRNGKey(i)))
+        traj = jax.block_until_ready(collect(state, exp.train_tables, key))
         rollout_s = time.perf_counter() - t0
         layout = iteration.layout(traj)
         if layout not in learns:  # the run compiles the update once per layout too
@@ -518,7 +524,7 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
             "reachable_s": sum(reachable_seconds(p, peak_flops, bandwidth, rates) for p in ph)}
            for seconds, ph in zip(times["rollout"], as_run)]
     return {
-        "config": path, "overrides": overrides, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
+        "config": path, "overrides": overrides, "seed": seed, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
         "rows": plan.batch_size, "max_turn": plan.max_turn, "response_length": plan.response_length,
         "max_len": plan.max_len, "remat": config.remat, "steps": steps,
         "iteration_s": {k: statistics.median(v) for k, v in times.items()}, "runs_s": times,
