@@ -474,7 +474,7 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
     # The run's own first batches: its seed's train state and its rollout key, into which ``collect``
     # folds the step (``experiments.run``). How long a rollout takes depends on when its answers end,
     # which the weights and the key decide.
-    seed = config.config.trainer.seed
+    seed = exp.config.trainer.seed
     state = init_train_state(settings, exp.model, jax.random.PRNGKey(seed))
     key = jax.random.PRNGKey(seed)
     jitted_learn: Any = iteration.learn
