@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from experiments import bootstrap
-from starpo_jax.models import cpu_attention
+from starpo_jax.models import cpu_kernels
 from starpo_jax.runtime import allocator
 
 
@@ -55,7 +55,7 @@ def test_preloaded_environment_puts_the_library_first_once():
                                        ("no", False)])
 def test_the_switch(value, on):
     assert allocator.enabled({allocator.ENV: value}) is on
-    assert cpu_attention.enabled({cpu_attention.ENV: value}) is on  # one parse for every switch
+    assert cpu_kernels.enabled({cpu_kernels.ENV: value}) is on  # one parse for every switch
     assert allocator.enabled({}) is True  # unset: on
 
 

@@ -10,7 +10,7 @@ import pytest
 from experiments.bench import ceilings
 from experiments.bench.hlo_bytes import hlo_flops
 from helpers import TINY_MODEL_FLAGS, fake_decode_state, recording_step
-from starpo_jax.models import cpu_attention, preset
+from starpo_jax.models import cpu_kernels, preset
 from starpo_jax.rollout import sampling
 
 
@@ -131,7 +131,7 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
         assert p["xla"]["flops"] >= p["kinds"]["products"][0]
         if p["phase"] == "prefill":  # the head's append and the rows', each loop counted with its own trips
             assert p["xla"]["flops"] < 1.5 * p["kinds"]["products"][0]
-        if p["phase"] == "update" or not cpu_attention.available():  # the CPU kernel's sums are not in XLA's
+        if p["phase"] == "update" or not cpu_kernels.available():  # the CPU kernel's sums are not in XLA's
             assert p["flops"] / p["xla"]["flops"] < 1.5
     update = account["phases"][-1]
     parts = update["flops_parts"]

@@ -9,7 +9,7 @@ from helpers import assert_refused_in_one_line
 
 
 def test_quick_benchmark_times_the_kernel_and_both_orientations(tmp_path, monkeypatch):
-    from starpo_jax.models import cpu_attention, decoder
+    from starpo_jax.models import cpu_kernels, decoder
 
     seen: list[tuple[int, bool]] = []
     choose = decoder._keys_lead_the_product
@@ -24,7 +24,7 @@ def test_quick_benchmark_times_the_kernel_and_both_orientations(tmp_path, monkey
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     (row,) = report["results"].values()
     assert (row["model"], row["batch"], row["new_tokens"]) == ("tiny-llama", 4, 8)
-    variants = ["kernel", "kernel-shared", "keys-first", "queries-first"] if cpu_attention.available() \
+    variants = ["kernel", "kernel-shared", "keys-first", "queries-first"] if cpu_kernels.available() \
         else ["keys-first", "queries-first"]
     assert list(row["seconds"]) == variants and all(len(row["seconds"][o]) == 2 for o in variants)  # one round
     assert row["speedup"] == row["median_s"]["queries-first"] / row["median_s"]["keys-first"]

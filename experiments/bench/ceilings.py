@@ -92,7 +92,7 @@ from experiments.bench.common import (
 )
 from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
 from starpo_jax.forward import policy_tokens_per_row
-from starpo_jax.models import cpu_attention
+from starpo_jax.models import cpu_kernels
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import (
     LLMResponder,
@@ -358,7 +358,7 @@ def rollout_phases(exp, state, traj, repeats: int, timed: bool = True) -> list[d
     # The later phases' caches hold each row's first prompt copied from one prefill, as the rollout's
     # do: one prefix group per distinct prompt, whose slots the CPU kernel reads once for its rows.
     group = distinct_prompt_of_rows(ids, n0).astype(np.int32)
-    shared = n0.astype(np.int32) if cpu_attention.available() else np.zeros_like(n0, np.int32)
+    shared = n0.astype(np.int32) if cpu_kernels.available() else np.zeros_like(n0, np.int32)
 
     def cache_of(lengths):
         return empty.replace(lengths=lengths.astype(np.int32), prefix_group=group, prefix_length=shared)

@@ -8,7 +8,7 @@ A decode step's attention has a few queries per (row, kv head) (Qwen2.5: 7, Smol
 every cached key. XLA:CPU gives the score product to YNNPACK, which runs queries @ keys^T far below
 the speed of reading the keys once they are large, and keys @ queries^T (the same sums, another
 order) at the speed of reading them (``models.decoder._keys_lead_the_product``), but on one core;
-the kernel (``models.cpu_attention``) spreads it over the cores and reads only the held slots
+the kernel (``models.cpu_kernels``) spreads it over the cores and reads only the held slots
 (docs/benchmarks.md, "Decode attention on CPU", has the figures). Each workload decodes ``new``
 tokens for ``batch`` rows that already hold ``held`` tokens in a ``cache``-slot cache (random
 weights, float32, stop tokens off), once per variant per repeat, in the order A B C C B A; medians
@@ -39,7 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments.bench.common import machine, markdown_table, require_positive, write_markdown, write_report
-from starpo_jax.models import Decoder, ModelState, cpu_attention, decoder, preset
+from starpo_jax.models import Decoder, ModelState, cpu_kernels, decoder, preset
 from starpo_jax.rollout import sampling
 from starpo_jax.runtime import allocator
 
@@ -84,7 +84,7 @@ def decode_program(config, batch: int, cache_slots: int, held: int, new: int, ma
     logits = np.random.default_rng(0).standard_normal((batch, config.vocab_size)).astype(np.float32)
     args = (model, cache, logits, jax.random.key(0))
     with mock.patch.object(decoder, "KEYS_LEAD_MAX_QUERIES", max_queries), \
-            (contextlib.nullcontext() if kernel else cpu_attention.xla_attention()):
+            (contextlib.nullcontext() if kernel else cpu_kernels.xla_only(cpu_kernels.TARGET)):
         jax.clear_caches()  # sampling.decode is jitted: without this it reuses the other variant's trace
         start = time.perf_counter()
         compiled = jax.jit(lambda m, c, logits, k: sampling.decode(m, c, logits, k, max_new_tokens=new)).lower(*args).compile()
@@ -94,7 +94,7 @@ def decode_program(config, batch: int, cache_slots: int, held: int, new: int, ma
 def run_workload(spec, repeats: int) -> dict:
     name, batch, cache_slots, held, new = spec
     config = preset(name, dtype="float32", param_dtype="float32")
-    order = [v for v, (_, kernel, _) in VARIANTS.items() if not kernel or cpu_attention.available()]
+    order = [v for v, (_, kernel, _) in VARIANTS.items() if not kernel or cpu_kernels.available()]
     programs = {o: decode_program(config, batch, cache_slots, held, new, *VARIANTS[o]) for o in order}
     outputs: dict = {}  # variant -> the warm-up's decoded output
     times: dict[str, list[float]] = {o: [] for o in order}

@@ -88,7 +88,7 @@ from experiments.bench.common import (
     write_report,
 )
 from experiments.bench.hlo_bytes import hlo_bytes
-from starpo_jax.models import Decoder, ModelState, cpu_attention, preset
+from starpo_jax.models import Decoder, ModelState, cpu_kernels, preset
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import LLMResponder, initial_states_from_seeds
 from starpo_jax.rollout.sampling import decode_windows, sampling_policy
@@ -271,7 +271,7 @@ def decode_cost(config, batch: int, window: int, top: bool = False) -> dict:
 
     # The state is donated, as the decode loop carries it: its cache is updated in place. XLA's
     # attention, not the CPU kernel: the program stands for an accelerator's.
-    with cpu_attention.xla_attention():
+    with cpu_kernels.xla_only():
         hlo = jax.jit(step, donate_argnums=2).lower(model, weights, state, key).compile().as_text()
     if hlo is None:  # XLA:CPU gives its compiled programs' text
         raise RuntimeError("the compiled decode step has no HLO text to count its bytes from")

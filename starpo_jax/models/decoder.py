@@ -33,7 +33,7 @@ Layout choices:
   reading the cache anyway. On CPU a decode step's scores are computed keys @ queries^T, which
   XLA:CPU's matrix library runs at the speed of reading the keys, where queries @ keys^T runs
   several times slower once the keys are large (``_keys_lead_the_product``). Where the CPU kernel
-  of ``cpu_attention`` is available, it takes every block ``extend`` appends instead (a decode
+  of ``cpu_kernels`` is available, it takes every block ``extend`` appends instead (a decode
   step, a prompt chunk) and reads only the held slots. Without it, a block of prompt tokens on CPU
   attends a few rows at a time once its scores outgrow glibc's mmap threshold (``rows_per_pass``):
   the matrix library's fresh buffer for them is then reused from the heap instead of mapped and
@@ -72,7 +72,7 @@ from flax import nnx, struct
 from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
-from starpo_jax.models import cpu_attention
+from starpo_jax.models import cpu_kernels
 from starpo_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -745,7 +745,7 @@ class Decoder(nnx.Module):
         written buffer (the new slots stay masked: the new block is attended to apart). Reading after
         the write orders the two, so XLA updates the buffer in place; a read that the write does not
         wait for makes it copy the buffer first. On a CPU the block attends with the kernel of
-        ``cpu_attention`` where it is available (XLA:CPU runs a decode step's attention on one core,
+        ``cpu_kernels`` where it is available (XLA:CPU runs a decode step's attention on one core,
         and both read every slot), which reads only each row's held slots and skips padding tokens.
         ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
         it, ``sampling.append``; the decode step's scores are small)."""
@@ -757,13 +757,13 @@ class Decoder(nnx.Module):
         x, ks, vs = self._embed(tokens), [], []
         # A position is a held slot plus an index into the block: below max_len + T.
         rotated = rotation_from_table(positions, cache.max_len + tokens.shape[1], c.head_dim, c.rope_theta)
-        on_cpu_kernel = cpu_attention.available()
+        on_cpu_kernel = cpu_kernels.available()
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
             q, k, v = block_qkv(c, p, x, rotated)
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
             if on_cpu_kernel:
-                attended = cpu_attention.cached_attention(q, k, v, ks[-1], vs[-1], cache.lengths, num_new,
+                attended = cpu_kernels.cached_attention(q, k, v, ks[-1], vs[-1], cache.lengths, num_new,
                                                           cache.prefix_group, cache.prefix_length)
             else:
                 attended = _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)

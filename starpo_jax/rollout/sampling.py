@@ -22,13 +22,16 @@ the same tokens bit for bit. The Gumbel noise over the vocabulary is jax's three
 with the hash unrolled (``_threefry_bits_unrolled``, the same bits): jax's CPU lowering is a rolled
 loop that made the noise a fifth of a decode step's bytes. The token is ``jax.random.categorical``'s,
 its argmax taken in blocks (``first_argmax``) so that XLA:CPU does not compute the noise inside a
-reduction loop it cannot vectorise.
+reduction loop it cannot vectorise. On a CPU, where no top-k or top-p filter is on, the whole draw
+is a kernel instead (``models.cpu_kernels``): XLA:CPU ran the noise, the argmax and the log-softmax
+on one core each, at a twelfth of a decode step. It draws the same bits; its logarithms agree with
+XLA's to about an ulp, so a token can differ only where two candidates tie to that precision.
 
 The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights per
 layer once per call, and the cache is one buffer per layer (``KVCache``) from its creation to the
 rollout's end; each step runs the blocks unrolled (``Decoder.extend``). ``append`` runs its prompt
 chunks through the same unrolled blocks. On a CPU both attend with the kernel of
-``models.cpu_attention``, which reads only each row's held slots; where it is not available, XLA's
+``models.cpu_kernels``, which reads only each row's held slots; where it is not available, XLA's
 attention takes a prompt chunk a few rows at a time (models/decoder.py says why, and what each
 costs).
 
@@ -53,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from starpo_jax.models import cpu_kernels
 from starpo_jax.models.config import ModelConfig
 from starpo_jax.models.decoder import KVCache, ModelState, batch_splits
 from starpo_jax.runtime import sharding
@@ -208,15 +212,18 @@ _THREEFRY_UNROLLED = jax.extend.random.define_prng_impl(
 )
 
 
+def _threefry_key_data(key: Array) -> Array | None:
+    """A threefry key's (typed, or raw uint32[2]) data, uint32[2]; None for another generator's."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
+    # a runtime option, unknown to a type checker
+    return key if jax.config.jax_default_prng_impl == "threefry2x32" else None  # type: ignore[attr-defined]
+
+
 def _unrolled(key: Array) -> Array:
     """A threefry key (typed, or raw uint32[2]) as the same key whose bits are drawn unrolled."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if str(jax.random.key_impl(key)) != "threefry2x32":
-            return key
-        key = jax.random.key_data(key)
-    elif jax.config.jax_default_prng_impl != "threefry2x32":  # type: ignore[attr-defined]  # a runtime option, as above
-        return key
-    return jax.random.wrap_key_data(key, impl=_THREEFRY_UNROLLED)
+    data = _threefry_key_data(key)
+    return key if data is None else jax.random.wrap_key_data(data, impl=_THREEFRY_UNROLLED)
 
 
 def sample_logits(
@@ -228,12 +235,17 @@ def sample_logits(
     temperature: scalar or [B]; rows with temperature <= 0 take the argmax. top_k <= 0 and
     top_p >= 1 are off. ``rows`` (int32[B]): these are rows ``rows`` of a batch of ``of_rows``,
     and each draws that row's noise, so it samples what it would in the whole batch (XLA computes
-    the gathered rows' noise only).
+    the gathered rows' noise only). Unfiltered, on a CPU, the draw is ``models.cpu_kernels``'
+    sampler (the same noise bits, the logarithms to an ulp).
     """
     logits = logits.astype(jnp.float32)
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    B, V = logits.shape
+    key_data = _threefry_key_data(key)
+    if top_k <= 0 and top_p >= 1.0 and key_data is not None and _kernel_draws(max(of_rows, B) * V):
+        return cpu_kernels.gumbel_sample(scaled, key_data, jnp.arange(B) if rows is None else rows, greedy)
     filtered = scaled
     if top_k > 0:
         filtered = _top_k_filter(filtered, top_k)
@@ -247,6 +259,13 @@ def sample_logits(
     noisy = filtered + noise
     tokens = jnp.where(greedy, first_argmax(logits), first_argmax(noisy))
     return tokens, _log_softmax_at(scaled, tokens)
+
+
+def _kernel_draws(size: int) -> bool:
+    """Whether the CPU kernel draws a sample of ``size`` noise values: it reproduces the partitionable
+    threefry stream, whose counters are 32 bits wide below 2**32."""
+    partitionable = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]  # a runtime option
+    return size < 2**32 and partitionable and cpu_kernels.available(cpu_kernels.SAMPLER)
 
 
 #: Columns of ``first_argmax``'s blocks.

@@ -1,5 +1,5 @@
 """The environment variables that switch a part of starpo-jax off: ``STARPO_JAX_TCMALLOC``
-(``allocator``), ``STARPO_JAX_CPU_KERNEL`` (``models.cpu_attention``) and ``STARPO_JAX_CACHE``
+(``allocator``), ``STARPO_JAX_CPU_KERNEL`` (``models.cpu_kernels``) and ``STARPO_JAX_CACHE``
 (``caches``). Each is on unless set to ``off``, ``0``, ``false`` or ``no`` (any case). They are
 environment variables rather than config keys because they act before a config is read, or where
 there is none. This module imports nothing heavy: ``allocator`` reads it before the process restarts.

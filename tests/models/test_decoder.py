@@ -381,7 +381,7 @@ def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do
     """``sampling.append`` (the rollout's prefill and appends) attends in row passes; the decode
     step, the update's forward over a shared prefix (``hidden_states_sharing_prefix``), the
     continuation of a prefix's keys and values (``hidden_states_after``) and full sequences do not."""
-    from starpo_jax.models import cpu_attention, decoder
+    from starpo_jax.models import cpu_kernels, decoder
     from starpo_jax.rollout import sampling
 
     config, _, model = pair
@@ -399,7 +399,7 @@ def test_the_rollouts_prompt_blocks_take_row_passes_and_the_update_and_decode_do
     cache = KVCache.init(config, B, S)
     caller = "append"
     unjitted_append = sampling.append.__wrapped__  # type: ignore[attr-defined]  # traced anew, not from jit's cache
-    with cpu_attention.xla_attention():  # on a CPU both would take the kernel, which has no passes
+    with cpu_kernels.xla_only():  # on a CPU both would take the kernel, which has no passes
         jax.eval_shape(lambda m, c: unjitted_append(m, c, tokens, jnp.full((B,), T)), state, cache)
         caller = "decode step"
         jax.eval_shape(lambda m, c: m.merge().extend(tokens[:, :1], jnp.ones((B,)), c), state, cache)

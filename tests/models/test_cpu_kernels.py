@@ -1,5 +1,7 @@
-"""The CPU cached-attention kernel: XLA's sums to float32 rounding, only the held slots read, used by
-the decode step and the prompt chunks where it is available, and XLA's attention where it is not."""
+"""The CPU kernels. The cached attention: XLA's sums to float32 rounding, only the held slots read,
+used by the decode step and the prompt chunks where it is available, and XLA's attention where it
+is not. The sampler: jax's Gumbel-max draw, the same tokens, used by ``sample_logits`` where it is
+available and no filter is on."""
 
 import contextlib
 import ctypes
@@ -13,10 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starpo_jax.models import ModelState, cpu_attention, decoder, preset
+from starpo_jax.models import ModelState, cpu_kernels, decoder, preset
 from starpo_jax.rollout import sampling
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the kernel runs on a CPU with a C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the kernel runs on a CPU with a C++ compiler")
 
 B, KV_HEADS, GROUP, SLOTS, D = 5, 2, 3, 24, 16
 
@@ -35,7 +37,7 @@ def xla_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new):
     return decoder._attend_after(q, k_new, v_new, k_cache, v_cache, visible)
 
 
-kernel = jax.jit(cpu_attention.cached_attention)
+kernel = jax.jit(cpu_kernels.cached_attention)
 
 
 # Both sum ≤ SLOTS + 1 float32 products of O(1) terms in other orders, and normalise once: a few
@@ -57,12 +59,17 @@ def test_the_kernel_computes_xlas_attention_for_every_length(group, d):
 
 
 @functools.cache
+def width_build(floats: int) -> str:
+    """The kernels built with vectors of ``floats`` floats, registered under names of their own: the
+    names' suffix."""
+    library = ctypes.cdll.LoadLibrary(str(cpu_kernels.build(defines=(f"-DSTARPO_VECTOR_FLOATS={floats}",))))
+    cpu_kernels.register(library, suffix=f"_{floats}")
+    return f"_{floats}"
+
+
 def width_kernel(floats: int):
-    """The kernel built with vectors of ``floats`` floats, registered under a name of its own."""
-    library = ctypes.cdll.LoadLibrary(str(cpu_attention.build(defines=(f"-DSTARPO_VECTOR_FLOATS={floats}",))))
-    target = f"{cpu_attention.TARGET}_{floats}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.starpo_cached_attention), platform="cpu")
-    return jax.jit(functools.partial(cpu_attention.cached_attention, target=target))
+    """The attention kernel built with vectors of ``floats`` floats."""
+    return jax.jit(functools.partial(cpu_kernels.cached_attention, target=cpu_kernels.TARGET + width_build(floats)))
 
 
 # Each vector width on every machine (the native build takes one of them): a decode step and a block.
@@ -151,7 +158,7 @@ def test_vmapped_it_computes_each_member_alone():
     # the same prefix groups in both members, which hold different caches: a group is a member's own
     members = [(*sharing(seed, tokens=2), GROUPS, jnp.full((B,), SHARED, jnp.int32)) for seed in (1, 2)]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
-    got = jax.jit(jax.vmap(cpu_attention.cached_attention))(*stacked)
+    got = jax.jit(jax.vmap(cpu_kernels.cached_attention))(*stacked)
     for i, args in enumerate(members):
         assert np.array_equal(got[i], kernel(*args))
 
@@ -161,7 +168,7 @@ def decode_hlo(model, config, kernel: bool):
     cache = sampling.init_cache(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32))
     logits = jnp.zeros((2, config.vocab_size))
     decode = jax.jit(lambda m, c, x: sampling.decode(m, c, x, jax.random.key(0), max_new_tokens=3, top_k=1))
-    with contextlib.nullcontext() if kernel else cpu_attention.xla_attention():
+    with contextlib.nullcontext() if kernel else cpu_kernels.xla_only():
         return decode.lower(model, cache, logits).as_text(), decode(model, cache, logits)
 
 
@@ -170,7 +177,7 @@ def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same()
     model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
     with_kernel, kernel_out = decode_hlo(model, config, True)
     without, xla_out = decode_hlo(model, config, False)
-    assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
+    assert cpu_kernels.TARGET in with_kernel and cpu_kernels.TARGET not in without
     assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
     np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
 
@@ -199,7 +206,7 @@ def append_with(model, config, kernel: bool):
     cache = sampling.init_cache(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32))
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, config.vocab_size)
     num_new = jnp.array([5, 2], jnp.int32)
-    with contextlib.nullcontext() if kernel else cpu_attention.xla_attention():
+    with contextlib.nullcontext() if kernel else cpu_kernels.xla_only():
         return sampling.append.lower(model, cache, tokens, num_new).as_text(), sampling.append(model, cache, tokens, num_new)
 
 
@@ -208,48 +215,131 @@ def test_a_prompt_chunk_takes_the_kernel_where_available_and_appends_the_same():
     model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
     with_kernel, (kernel_cache, kernel_logits) = append_with(model, config, True)
     without, (xla_cache, xla_logits) = append_with(model, config, False)
-    assert cpu_attention.TARGET in with_kernel and cpu_attention.TARGET not in without
+    assert cpu_kernels.TARGET in with_kernel and cpu_kernels.TARGET not in without
     np.testing.assert_allclose(kernel_logits, xla_logits, atol=1e-4)
     np.testing.assert_array_equal(kernel_cache.lengths, xla_cache.lengths)
     for got, want in zip(kernel_cache.k + kernel_cache.v, xla_cache.k + xla_cache.v):
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
-def test_xla_attention_holds_the_kernel_off_until_its_outermost_block_ends():
-    with cpu_attention.xla_attention():
-        with cpu_attention.xla_attention():
-            assert not cpu_attention.available()
-        assert not cpu_attention.available()
-    assert cpu_attention.available()
+def test_xla_only_holds_its_kernels_off_until_its_outermost_block_ends():
+    attention, sampler = cpu_kernels.TARGET, cpu_kernels.SAMPLER
+    with cpu_kernels.xla_only():
+        with cpu_kernels.xla_only(attention):
+            assert not cpu_kernels.available(attention) and not cpu_kernels.available(sampler)
+        assert not cpu_kernels.available(attention) and not cpu_kernels.available(sampler)
+        with cpu_kernels.xla_only(sampler):
+            pass
+        assert not cpu_kernels.available(sampler)
+    with cpu_kernels.xla_only(attention):
+        assert not cpu_kernels.available(attention) and cpu_kernels.available(sampler)
+    assert cpu_kernels.available(attention) and cpu_kernels.available(sampler)
 
 
 def test_off_by_the_environment_variable(monkeypatch):
-    monkeypatch.setenv(cpu_attention.ENV, "off")
-    assert not cpu_attention.enabled() and not cpu_attention.available()
-    monkeypatch.setenv(cpu_attention.ENV, "")
-    assert cpu_attention.enabled()
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
+    assert not cpu_kernels.enabled() and not cpu_kernels.available()
+    monkeypatch.setenv(cpu_kernels.ENV, "")
+    assert cpu_kernels.enabled()
 
 
 def test_not_under_a_mesh_that_splits_the_batch():
     mesh = jax.sharding.AbstractMesh((2,), ("data",))
     with jax.sharding.use_abstract_mesh(mesh):
-        assert not cpu_attention.available()
+        assert not cpu_kernels.available()
 
 
 def test_a_compiler_that_fails_is_one_warning_and_xlas_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # runs, prints no version, and fails every compile
     with pytest.raises(subprocess.SubprocessError):
-        cpu_attention.build(tmp_path)
-    monkeypatch.setattr(cpu_attention, "_registered", cpu_attention._registered.__wrapped__)  # uncached
+        cpu_kernels.build(tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_registered", cpu_kernels._registered.__wrapped__)  # uncached
     monkeypatch.setenv("STARPO_JAX_CACHE", str(tmp_path))  # no library built before
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert not cpu_attention._registered()
-    assert len(caught) == 1 and "could not build its CPU attention kernel" in str(caught[0].message)
+        assert not cpu_kernels._registered()
+    assert len(caught) == 1 and "could not build its CPU kernels" in str(caught[0].message)
 
 
 def test_a_build_is_found_again_not_recompiled(tmp_path):
-    first = cpu_attention.build(tmp_path)
+    first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert cpu_attention.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
+
+
+# The sampler
+
+SAMPLE_ROWS, WORDS = 6, 1000 + 7  # words: not whole vectors, so the last few take the scalar path
+TEMPERATURES = jnp.array([1.0, 0.7, 1.3, 0.0, 2.0, 1.0])  # row 3 greedy
+
+
+def sampler_logits():
+    logits = 4 * jax.random.normal(jax.random.key(7), (SAMPLE_ROWS, WORDS))
+    logits = logits.at[2, :600].set(-jnp.inf)  # words a filter took out
+    return logits.at[5, 300].set(jnp.nan)  # NaN counts as the largest, as jnp.argmax's
+
+
+def categorical_reference(logits, key, temperature):
+    """Tokens and log-probs from jax's own draw, op by op: categorical of the scaled logits, the
+    argmax where greedy, log_softmax at the token."""
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), jax.random.categorical(key, scaled))
+    return tokens, jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens[:, None], axis=-1)[:, 0]
+
+
+KEYS = [jax.random.key(0), jax.random.fold_in(jax.random.key(3), 17), jax.random.PRNGKey(5)]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=["typed", "folded", "raw"])
+def test_the_sampler_draws_jaxs_categorical_tokens(key):
+    """``sample_logits`` takes the kernel, and its tokens are ``jax.random.categorical``'s: the same
+    noise bits, and logarithms within an ulp of XLA's (these logits leave no near tie). Log-probs
+    agree to float32 rounding of a sum over the words."""
+    logits = sampler_logits()
+    sample = jax.jit(sampling.sample_logits)
+    assert cpu_kernels.SAMPLER in sample.lower(logits, key, TEMPERATURES).as_text()
+    tokens, logprobs = sample(logits, key, TEMPERATURES)
+    want_tokens, want_logprobs = categorical_reference(logits, key, TEMPERATURES)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    assert tokens[5] == 300
+    finite = np.isfinite(want_logprobs)
+    np.testing.assert_allclose(logprobs[finite], want_logprobs[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("floats", [8, 16])
+def test_the_sampler_at_each_vector_width(floats):
+    logits, key = sampler_logits(), KEYS[1]
+    greedy = TEMPERATURES <= 0
+    scaled = logits / jnp.where(greedy, 1.0, TEMPERATURES)[:, None]
+    call = jax.jit(functools.partial(cpu_kernels.gumbel_sample, target=cpu_kernels.SAMPLER + width_build(floats)))
+    tokens, _ = call(scaled, jax.random.key_data(key), jnp.arange(SAMPLE_ROWS), greedy)
+    np.testing.assert_array_equal(tokens, categorical_reference(logits, key, TEMPERATURES)[0])
+
+
+def test_gathered_rows_draw_their_own_rows_noise_and_vmap_takes_each_key_alone():
+    logits, key = sampler_logits(), KEYS[0]
+    whole = jax.jit(sampling.sample_logits)(logits, key, TEMPERATURES)
+    rows = jnp.array([4, 1, 5])
+    part = jax.jit(sampling.sample_logits, static_argnames="of_rows")(
+        logits[rows], key, TEMPERATURES[rows], rows=rows, of_rows=SAMPLE_ROWS)
+    np.testing.assert_array_equal(part[0], whole[0][rows])
+    np.testing.assert_array_equal(part[1], whole[1][rows])
+    keys = jnp.stack([jax.random.key_data(k) for k in KEYS[:2]])
+    stacked = jax.jit(jax.vmap(sampling.sample_logits, in_axes=(None, 0, None)))(logits, keys, TEMPERATURES)
+    for i, k in enumerate(KEYS[:2]):
+        np.testing.assert_array_equal(stacked[0][i], jax.jit(sampling.sample_logits)(logits, k, TEMPERATURES)[0])
+
+
+def sampler_hlo(**filters) -> str:
+    jax.clear_caches()
+    return jax.jit(functools.partial(sampling.sample_logits, **filters)).lower(sampler_logits(), KEYS[0], 1.0).as_text()
+
+
+def test_a_filter_or_xla_only_keeps_xlas_draw():
+    assert cpu_kernels.SAMPLER not in sampler_hlo(top_k=5)
+    assert cpu_kernels.SAMPLER not in sampler_hlo(top_p=0.9)
+    with cpu_kernels.xla_only():
+        assert cpu_kernels.SAMPLER not in sampler_hlo()
+    assert cpu_kernels.SAMPLER in sampler_hlo()
