@@ -122,14 +122,20 @@ std::pair<int32_t, float> row_argmax(const float* x, int64_t V, uint32_t k0, uin
   return {b.index, largest};
 }
 
-// log Σ exp(x - largest) over one row.
+// log Σ exp(x - largest) over one row: each block of columns summed in vector lanes, the blocks'
+// totals in double, so that no float sum runs long (XLA's reduction rounds about as little).
+constexpr int64_t SUMMED = 64 * W;  // columns a block's lanes sum
+
 float log_sum_exp_less(const float* x, int64_t V, float largest) {
-  vf sums = {};
+  double total = 0;
   int64_t c = 0;
-  for (; c + W <= V; c += W) sums += exp_nonpositive(load(x + c) - largest);
-  float total = sum(sums);
+  while (c + W <= V) {
+    vf sums = {};
+    for (const int64_t end = std::min(V / W * W, c + SUMMED); c < end; c += W) sums += exp_nonpositive(load(x + c) - largest);
+    total += sum(sums);
+  }
   for (; c < V; ++c) total += std::exp(x[c] - largest);
-  return std::log(total);
+  return float(std::log(total));
 }
 
 }  // namespace
