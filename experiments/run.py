@@ -431,10 +431,10 @@ def train(exp, iteration, stopping: Stopping) -> int:
     # Built on this process's own device, outside the mesh (a process may hold none of the trainer's
     # devices, where an operation of arrays not yet placed cannot run), then placed on the mesh.
     with jax.set_mesh(None):
-        state = init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed))
+        state = init_train_state(exp.settings, exp.model, exp.seed_key())
     state = sharding.shard(state, exp.mesh)
     policy_of = lambda s: sampling_policy(exp.model.graphdef, policy_weights(exp.settings, s))  # noqa: E731
-    key = jax.random.PRNGKey(cfg.trainer.seed)
+    key = exp.seed_key()
     last_save = time.monotonic()  # trainer.save_every_minutes counts from here
 
     try:

@@ -132,8 +132,8 @@ def sweep(exp, settings_grid: list[dict[str, float]]) -> int:
     time as the memory holds: the compiled program's own estimate decides, before anything runs."""
     cfg = exp.config
     n = len(settings_grid)
-    state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(cfg.trainer.seed)), exp.mesh)
-    key = jax.random.PRNGKey(cfg.trainer.seed)
+    state = sharding.shard(init_train_state(exp.settings, exp.model, exp.seed_key()), exp.mesh)
+    key = exp.seed_key()
     compile_for = lambda size: compile_sweep(exp, state, size)  # noqa: E731
     try:
         size, programs = fit_in_memory(compile_for, n, free_bytes_per_device(exp.mesh.local_devices))

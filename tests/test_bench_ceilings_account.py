@@ -109,6 +109,14 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
         return init(settings, model, key)
 
     monkeypatch.setattr(ceilings, "init_train_state", recorded_init)
+    phase_calls = []  # (timed, the phases) of each rollout_phases call, in order
+    phases_of = ceilings.rollout_phases
+
+    def recorded_phases(exp, state, traj, repeats, timed=True):
+        phase_calls.append((timed, result := phases_of(exp, state, traj, repeats, timed)))
+        return result
+
+    monkeypatch.setattr(ceilings, "rollout_phases", recorded_phases)
     report = ceilings.main([
         "--quick", "--size", "64", "--copy-mib", "4", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "c.json"),
         "--config", "configs/learn_frozen_lake.py", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(8,)",
@@ -156,10 +164,13 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
         assert p["reachable_s"] == pytest.approx(ceilings.in_sequence_seconds(p, peak, bandwidth, products))
         assert p["of_reachable"] == pytest.approx(p["reachable_s"] / p["seconds"])
     assert account["rollout_of_reachable"] == pytest.approx(sum(p["reachable_s"] for p in rollout) / account["rollout_phases_s"])
-    # the rollout as run: its one timed iteration is the last, whose shapes the phases were timed on
+    # the phases were timed on the first (warm-up) batch, before the one timed iteration was counted
+    assert [timed for timed, _ in phase_calls] == [True, False]
+    # the rollout as run: that iteration's own shapes at the ceilings
     (it,) = account["rollout_as_run"]["iterations"]
+    as_run = phase_calls[1][1]
     assert it["rollout_s"] == account["runs_s"]["rollout"][0]
-    assert it["in_sequence_s"] == pytest.approx(sum(p["least_in_sequence_s"] for p in rollout))
-    assert it["reachable_s"] == pytest.approx(sum(p["reachable_s"] for p in rollout))
+    assert it["in_sequence_s"] == pytest.approx(sum(ceilings.in_sequence_seconds(p, peak, bandwidth) for p in as_run))
+    assert it["reachable_s"] == pytest.approx(sum(ceilings.reachable_seconds(p, peak, bandwidth, rates) for p in as_run))
     assert account["rollout_as_run"]["of_reachable"] == pytest.approx(it["reachable_s"] / it["rollout_s"])
     assert "of ceiling" in (text := (tmp_path / "c.md").read_text()) and "in sequence" in text and "at its rows" in text

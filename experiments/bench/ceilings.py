@@ -19,7 +19,8 @@ compiled ``collect`` and ``learn``, its seed's first batches; a format warm-up, 
 for one, is not run), phase by phase: the first turn's prefill, the later turns' appends, the
 decode, and the update (forward, backward and rematerialisation in one program).
 ``--steps`` warm iterations are timed (median); ``collect`` is one program, so its phases are timed
-as programs of their own on the last iteration's shapes (``sampling.append``, ``sampling.decode``
+as programs of their own on the first iteration's batch, before the update is compiled
+(``sampling.append``, ``sampling.decode``
 for as many steps as that turn's longest answer, each row stopping where its answer did,
 ``LLMResponder.prefill_first_prompts``), and what the rollout spends besides (env steps, parsing,
 buffer writes) is the rest. Per phase:
@@ -474,9 +475,8 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
     # The run's own first batches: its seed's train state and its rollout key, into which ``collect``
     # folds the step (``experiments.run``). How long a rollout takes depends on when its answers end,
     # which the weights and the key decide.
-    seed = exp.config.trainer.seed
-    state = init_train_state(settings, exp.model, jax.random.PRNGKey(seed))
-    key = jax.random.PRNGKey(seed)
+    state = init_train_state(settings, exp.model, exp.seed_key())
+    key = exp.seed_key()
     jitted_learn: Any = iteration.learn
     collect = jax.jit(iteration.collect).lower(state, exp.train_tables, key).compile()
     learns: dict = {}
@@ -486,6 +486,10 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
         t0 = time.perf_counter()
         traj = jax.block_until_ready(collect(state, exp.train_tables, key))
         rollout_s = time.perf_counter() - t0
+        if not i:
+            # The phases on the run's first batch, compiled and timed before the update is: compiling
+            # them beside the iterations' programs and buffers ran a FrozenLake account out of 24 GB.
+            phases = rollout_phases(exp, state, traj, steps)
         layout = iteration.layout(traj)
         if layout not in learns:  # the run compiles the update once per layout too
             learns[layout] = jitted_learn.lower(state, traj, exp.hyper, layout).compile()
@@ -497,7 +501,6 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
             times["update"].append(time.perf_counter() - t0)
             as_run.append(rollout_phases(exp, state, kept, steps, timed=False))
         bar.update()
-    phases = rollout_phases(exp, state, kept, steps)
     phases.append(update_phase(exp, learns[layout], kept, layout, times["update"]))
     config = exp.model.merge().config
     decode_products = {n: products_at_rows(config, n, repeats)
@@ -524,7 +527,7 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
             "reachable_s": sum(reachable_seconds(p, peak_flops, bandwidth, rates) for p in ph)}
            for seconds, ph in zip(times["rollout"], as_run)]
     return {
-        "config": path, "overrides": overrides, "seed": seed, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
+        "config": path, "overrides": overrides, "seed": exp.config.trainer.seed, "model": f"{config.num_layers} layers x {config.hidden_size}, {config.dtype}",
         "rows": plan.batch_size, "max_turn": plan.max_turn, "response_length": plan.response_length,
         "max_len": plan.max_len, "remat": config.remat, "steps": steps,
         "iteration_s": {k: statistics.median(v) for k, v in times.items()}, "runs_s": times,

@@ -59,6 +59,12 @@ class Experiment:
     mesh: Any  # jax.sharding.Mesh the run trains over (starpo_jax.runtime.sharding)
     rollout_mesh: Any = None  # the sampler's own Mesh with mesh.rollout_devices > 0; None: ``mesh`` samples too
 
+    def seed_key(self) -> jax.Array:
+        """The run's key, ``PRNGKey(trainer.seed)``: its first train state is drawn from it, and each
+        training rollout from it with the step folded in (``train.collect``). Every program that
+        stands for the run (``experiments.run``, ``sweep``, ``bench.ceilings``) takes it here."""
+        return jax.random.PRNGKey(self.config.trainer.seed)
+
 
 def device_mesh(config: ConfigDict, **batch_sizes: int):
     """``config.mesh`` as a mesh of every device, checked against the batches it splits into rows
