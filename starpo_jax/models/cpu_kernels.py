@@ -20,8 +20,8 @@ row's sums are the same, in the same order: the same floats.
 
 **The sampler.** A decode step draws Gumbel noise for every row and every word of the vocabulary
 (jax's threefry hash, two logarithms each), takes the noisy argmax and the token's log-softmax:
-XLA:CPU runs each of these loops on one core, and at 128 rows of SmolLM2's vocabulary they took
-~20 ms of a ~250 ms step (docs/benchmarks.md, "The sampler as a kernel"). ``gumbel_sample.cc``
+XLA:CPU runs each of these loops on one core, and over SmolLM2's vocabulary they are a share of
+every step worth spreading (docs/benchmarks.md, "The sampler as a kernel"). ``gumbel_sample.cc``
 does the same per row as a task on XLA's threads: the same threefry bits, the noise with Cephes'
 logarithms (XLA's own agree to about an ulp), the first index of the maximum, and the log-sum-exp
 while the row is still in the core's cache. ``rollout.sampling.sample_logits`` takes it where no

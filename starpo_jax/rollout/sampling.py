@@ -24,7 +24,7 @@ loop that made the noise a fifth of a decode step's bytes. The token is ``jax.ra
 its argmax taken in blocks (``first_argmax``) so that XLA:CPU does not compute the noise inside a
 reduction loop it cannot vectorise. On a CPU, where no top-k or top-p filter is on, the whole draw
 is a kernel instead (``models.cpu_kernels``): XLA:CPU ran the noise, the argmax and the log-softmax
-on one core each, at a twelfth of a decode step. It draws the same bits; its logarithms agree with
+on one core each (docs/benchmarks.md, "The sampler as a kernel"). It draws the same bits; its logarithms agree with
 XLA's to about an ulp, so a token can differ only where two candidates tie to that precision.
 
 The decode loop reads the weights and the cache in place: ``decode`` splits the blocks' weights per
@@ -190,14 +190,21 @@ def _threefry2x32(k1: Array, k2: Array, x1: Array, x2: Array) -> tuple[Array, Ar
 _THREEFRY = jax.extend.random.threefry_prng_impl
 
 
+def _flat_counters(size: int) -> bool:
+    """Whether jax draws ``size`` values of its threefry stream from the counters (0, i) of their flat
+    indices i: the partitionable stream, below 2**32 values (the unrolled hash and the CPU kernel
+    compute those counters; jax's other streams are left to jax)."""
+    # jax.config's options are attributes it adds at runtime, unknown to a type checker
+    return size < 2**32 and jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]
+
+
 def _threefry_bits_unrolled(key_data: Array, bit_width: int, shape: tuple[int, ...]) -> Array:
     """``jax.random.bits`` of a threefry key, the same bits, with the hash unrolled. jax lowers
     threefry for the CPU as a rolled loop of 5 steps that reads, writes and copies the [B, V]
     counters at each (a fifth of a decode step's bytes at Qwen2.5's vocabulary); unrolled, it is
     one fused pass. Other widths, huge shapes and the non-partitionable stream are left to jax."""
     size = math.prod(shape)
-    # jax.config's options are attributes it adds at runtime, unknown to a type checker
-    if bit_width != 32 or size >= 2**32 or not jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]
+    if bit_width != 32 or not _flat_counters(size):
         return _THREEFRY.random_bits(key_data, bit_width, shape)
     # Counters 0, 1, ... (their high words are 0), flat: an iota of ``shape`` is a multiply-add of
     # two iotas, which XLA hoists out of the decode loop and then reads back at every token.
@@ -262,10 +269,9 @@ def sample_logits(
 
 
 def _kernel_draws(size: int) -> bool:
-    """Whether the CPU kernel draws a sample of ``size`` noise values: it reproduces the partitionable
-    threefry stream, whose counters are 32 bits wide below 2**32."""
-    partitionable = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]  # a runtime option
-    return size < 2**32 and partitionable and cpu_kernels.available(cpu_kernels.SAMPLER)
+    """Whether the CPU kernel draws a sample of ``size`` noise values: where their counters are
+    ``_flat_counters``, as the kernel computes them."""
+    return _flat_counters(size) and cpu_kernels.available(cpu_kernels.SAMPLER)
 
 
 #: Columns of ``first_argmax``'s blocks.
