@@ -54,10 +54,11 @@ from starpo_jax.format_warmup import answer_pieces, format_warmup
 from starpo_jax.models.loading import ModelLoadError, hf_name, save_model, source_dtype
 from starpo_jax.models.lora import save_adapter
 from starpo_jax.rollout.sampling import sampling_policy
-from starpo_jax.runtime import batches, checkpoint, distributed, sharding, unraisable
+from starpo_jax.runtime import allocator, batches, checkpoint, distributed, sharding, unraisable
 from starpo_jax.runtime.caches import setup_compilation_cache
 from starpo_jax.runtime.checkpoint import CheckpointError
 from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
+from starpo_jax.runtime.host_memory import peak_resident_bytes
 from starpo_jax.runtime.planning import PlanError, check_fits, device_budget, device_peak
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, policy_weights
 
@@ -160,6 +161,20 @@ def main(argv) -> int:
             return stopping.report(f"interrupted (SIGINT){before}", 130)
         except TerminatedBeforeTraining:
             return stopping.report("terminated (SIGTERM) before training started", 143)
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            return stopping.report(out_of_memory(err), 1)
+
+
+def out_of_memory(err: Exception) -> str:
+    """What ``main`` reports of XLA's out-of-memory error ``err``: its first line, the heap limit a
+    CPU run had (``runtime.allocator``) and the settings that lower a run's memory."""
+    said = str(err).strip().splitlines()[0]
+    if allocator.loaded() and os.environ.get(allocator.HEAP_LIMIT, "0") != "0":
+        said += f"; tcmalloc's heap limit {allocator.HEAP_LIMIT}={os.environ[allocator.HEAP_LIMIT]}"
+    return (f"out of memory ({said}): lower actor.micro_batch_size or rollout.max_model_len "
+            "(python -m experiments.plan shows what a config needs)")
 
 
 def _checked_and_trained(cfg, stopping: Stopping) -> int:
@@ -507,8 +522,10 @@ def train(exp, iteration, stopping: Stopping) -> int:
             "perf/env_steps_per_s": metrics["train/env_steps"] / rollout_s,
         }
         peak = device_peak(jax.local_devices())
-        if peak is not None:  # accelerators count it; a CPU's memory is the host's
+        if peak is not None:  # accelerators count it; a CPU's memory is the host's: its process's peak
             metrics["perf/device_peak_gib"] = peak / 2**30
+        elif peak_resident_bytes():
+            metrics["perf/host_peak_gib"] = peak_resident_bytes() / 2**30
         if not cut_warned and metrics.get("train/context_exhausted", 0) > 0:
             cut_warned = True
             log(f"warning @ step {step + 1}: {context_cut(metrics['train/context_exhausted'], exp.train_plan)}")

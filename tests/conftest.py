@@ -39,7 +39,7 @@ def pytest_xdist_auto_num_workers(config):
     largest tests start a run of the real 135M model beside the worker). Most of a test's time is
     one thread tracing, compiling or starting a process, so two workers on the 2-core CI machine
     finish sooner than one."""
-    from starpo_jax.runtime.planning import available_bytes
+    from starpo_jax.runtime.host_memory import available_bytes
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     available = available_bytes()

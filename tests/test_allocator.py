@@ -51,6 +51,41 @@ def test_preloaded_environment_puts_the_library_first_once():
     assert mine is not None and mine["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "10"
 
 
+def test_the_heap_limit_is_the_available_memory_less_what_tcmalloc_does_not_count():
+    path = Path("/lib/libtcmalloc_minimal.so.4")
+    env = allocator.preloaded_environment({}, path, available=20 * 2**30)
+    assert env is not None and int(env[allocator.HEAP_LIMIT]) * 2**20 == 20 * 2**30 - allocator.UNCOUNTED
+    assert allocator.HEAP_LIMIT not in (allocator.preloaded_environment({}, path) or {})  # unknown: no limit
+    assert allocator.heap_limit(2 * allocator.UNCOUNTED - 1) == {}  # too little to limit
+    mine = allocator.preloaded_environment({allocator.HEAP_LIMIT: "0"}, path, available=20 * 2**30)
+    assert mine is not None and mine[allocator.HEAP_LIMIT] == "0"  # the user's (0: none) is kept
+
+
+LIMITED = """
+    import numpy as np
+    try:
+        np.ones(300 * 2**20 // 8)
+        print("allocated")
+    except MemoryError:
+        print("refused")
+"""
+
+
+@pytest.mark.skipif(allocator.library() is None, reason="tcmalloc is not installed")
+def test_tcmalloc_honours_the_heap_limit_s_variable():
+    """The limit is an environment variable only the library reads: a misspelt name would change
+    nothing, silently. A 300 MB array within a 200 MiB limit is refused, without it allocated."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.HEAP_LIMIT)}
+
+    def outcome(**extra) -> str:
+        env_ = {**env, "LD_PRELOAD": str(allocator.library()), **extra}
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(LIMITED)], capture_output=True, text=True,
+                              env=env_, timeout=120, check=True).stdout.strip()
+
+    assert outcome(**{allocator.HEAP_LIMIT: "200"}) == "refused"
+    assert outcome() == "allocated"
+
+
 @pytest.mark.parametrize("value, on", [("", True), ("on", True), ("off", False), ("0", False), (" False ", False),
                                        ("no", False)])
 def test_the_switch(value, on):
@@ -72,7 +107,8 @@ SCRIPT = """
     import json, os, sys
     from starpo_jax.runtime import allocator
     print(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "loaded": allocator.loaded(),
-                      "preload": os.environ.get("LD_PRELOAD", "")}), flush=True)
+                      "preload": os.environ.get("LD_PRELOAD", ""),
+                      "heap_limit": os.environ.get("TCMALLOC_HEAP_LIMIT_MB")}), flush=True)
     allocator.restart_with_tcmalloc(dirs=[sys.argv[1]])
     print("went on", flush=True)
 """
@@ -81,7 +117,7 @@ SCRIPT = """
 def run_script(tmp_path, folder, **env):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
+    environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, allocator.HEAP_LIMIT)}
     root = str(Path(__file__).parents[1])  # this checkout's packages, whichever the venv installed
     done = subprocess.run([sys.executable, str(script), str(folder), "--flag", "x y"], capture_output=True, text=True,
                           timeout=120, env={**environ, "PYTHONPATH": root, **env})
@@ -110,6 +146,7 @@ def test_a_command_restarts_once_with_the_library_preloaded(tmp_path, stand_in):
     assert after["pid"] == before["pid"]  # the same process, replaced (exec), not a child
     assert after["argv"] == before["argv"] == [str(stand_in), "--flag", "x y"]
     assert after["preload"].split()[0] == str(stand_in / allocator.LIBRARY)
+    assert int(after["heap_limit"]) > 0  # this host's /proc/meminfo, less what tcmalloc does not count
     assert last == "went on"
 
 

@@ -142,3 +142,33 @@ def test_ctrl_c_while_the_model_loads_is_one_line(tmp_path):
     assert line.startswith("interrupted (SIGINT) before training started: no checkpoint was saved"), line
     command = shlex.split(line.split("start again with: ", 1)[1])
     assert command[3:] == args[3:] and not out.exists()
+
+
+# The run as a launcher imports it, its second batch failing as XLA fails an allocation it cannot
+# have: the error as jax raises it, at a known step, in a run of any size.
+OUT_OF_MEMORY = """
+import sys
+import jax
+from experiments import run
+sampled = []
+sample_now = run.batches.sample_now
+def second_fails(*args, **kwargs):
+    sampled.append(1)
+    if len(sampled) == 2:
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes.")
+    return sample_now(*args, **kwargs)
+run.batches.sample_now = second_fails
+sys.exit(run.run())
+"""
+
+
+def test_out_of_memory_is_one_line_naming_the_checkpoint_and_the_settings(tmp_path):
+    out = tmp_path / "run"
+    args = [sys.executable, "-c", OUT_OF_MEMORY, *long_run({"trainer.save_freq": "1"}), f"--config.trainer.output_dir={out}"]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=command_env(), timeout=900)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    line = the_line(done.stderr, "out of memory")
+    assert line.startswith("out of memory (RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes.): lower "
+                           "actor.micro_batch_size or rollout.max_model_len"), line
+    assert f"after step 1: the last checkpoint is step 1 in {out / 'checkpoints'}; resume with: " in line
+    assert saved(out) == [1]

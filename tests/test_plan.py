@@ -13,6 +13,7 @@ import pytest
 from configs import base
 from helpers import TINY_BANDIT, command_env, config_flags
 from starpo_jax.rollout.multi_turn import longest_trajectory
+from starpo_jax.runtime import host_memory
 from starpo_jax.runtime import planning as planner
 from starpo_jax.runtime.experiment import build_experiment
 
@@ -212,10 +213,12 @@ def test_a_run_calls_the_programs_its_memory_check_compiled(caplog):
 
 
 def test_proc_readers():
-    assert planner.available_bytes("MemTotal:  100 kB\nMemAvailable:   2048 kB\n") == 2 * 2**20
-    assert planner.resident_bytes("VmHWM:\t 9 kB\nVmRSS:\t  3 kB\n") == 3 * 2**10
-    available = planner.available_bytes()
-    assert available is not None and available > 0 and planner.resident_bytes() > 0
+    assert host_memory.available_bytes("MemTotal:  100 kB\nMemAvailable:   2048 kB\n") == 2 * 2**20
+    assert host_memory.resident_bytes("VmHWM:\t 9 kB\nVmRSS:\t  3 kB\n") == 3 * 2**10
+    assert host_memory.peak_resident_bytes("VmHWM:\t 9 kB\nVmRSS:\t  3 kB\n") == 9 * 2**10
+    available = host_memory.available_bytes()
+    assert available is not None and available > 0
+    assert host_memory.peak_resident_bytes() >= host_memory.resident_bytes() > 0
 
 
 def test_a_gguf_file_is_planned_from_its_header():

@@ -31,7 +31,7 @@ def test_outputs(full_run):
     for key in ("train/SimpleSokoban/success", "train/FrozenLake/success", "train/Bandit/pass@2", "rollout/in_group_std", "actor/entropy_loss",
                 "actor/grad_norm", "critic/vf_loss", "critic/vf_explained_var", "actor/pg_clipfrac",
                 "actor/ppo_kl", "train/response_length", "timing_s/gen", "timing_s/update",
-                "perf/generated_tokens_per_s", "perf/env_steps_per_s"):
+                "perf/generated_tokens_per_s", "perf/env_steps_per_s", "perf/host_peak_gib"):
         assert key in train[0], key
     val = [r for r in rows if "val-env/FrozenLake/success" in r]
     assert [r["step"] for r in val] == [0, 2]

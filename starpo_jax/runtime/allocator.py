@@ -10,6 +10,16 @@ memory"). Keeping glibc's heap instead (``mmap_max=0``) put XLA's threads in one
 than it saved; 2 MiB pages traded the faults for as much time compacting memory. tcmalloc keeps
 what one call frees for the next, with a cache per thread.
 
+What it keeps it holds resident, and it grows its heap where no free span is large enough for the
+next call, so a process's memory can exceed what its calls hold at once by a margin that varies
+from run to run with the order of its allocations (docs/benchmarks.md, "What tcmalloc keeps"). The
+restart therefore gives it a heap limit (``TCMALLOC_HEAP_LIMIT_MB``): what the host has available
+when the command starts, less ``UNCOUNTED`` for the process's memory tcmalloc does not count (its
+code, Python's own arenas). At the limit tcmalloc hands its free spans back to the kernel before it
+grows, and the calls that reuse them touch them afresh (slower, not killed); a call that needs more
+than the limit fails with XLA's "Out of memory" error rather than the kernel's killer. A limit set
+in the environment is kept; ``TCMALLOC_HEAP_LIMIT_MB=0`` is none.
+
 A preloaded allocator must be in place before the process allocates anything, so a command restarts
 itself with it in ``LD_PRELOAD`` as its first step (``restart_with_tcmalloc``, which
 ``experiments.bootstrap`` and the benchmarks call) where the library is installed (Debian and
@@ -27,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from starpo_jax.runtime import switches
+from starpo_jax.runtime.host_memory import available_bytes
 
 ENV = "STARPO_JAX_TCMALLOC"
 LIBRARY = "libtcmalloc_minimal.so.4"
@@ -34,6 +45,11 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
                 "/usr/local/lib")
 # tcmalloc reports every allocation above 1 GiB on stderr; XLA:CPU makes such buffers every call.
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
+HEAP_LIMIT = "TCMALLOC_HEAP_LIMIT_MB"
+# What a process holds that tcmalloc does not count, left outside its limit: the code it runs
+# (jaxlib's, Python's: ~0.4 GB resident in a FrozenLake run) and Python's own arenas, with room to
+# spare so that the kernel need not evict that code to serve the heap.
+UNCOUNTED = 3 << 29  # 1.5 GiB
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -54,13 +70,23 @@ def loaded(maps: str | Path = "/proc/self/maps") -> bool:
         return False
 
 
-def preloaded_environment(environ: Mapping[str, str], path: Path) -> dict[str, str] | None:
-    """``environ`` with ``path`` first in ``LD_PRELOAD``, or None where it is there already (a process
-    started with it that still runs without it: restarting again would loop)."""
+def heap_limit(available: int | None) -> dict[str, str]:
+    """tcmalloc's heap limit for a host with ``available`` bytes available (module docstring), in
+    the environment variable's MiB; none where that is unknown or leaves too little to limit."""
+    if available is None or available < 2 * UNCOUNTED:
+        return {}
+    return {HEAP_LIMIT: str((available - UNCOUNTED) >> 20)}
+
+
+def preloaded_environment(environ: Mapping[str, str], path: Path, available: int | None = None) -> dict[str, str] | None:
+    """``environ`` with ``path`` first in ``LD_PRELOAD`` and tcmalloc's settings (quiet, its heap
+    limited to ``available`` less ``UNCOUNTED``) where ``environ`` sets none, or None where the
+    library is preloaded already (a process started with it that still runs without it: restarting
+    again would loop)."""
     preload = environ.get("LD_PRELOAD", "").replace(":", " ").split()
     if str(path) in preload:
         return None
-    return {**QUIET, **environ, "LD_PRELOAD": " ".join([str(path), *preload])}
+    return {**QUIET, **heap_limit(available), **environ, "LD_PRELOAD": " ".join([str(path), *preload])}
 
 
 def restart_with_tcmalloc(environ: Mapping[str, str] | None = None, dirs: Sequence[str | Path] = LIBRARY_DIRS) -> None:
@@ -71,7 +97,7 @@ def restart_with_tcmalloc(environ: Mapping[str, str] | None = None, dirs: Sequen
     if not sys.platform.startswith("linux") or not enabled(environ) or loaded():
         return
     path = library(dirs)
-    env = preloaded_environment(environ, path) if path else None
+    env = preloaded_environment(environ, path, available_bytes()) if path else None
     if env is None:
         return
     sys.stdout.flush()

@@ -41,6 +41,7 @@ from starpo_jax.models.gguf_reader import hf_config_from_gguf, open_gguf
 from starpo_jax.models.loading import load_tokenizer, smollm2_tokenizer
 from starpo_jax.runtime import batches, sharding
 from starpo_jax.runtime.experiment import _tokenizer_only, build_experiment, model_compute
+from starpo_jax.runtime.host_memory import available_bytes, resident_bytes
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -410,7 +411,7 @@ def device_peak(devices) -> int | None:
     return None if len(known) < len(peaks) else max(known)
 
 
-# ---- the host: on CPU a run's memory is its process's --------------------------------------------
+# ---- the host: on CPU a run's memory is its process's (runtime.host_memory reads /proc) ----------
 
 # What the CPU estimate (runtime + peak) leaves out, said where it is printed. The runs measured
 # against their plan (docs/scaling.md, "On a CPU host"; docs/benchmarks.md; tests/test_plan.py holds
@@ -419,35 +420,6 @@ MEASURED = "measured runs peaked at up to 1.45 x this"
 MEASURED_OVER_PLAN = f"{MEASURED} (programs beyond the plan's two, allocator slack)"
 HOST_LEAVES_OUT = (f"not counted ({MEASURED}): the programs a run compiles beyond these two "
                    "(validation, each update width), the allocator's kept pages, the export's copies.")
-
-
-def _proc_field(text: str, name: str) -> int | None:
-    """``name:   1234 kB`` of a /proc status or meminfo text, in bytes."""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == name:
-            return int(value.split()[0]) * 1024
-    return None
-
-
-def resident_bytes(status: str | None = None) -> int:
-    """This process's resident memory now (VmRSS of /proc/self/status); 0 where there is no /proc."""
-    try:
-        status = open("/proc/self/status").read() if status is None else status
-    except OSError:
-        return 0
-    return _proc_field(status, "VmRSS") or 0
-
-
-def available_bytes(meminfo: str | None = None) -> int | None:
-    """The memory the kernel can still give a process without swapping (MemAvailable of
-    /proc/meminfo: free memory plus reclaimable caches, shared with every other process); None where
-    there is no /proc."""
-    try:
-        meminfo = open("/proc/meminfo").read() if meminfo is None else meminfo
-    except OSError:
-        return None
-    return _proc_field(meminfo, "MemAvailable")
 
 
 @dataclasses.dataclass(frozen=True)
