@@ -171,10 +171,14 @@ def out_of_memory(err: Exception) -> str:
     """What ``main`` reports of XLA's out-of-memory error ``err``: its first line, the heap limit a
     CPU run had (``runtime.allocator``) and the settings that lower a run's memory."""
     said = str(err).strip().splitlines()[0]
-    if allocator.loaded() and os.environ.get(allocator.HEAP_LIMIT, "0") != "0":
-        said += f"; tcmalloc's heap limit {allocator.HEAP_LIMIT}={os.environ[allocator.HEAP_LIMIT]}"
-    return (f"out of memory ({said}): lower actor.micro_batch_size or rollout.max_model_len "
+    return (f"out of memory ({said}{heap_limit_note()}): lower actor.micro_batch_size or rollout.max_model_len "
             "(python -m experiments.plan shows what a config needs)")
+
+
+def heap_limit_note() -> str:
+    """The heap limit this process runs under, for the lines on its memory ("" where none)."""
+    limit = allocator.current_heap_limit()
+    return "" if limit is None else f"; tcmalloc's heap limit {allocator.HEAP_LIMIT}={limit} ({limit / 1024:.2f} GiB)"
 
 
 def _checked_and_trained(cfg, stopping: Stopping) -> int:
@@ -186,7 +190,7 @@ def _checked_and_trained(cfg, stopping: Stopping) -> int:
         fit = check_fits(checked)  # refuse a run that cannot fit its devices (on CPU: the host) before loading it
         if fit is not None and distributed.is_writer():  # what the host (CPU) or each device is asked for
             if fit.available is not None:
-                line = fit.plan.host_line(fit.available)
+                line = fit.plan.host_line(fit.available) + heap_limit_note()
             else:
                 budget = device_budget(jax.local_devices())
                 assert budget is not None  # a Fit without available is an accelerator's, checked against this budget

@@ -61,6 +61,15 @@ def test_the_heap_limit_is_the_available_memory_less_what_tcmalloc_does_not_coun
     assert mine is not None and mine[allocator.HEAP_LIMIT] == "0"  # the user's (0: none) is kept
 
 
+def test_current_heap_limit_is_the_environment_s_where_tcmalloc_runs(monkeypatch):
+    monkeypatch.setattr(allocator, "loaded", lambda: True)
+    assert allocator.current_heap_limit({allocator.HEAP_LIMIT: "21893"}) == 21893
+    assert allocator.current_heap_limit({allocator.HEAP_LIMIT: "0"}) is None  # 0: no limit
+    assert allocator.current_heap_limit({}) is None
+    monkeypatch.setattr(allocator, "loaded", lambda: False)  # glibc's malloc reads no such variable
+    assert allocator.current_heap_limit({allocator.HEAP_LIMIT: "21893"}) is None
+
+
 LIMITED = """
     import numpy as np
     try:
@@ -175,3 +184,15 @@ def test_bootstrap_exits_with_the_entry_s_status(monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         bootstrap.command("experiments.somewhere", bootstrap.run_nothing_first, entry="main")
     assert stopped.value.code == 3
+
+
+def test_a_benchmark_s_machine_names_the_allocator_and_its_heap_limit(monkeypatch):
+    from experiments.bench import common
+
+    monkeypatch.setattr(allocator, "loaded", lambda: True)
+    monkeypatch.setenv(allocator.HEAP_LIMIT, "1234")
+    machine = common.machine()
+    assert machine["allocator"] == "tcmalloc" and machine["heap_limit_mib"] == 1234
+    monkeypatch.setattr(allocator, "loaded", lambda: False)
+    machine = common.machine()
+    assert machine["allocator"] == "glibc's malloc" and machine["heap_limit_mib"] is None

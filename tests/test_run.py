@@ -22,6 +22,7 @@ from helpers import (
     tensorboard_scalars,
     train_lines,
 )
+from starpo_jax.runtime import allocator
 
 
 def test_outputs(full_run):
@@ -57,6 +58,9 @@ def test_outputs(full_run):
     # cursor-up codes in the log.
     log = (full_run / "stderr.txt").read_text()
     assert "validation @ step 2" in log and "\x1b[A" not in log
+    # Restarted on tcmalloc where it is installed, with its heap limited, which the plan's line says.
+    [plan] = [line for line in log.splitlines() if line.startswith("host memory: about ")]
+    assert (f"; tcmalloc's heap limit {allocator.HEAP_LIMIT}=" in plan) == (allocator.library() is not None), plan
 
 
 def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):

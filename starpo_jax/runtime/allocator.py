@@ -12,8 +12,9 @@ what one call frees for the next, with a cache per thread.
 
 What it keeps it holds resident, and it grows its heap where no free span is large enough for the
 next call, so a process's memory can exceed what its calls hold at once by a margin that varies
-from run to run with the order of its allocations (docs/benchmarks.md, "What tcmalloc keeps"). The
-restart therefore gives it a heap limit (``TCMALLOC_HEAP_LIMIT_MB``): what the host has available
+from run to run with the order of its allocations (docs/benchmarks.md, "What tcmalloc keeps, and
+its heap limit"). The restart therefore gives it a heap limit (``TCMALLOC_HEAP_LIMIT_MB``): what
+the host has available
 when the command starts, less ``UNCOUNTED`` for the process's memory tcmalloc does not count (its
 code, Python's own arenas). At the limit tcmalloc hands its free spans back to the kernel before it
 grows, and the calls that reuse them touch them afresh (slower, not killed); a call that needs more
@@ -76,6 +77,12 @@ def heap_limit(available: int | None) -> dict[str, str]:
     if available is None or available < 2 * UNCOUNTED:
         return {}
     return {HEAP_LIMIT: str((available - UNCOUNTED) >> 20)}
+
+
+def current_heap_limit(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's tcmalloc heap limit in MiB; None where it runs without tcmalloc or unlimited."""
+    value = (os.environ if environ is None else environ).get(HEAP_LIMIT, "").strip()
+    return int(value) if loaded() and value.isdigit() and int(value) > 0 else None
 
 
 def preloaded_environment(environ: Mapping[str, str], path: Path, available: int | None = None) -> dict[str, str] | None:
