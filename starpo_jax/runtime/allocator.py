@@ -14,12 +14,12 @@ What it keeps it holds resident, and it grows its heap where no free span is lar
 next call, so a process's memory can exceed what its calls hold at once by a margin that varies
 from run to run with the order of its allocations (docs/benchmarks.md, "What tcmalloc keeps, and
 its heap limit"). The restart therefore gives it a heap limit (``TCMALLOC_HEAP_LIMIT_MB``): what
-the host has available
-when the command starts, less ``UNCOUNTED`` for the process's memory tcmalloc does not count (its
-code, Python's own arenas). At the limit tcmalloc hands its free spans back to the kernel before it
-grows, and the calls that reuse them touch them afresh (slower, not killed); a call that needs more
-than the limit fails with XLA's "Out of memory" error rather than the kernel's killer. A limit set
-in the environment is kept; ``TCMALLOC_HEAP_LIMIT_MB=0`` is none.
+the host has available when the command starts, less ``UNCOUNTED`` for the process's memory
+tcmalloc does not count (its code, Python's own arenas). At the limit tcmalloc hands its free spans
+back to the kernel before it grows, and the calls that reuse them touch them afresh (slower, not
+killed); a call that needs more than the limit fails with XLA's "Out of memory" error rather than
+the kernel's killer. A limit set in the environment is kept (and passed on to child processes);
+``TCMALLOC_HEAP_LIMIT_MB=0`` is none.
 
 A preloaded allocator must be in place before the process allocates anything, so a command restarts
 itself with it in ``LD_PRELOAD`` as its first step (``restart_with_tcmalloc``, which
@@ -48,8 +48,8 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
 HEAP_LIMIT = "TCMALLOC_HEAP_LIMIT_MB"
 # What a process holds that tcmalloc does not count, left outside its limit: the code it runs
-# (jaxlib's, Python's: ~0.4 GB resident in a FrozenLake run) and Python's own arenas, with room to
-# spare so that the kernel need not evict that code to serve the heap.
+# (jaxlib's, Python's) and Python's own arenas, with room to spare so that the kernel need not
+# evict that code to serve the heap.
 UNCOUNTED = 3 << 29  # 1.5 GiB
 
 
