@@ -526,10 +526,11 @@ def train(exp, iteration, stopping: Stopping) -> int:
             "perf/env_steps_per_s": metrics["train/env_steps"] / rollout_s,
         }
         peak = device_peak(jax.local_devices())
+        host_peak = peak_resident_bytes() if peak is None else 0
         if peak is not None:  # accelerators count it; a CPU's memory is the host's: its process's peak
             metrics["perf/device_peak_gib"] = peak / 2**30
-        elif peak_resident_bytes():
-            metrics["perf/host_peak_gib"] = peak_resident_bytes() / 2**30
+        elif host_peak:  # 0 where there is no /proc
+            metrics["perf/host_peak_gib"] = host_peak / 2**30
         if not cut_warned and metrics.get("train/context_exhausted", 0) > 0:
             cut_warned = True
             log(f"warning @ step {step + 1}: {context_cut(metrics['train/context_exhausted'], exp.train_plan)}")
