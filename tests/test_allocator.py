@@ -49,6 +49,10 @@ def test_preloaded_environment_puts_the_library_first_once():
     # a threshold the user chose is kept
     mine = allocator.preloaded_environment({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "10"}, path)
     assert mine is not None and mine["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "10"
+    # free pages are kept, unless the user asks tcmalloc to give them back
+    assert env[allocator.RELEASE_RATE] == "0"
+    mine = allocator.preloaded_environment({allocator.RELEASE_RATE: "1"}, path)
+    assert mine is not None and mine[allocator.RELEASE_RATE] == "1"
 
 
 def test_the_heap_limit_is_the_available_memory_less_what_tcmalloc_does_not_count():
@@ -95,6 +99,37 @@ def test_tcmalloc_honours_the_heap_limit_s_variable():
     assert outcome() == "allocated"
 
 
+RELEASED = """
+    import ctypes
+    import numpy as np
+    for mib in range(100, 300, 10):  # each block larger than the last: none fits in a freed one
+        np.ones(mib * 2**20, np.uint8)
+    given_back = ctypes.c_size_t(0)
+    ctypes.CDLL(None).MallocExtension_GetNumericProperty(b"tcmalloc.pageheap_unmapped_bytes",
+                                                         ctypes.byref(given_back))
+    print(given_back.value)
+"""
+
+
+@pytest.mark.skipif(allocator.library() is None, reason="tcmalloc is not installed")
+def test_tcmalloc_keeps_its_free_pages_under_the_commands_settings():
+    """Pages tcmalloc has given back do not merge with free pages it kept (module docstring). Under
+    the restart's settings it gives none back while it allocates and frees 20 growing blocks; under
+    its own default release rate it does (so the variable's name is the one the library reads)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TCMALLOC_") and k != "LD_PRELOAD"}
+    path = allocator.library()
+    assert path is not None
+
+    def given_back(environ: dict[str, str]) -> int:
+        return int(subprocess.run([sys.executable, "-c", textwrap.dedent(RELEASED)], capture_output=True, text=True,
+                                  env=environ, timeout=120, check=True).stdout)
+
+    commands = allocator.preloaded_environment(env, path)
+    assert commands is not None
+    assert given_back(commands) == 0
+    assert given_back({**commands, allocator.RELEASE_RATE: "1"}) > 0
+
+
 @pytest.mark.parametrize("value, on", [("", True), ("on", True), ("off", False), ("0", False), (" False ", False),
                                        ("no", False)])
 def test_the_switch(value, on):
@@ -117,7 +152,8 @@ SCRIPT = """
     from starpo_jax.runtime import allocator
     print(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "loaded": allocator.loaded(),
                       "preload": os.environ.get("LD_PRELOAD", ""),
-                      "heap_limit": os.environ.get("TCMALLOC_HEAP_LIMIT_MB")}), flush=True)
+                      "heap_limit": os.environ.get("TCMALLOC_HEAP_LIMIT_MB"),
+                      "release_rate": os.environ.get("TCMALLOC_RELEASE_RATE")}), flush=True)
     allocator.restart_with_tcmalloc(dirs=[sys.argv[1]])
     print("went on", flush=True)
 """
@@ -126,7 +162,8 @@ SCRIPT = """
 def run_script(tmp_path, folder, **env):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, allocator.HEAP_LIMIT)}
+    environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, allocator.HEAP_LIMIT,
+                                                                  allocator.RELEASE_RATE)}
     root = str(Path(__file__).parents[1])  # this checkout's packages, whichever the venv installed
     done = subprocess.run([sys.executable, str(script), str(folder), "--flag", "x y"], capture_output=True, text=True,
                           timeout=120, env={**environ, "PYTHONPATH": root, **env})
@@ -156,6 +193,7 @@ def test_a_command_restarts_once_with_the_library_preloaded(tmp_path, stand_in):
     assert after["argv"] == before["argv"] == [str(stand_in), "--flag", "x y"]
     assert after["preload"].split()[0] == str(stand_in / allocator.LIBRARY)
     assert int(after["heap_limit"]) > 0  # this host's /proc/meminfo, less what tcmalloc does not count
+    assert before["release_rate"] is None and after["release_rate"] == "0"
     assert last == "went on"
 
 
@@ -186,13 +224,16 @@ def test_bootstrap_exits_with_the_entry_s_status(monkeypatch):
     assert stopped.value.code == 3
 
 
-def test_a_benchmark_s_machine_names_the_allocator_and_its_heap_limit(monkeypatch):
+def test_a_benchmark_s_machine_names_the_allocator_and_its_settings(monkeypatch):
     from experiments.bench import common
 
     monkeypatch.setattr(allocator, "loaded", lambda: True)
     monkeypatch.setenv(allocator.HEAP_LIMIT, "1234")
+    monkeypatch.setenv(allocator.RELEASE_RATE, "0")
     machine = common.machine()
     assert machine["allocator"] == "tcmalloc" and machine["heap_limit_mib"] == 1234
+    assert machine["tcmalloc_release_rate"] == "0"
     monkeypatch.setattr(allocator, "loaded", lambda: False)
     machine = common.machine()
     assert machine["allocator"] == "glibc's malloc" and machine["heap_limit_mib"] is None
+    assert machine["tcmalloc_release_rate"] is None

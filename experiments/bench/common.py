@@ -49,7 +49,9 @@ def machine(note: str = "") -> dict:
         "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
         "jax": jax.__version__, "allocator": "tcmalloc" if allocator.loaded() else "glibc's malloc",
-        "heap_limit_mib": allocator.current_heap_limit(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "note": note,
+        "heap_limit_mib": allocator.current_heap_limit(),
+        "tcmalloc_release_rate": os.environ.get(allocator.RELEASE_RATE) if allocator.loaded() else None,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "note": note,
     }  # fmt: skip
 
 

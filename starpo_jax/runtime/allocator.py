@@ -10,16 +10,21 @@ memory"). Keeping glibc's heap instead (``mmap_max=0``) put XLA's threads in one
 than it saved; 2 MiB pages traded the faults for as much time compacting memory. tcmalloc keeps
 what one call frees for the next, with a cache per thread.
 
-What it keeps it holds resident, and it grows its heap where no free span is large enough for the
-next call, so a process's memory can exceed what its calls hold at once by a margin that varies
-from run to run with the order of its allocations (docs/benchmarks.md, "What tcmalloc keeps, and
-its heap limit"). The restart therefore gives it a heap limit (``TCMALLOC_HEAP_LIMIT_MB``): what
-the host has available when the command starts, less ``UNCOUNTED`` for the process's memory
-tcmalloc does not count (its code, Python's own arenas). At the limit tcmalloc hands its free spans
-back to the kernel before it grows, and the calls that reuse them touch them afresh (slower, not
-killed); a call that needs more than the limit fails with XLA's "Out of memory" error rather than
-the kernel's killer. A limit set in the environment is kept (and passed on to child processes);
-``TCMALLOC_HEAP_LIMIT_MB=0`` is none.
+What it keeps it holds resident. Left to itself it also gives free pages back to the kernel a few
+at a time, and it never merges a span it has given back with a free neighbour it kept: a call that
+needs a block larger than either grows the heap, though the two together would have served it, and
+then touches the new block's pages for the first time. In the FrozenLake preset that grew the heap
+by another update's working memory, and slowed that update, at a step that varied from run to run
+with the order in which threads freed their buffers (docs/benchmarks.md, "What tcmalloc keeps, and its
+heap limit"). So the restart sets ``TCMALLOC_RELEASE_RATE=0``: tcmalloc never gives pages back by
+itself, every two free neighbours merge, and the heap grows to what the process's largest calls
+need and stays there. It bounds that heap too (``TCMALLOC_HEAP_LIMIT_MB``): what the host has
+available when the command starts, less ``UNCOUNTED`` for the process's memory tcmalloc does not
+count (its code, Python's own arenas). At the limit tcmalloc hands its free spans back to the
+kernel before it grows, and the calls that reuse them touch them afresh (slower, not killed); a
+call that needs more than the limit fails with XLA's "Out of memory" error rather than the kernel's
+killer. A setting in the environment is kept (and passed on to child processes):
+``TCMALLOC_RELEASE_RATE=1`` is tcmalloc's own default, ``TCMALLOC_HEAP_LIMIT_MB=0`` no limit.
 
 A preloaded allocator must be in place before the process allocates anything, so a command restarts
 itself with it in ``LD_PRELOAD`` as its first step (``restart_with_tcmalloc``, which
@@ -44,9 +49,14 @@ ENV = "STARPO_JAX_TCMALLOC"
 LIBRARY = "libtcmalloc_minimal.so.4"
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                 "/usr/local/lib")
-# tcmalloc reports every allocation above 1 GiB on stderr; XLA:CPU makes such buffers every call.
-QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
 HEAP_LIMIT = "TCMALLOC_HEAP_LIMIT_MB"
+RELEASE_RATE = "TCMALLOC_RELEASE_RATE"
+SETTINGS = {
+    # tcmalloc reports every allocation above 1 GiB on stderr; XLA:CPU makes such buffers every call.
+    "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50),
+    # free pages stay resident and merge, given back only at the heap limit (module docstring)
+    RELEASE_RATE: "0",
+}
 # What a process holds that tcmalloc does not count, left outside its limit: the code it runs
 # (jaxlib's, Python's) and Python's own arenas, with room to spare so that the kernel need not
 # evict that code to serve the heap.
@@ -86,14 +96,14 @@ def current_heap_limit(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def preloaded_environment(environ: Mapping[str, str], path: Path, available: int | None = None) -> dict[str, str] | None:
-    """``environ`` with ``path`` first in ``LD_PRELOAD`` and tcmalloc's settings (quiet, its heap
-    limited to ``available`` less ``UNCOUNTED``) where ``environ`` sets none, or None where the
+    """``environ`` with ``path`` first in ``LD_PRELOAD`` and tcmalloc's settings (quiet, keeping its
+    free pages, its heap limited to ``available`` less ``UNCOUNTED``) where ``environ`` sets none, or None where the
     library is preloaded already (a process started with it that still runs without it: restarting
     again would loop)."""
     preload = environ.get("LD_PRELOAD", "").replace(":", " ").split()
     if str(path) in preload:
         return None
-    return {**QUIET, **heap_limit(available), **environ, "LD_PRELOAD": " ".join([str(path), *preload])}
+    return {**SETTINGS, **heap_limit(available), **environ, "LD_PRELOAD": " ".join([str(path), *preload])}
 
 
 def restart_with_tcmalloc(environ: Mapping[str, str] | None = None, dirs: Sequence[str | Path] = LIBRARY_DIRS) -> None:
