@@ -8,7 +8,7 @@ weights and the same levels, so differences come from the hyperparameters alone.
 as ``experiments.run``'s does (``train.jit_iteration``): the rollout vmapped over the settings,
 then one layout picked on the host that holds every setting's rows, then the update vmapped with
 it, so the update computes only what the batch holds (a few compiled widths per sweep). Before
-anything runs, the rollout and the largest update (``full_layout``) are compiled from abstract
+anything runs, the rollout and the largest update (``planning.planned_layout``) are compiled from abstract
 shapes and XLA's memory estimate decides how many settings train at a time: all of them if they
 fit in the free memory (a fifth kept spare), else as many as fit, group after group (the same
 results, in more time); if one setting does not fit, the sweep stops with one sentence naming
@@ -40,12 +40,11 @@ from absl import flags, logging
 from tqdm import tqdm
 
 from experiments import cli
-from starpo_jax.forward import full_layout
 from starpo_jax.models.loading import ModelLoadError
 from starpo_jax.runtime import distributed, sharding
 from starpo_jax.runtime.caches import setup_compilation_cache
 from starpo_jax.runtime.experiment import ConfigError, build_experiment, check_config
-from starpo_jax.runtime.planning import PlanError, check_fits, free_bytes_per_device, program_peak_bytes
+from starpo_jax.runtime.planning import PlanError, check_fits, free_bytes_per_device, planned_layout, program_peak_bytes
 from starpo_jax.runtime.settings import BY_KEY, LORA_LEARNING_RATES, SWEEPABLE  # config key -> Hyperparams field
 from starpo_jax.train import init_train_state, jit_iteration, make_train_step, replicate
 
@@ -182,8 +181,8 @@ class SweepPrograms(NamedTuple):
 
 def compile_sweep(exp, state, size: int) -> SweepPrograms:
     """The iteration vmapped over ``size`` settings, and its memory estimate: the rollout and the
-    update with ``full_layout`` (the largest the update ever runs: every other layout computes a
-    part of its positions) compiled from abstract shapes, no copy of the state made to compile
+    update at ``planning.planned_layout`` (the largest layout a batch can take: every other computes
+    fewer positions) compiled from abstract shapes, no copy of the state made to compile
     them. The two run one after the other, so the peak is the larger of the rollout's program and
     the update's plus the rollout tables, which stay on the device beside it (the update's own
     arguments hold the states and the rollout batch)."""
@@ -204,7 +203,7 @@ def compile_sweep(exp, state, size: int) -> SweepPrograms:
     collect = jitted_collect.lower(abstract_states, exp.train_tables, key).compile()
     traj = jax.eval_shape(iteration.collect, abstract_states, exp.train_tables, key)
     hyper = jax.eval_shape(lambda h: swept_hyper(h, [{}] * size), exp.hyper)
-    learn = jitted_learn.lower(abstract_states, traj, hyper, full_layout(exp.train_plan.max_len)).compile()
+    learn = jitted_learn.lower(abstract_states, traj, hyper, planned_layout(exp)).compile()
     tables = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(exp.train_tables))
     need = max(program_peak_bytes(collect), program_peak_bytes(learn) + tables)
     return SweepPrograms(iteration._replace(collect=collect), jax.jit(copies), need)

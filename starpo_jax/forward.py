@@ -24,7 +24,7 @@ from flax import nnx
 
 from starpo_jax.algo import losses
 from starpo_jax.models import lora
-from starpo_jax.rollout.multi_turn import RolloutPlan, Trajectories, first_rows_of_distinct_prompts
+from starpo_jax.rollout.multi_turn import RolloutPlan, RolloutTables, Trajectories, first_rows_of_distinct_prompts
 from starpo_jax.runtime import distributed
 from starpo_jax.runtime.settings import TrainSettings
 from starpo_jax.runtime.sharding import scatter_rows
@@ -265,3 +265,25 @@ def update_layout(traj: Trajectories, plan: RolloutPlan, micro_batch_size: int) 
     return UpdateLayout(prefix=first_prompt_width(split, plan),
                         width=_holding(int((length - split).max()), plan.max_len, widest_layout(plan).width),
                         prompts=prompts, across_groups=prompts < by_group)
+
+
+def largest_update_layout(plan: RolloutPlan, tables: RolloutTables, micro_batch_size: int) -> UpdateLayout:
+    """The largest layout ``update_layout`` can pick for any batch of ``plan``, from the prompt
+    tables' fixed widths: the one the memory planner compiles. A split is at most the widest first
+    prompt's last token; after it a row holds that token, ``max_turn`` answers and the later prompts
+    between them (nothing follows the last answer). Where a micro-batch's rows may each have their
+    own first prompt, nothing is shared and a row is at most ``max_len`` wide (``full_layout``).
+
+    Where prompts are shared this is less than ``full_layout`` for most configs (FrozenLake's preset:
+    one 288-position prompt and 8 rows of 416 a micro-batch, against 8 rows of 640), and more where
+    first prompts differ widely (a short one leaves its rows room to run long, a long one is a wide
+    prefix): either way it bounds what the run computes."""
+    prompts = most_prompts_per_micro_batch(micro_batch_size, plan.group_size)
+    if prompts == micro_batch_size:
+        return full_layout(plan.max_len)
+    widest = widest_layout(plan)
+    first = max(t.prompts.first_len for t in tables.tags)
+    later = max(t.prompts.next_len for t in tables.tags)
+    rest = 1 + plan.max_turn * plan.response_length + (plan.max_turn - 1) * later
+    return UpdateLayout(prefix=_holding(min(first - 1, widest.prefix), plan.max_len, widest.prefix),
+                        width=_holding(min(rest, widest.width), plan.max_len, widest.width), prompts=prompts)

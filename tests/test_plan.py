@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from configs import base
@@ -33,14 +34,14 @@ def test_planner_figures_are_those_of_the_programs_that_run():
 
     exp = build_experiment(config)
     step_fn = make_train_step(exp.settings, exp.model.graphdef, exp.train_plan)
-    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0)
+    collect, learn = jax.jit(step_fn.collect), jax.jit(step_fn.learn, donate_argnums=0, static_argnums=3)
     key = jax.random.PRNGKey(0)
     with sharding.use_mesh(exp.mesh):
         state = sharding.shard(init_train_state(exp.settings, exp.model, key), exp.mesh)
         state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
         collect_c = collect.lower(state, exp.train_tables, key).compile()
         traj = collect_c(state, exp.train_tables, key)
-        learn_c = learn.lower(state, traj, exp.hyper).compile()
+        learn_c = learn.lower(state, traj, exp.hyper, planner.planned_layout(exp)).compile()
         new_state, metrics = learn_c(state, traj, exp.hyper)
     assert int(new_state.step) == 1 and bool(jax.numpy.isfinite(metrics["actor/pg_loss"]))
 
@@ -81,17 +82,49 @@ def test_an_experiment_built_twice_checks_its_envs_and_tokenizes_its_prompts_onc
 
 @pytest.mark.slow  # two planner compiles, ~1 min on 2 loaded cores; tests/models/test_remat.py checks the same on the decoder's gradient
 def test_remat_lowers_the_updates_working_memory():
-    """The real update of the tiny run (3 layers, 2 rows of T ≈ 210 tokens per gradient pass): without
-    remat its backward pass keeps every layer's float32 attention probabilities [rows, heads, T, T];
-    recomputing each layer keeps one layer's at a time."""
-    configs = {remat: base.with_overrides(base.get_config(), {**TINY, "model.remat": remat}) for remat in ("none", "layer")}
+    """The real update of the tiny run with groups of one row (3 layers, 2 rows of T ≈ 210 tokens per
+    gradient pass, each its own first prompt): without remat its backward pass keeps every layer's
+    float32 attention probabilities [rows, heads, T, T]; recomputing each layer keeps one layer's at
+    a time."""
+    unshared = {**TINY, "envs.train.n_groups": (4,), "envs.train.group_size": 1}
+    configs = {remat: base.with_overrides(base.get_config(), {**unshared, "model.remat": remat}) for remat in ("none", "layer")}
     exps = {remat: build_experiment(config, load=planner.abstract_policy) for remat, config in configs.items()}
     plans = {remat: planner.plan_memory(exp) for remat, exp in exps.items()}
     c, T = planner.model_config_and_tokenizer(configs["none"])[0], exps["none"].train_plan.max_len
+    assert planner.planned_layout(exps["none"]).width == T  # nothing shared: every position of every row
     one_layer_probabilities = 2 * c.num_heads * T * T * 4
     assert plans["none"].update_temp - plans["layer"].update_temp >= (c.num_layers - 1) * one_layer_probabilities
     assert plans["none"].rollout_temp == plans["layer"].rollout_temp  # decoding has no backward pass
     assert (plans["none"].remat, plans["layer"].remat) == ("none", "layer")
+
+
+def test_the_planned_update_holds_every_batch_a_run_can_sample():
+    """The plan compiles the update at the largest layout any batch can take, from the prompt tables'
+    widths: rows of a random model, whose answers run to their budget, of two env tags whose first
+    prompts differ by ~50 tokens, over two turns, fit it; and it is smaller than every position of
+    every row, since a micro-batch's rows share their first prompt."""
+    from starpo_jax.forward import first_prompt_split, full_layout, update_layout
+    from starpo_jax.runtime import sharding
+    from starpo_jax.train import init_train_state, jit_iteration, make_train_step
+
+    mixed = {**TINY, "envs.train.tags": ("FrozenLake", "Bandit"), "envs.train.n_groups": (1, 1),
+             "rollout.max_turn": 2, "rollout.max_model_len": 1024}
+    exp = build_experiment(base.with_overrides(base.get_config(), mixed))
+    plan, tables, micro = exp.train_plan, exp.train_tables, exp.settings.micro_batch_size
+    planned = planner.planned_layout(exp)
+    firsts = sorted(t.prompts.first_len for t in tables.tags)
+    assert firsts[1] - firsts[0] > 40 and planned.prompts == 1
+    iteration = jit_iteration(make_train_step(*planner.iteration_program(exp)), exp.settings, plan)
+    with sharding.use_mesh(exp.mesh):
+        state = sharding.shard(init_train_state(exp.settings, exp.model, jax.random.PRNGKey(0)), exp.mesh)
+        traj = iteration.collect(state, tables, jax.random.PRNGKey(1))
+    length, split = (np.asarray(x) for x in (traj.length, first_prompt_split(traj)))
+    assert (np.asarray(traj.num_turns) == 2).any()
+    assert split.max() <= planned.prefix and (length - split).max() <= planned.width
+    layout = update_layout(traj, plan, micro)
+    assert layout == planned  # answers that run to their budget take the largest layout: the bound is tight
+    full = full_layout(plan.max_len)
+    assert planned.prompts * planned.prefix + micro * planned.width < micro * full.width
 
 
 def _plan(**parts):
@@ -186,8 +219,7 @@ def test_a_cpu_run_that_does_not_fit_the_host_is_refused_in_one_sentence():
 def test_a_run_calls_the_programs_its_memory_check_compiled(caplog):
     """``check_fits`` hands the run its iteration: the model loaded with real weights has the planned
     structure, the rollout is the plan's compiled program (which refuses inputs of other shapes or
-    shardings), and the update for every position runs without compiling again."""
-    from starpo_jax.forward import full_layout
+    shardings), and the update at the plan's layout runs without compiling again."""
     from starpo_jax.runtime import sharding
     from starpo_jax.runtime.experiment import check_config
     from starpo_jax.train import init_train_state
@@ -202,7 +234,7 @@ def test_a_run_calls_the_programs_its_memory_check_compiled(caplog):
     with jax.log_compiles(True), sharding.use_mesh(exp.mesh):
         state = sharding.shard(init_train_state(exp.settings, exp.model, key), exp.mesh)
         traj = iteration.collect(state, exp.train_tables, key)
-        state, metrics = iteration.learn(state, traj, exp.hyper, full_layout(exp.train_plan.max_len))
+        state, metrics = iteration.learn(state, traj, exp.hyper, planner.planned_layout(exp))
         jax.jit(lambda x: x + 1)(1.0)  # a compile, seen: the log is read
     assert int(state.step) == 1 and bool(jax.numpy.isfinite(metrics["actor/pg_loss"]))
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
