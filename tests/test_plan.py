@@ -98,7 +98,7 @@ def test_remat_lowers_the_updates_working_memory():
     assert (plans["none"].remat, plans["layer"].remat) == ("none", "layer")
 
 
-def test_the_planned_update_holds_every_batch_a_run_can_sample():
+def test_the_planned_update_layout_holds_a_batch_whose_answers_run_to_their_budget():
     """The plan compiles the update at the largest layout any batch can take, from the prompt tables'
     widths: rows of a random model, whose answers run to their budget, of two env tags whose first
     prompts differ by ~50 tokens, over two turns, fit it; and it is smaller than every position of
