@@ -17,7 +17,6 @@
 // are flattened into rows (vmap adds one). Float32 throughout; the softmax is normalised after its
 // sums.
 
-#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -191,24 +190,11 @@ void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const Row
   normalise(G, D, total, out);
 }
 
-// f(R) for a tile of R = 1..TILE rows, R a compile-time constant.
-template <class F>
-void with_rows(int64_t R, F f) {
-  switch (R) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, TILE>{});
-  }
-}
-
 // f(block size, first query) over the queries in blocks of up to four, so that a block's sums fit
 // in the registers.
 template <class F>
 void in_blocks(int64_t G, F f) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) with_rows(std::min<int64_t>(4, G - g0), [&](auto gb) { f(gb, g0); });
+  for (int64_t g0 = 0; g0 < G; g0 += 4) with_constant<TILE>(std::min<int64_t>(4, G - g0), [&](auto gb) { f(gb, g0); });
 }
 
 // Each query's softmax weights in place of its scores, unnormalised; total[g] their sum.
@@ -294,7 +280,7 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {  // each key read from memory once, for every query
     prefetch_rows(keys, values, i0 + AHEAD, i0 + AHEAD + TILE);
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * W)
-      with_rows(std::min<int64_t>(TILE, n - i0), [&](auto r) {
+      with_constant<TILE>(std::min<int64_t>(TILE, n - i0), [&](auto r) {
         if (Mp - m0 >= 2 * W) return scores_tile<decltype(r)::value, 2>(keys, i0, qt, Mp, m0, st);
         scores_tile<decltype(r)::value, 1>(keys, i0, qt, Mp, m0, st);
       });
@@ -317,7 +303,7 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
     store(total + m0, totals);
   }
   for (int64_t m0 = 0; m0 < M; m0 += TILE)
-    with_rows(std::min<int64_t>(TILE, M - m0), [&](auto r) {
+    with_constant<TILE>(std::min<int64_t>(TILE, M - m0), [&](auto r) {
       for (int64_t d0 = 0; d0 < D;)
         d0 = weighted_values_from<decltype(r)::value>(st + m0, 1, Mp, values, n, d0, sums + m0 * D,
                                                       m0 == 0 ? ahead : nullptr);

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -87,11 +88,33 @@ inline vf exp_nonpositive(vf x) {
   return e * reinterpret_cast<const vf&>(two_to_n);
 }
 
+// f(n) with n a compile-time constant (std::integral_constant), for n in [1, N]; N where n is larger:
+// the kernels' register tiles are unrolled by it.
+template <int N, class F>
+void with_constant(int64_t n, F f) {
+  if constexpr (N > 1)
+    if (n < N) return with_constant<N - 1>(n, f);
+  f(std::integral_constant<int, N>{});
+}
+
+// A short wait in a spinning loop: tells the core it may let the other hardware thread run.
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+// Pauses the caller spins through (~0.1 ms) for the helpers' last tasks before it sleeps: woken from
+// a sleep, it lost tens of microseconds a call, as much as a decode step's smaller products take.
+constexpr int SPINS = 4000;
+
 // The tasks handed out one at a time to whichever thread asks next; the caller waits for all of
 // them to finish. Shared, so that a helper the pool starts late finds no task left and nothing freed.
 struct Tasks {
   std::atomic<int64_t> next{0};
-  int64_t finished = 0;
+  std::atomic<int64_t> finished{0};
   std::mutex mu;
   std::condition_variable all_done;
 };
@@ -107,15 +130,15 @@ void run_tasks(ffi::ThreadPool& pool, int64_t count, F run) {
       next = std::min(tasks->next.fetch_add(1), count);
       run(t, next);
     }
-    if (done) {
+    if (done && tasks->finished.fetch_add(done) + done == count) {
       std::lock_guard<std::mutex> lock(tasks->mu);
-      tasks->finished += done;
-      if (tasks->finished == count) tasks->all_done.notify_all();
+      tasks->all_done.notify_all();
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
   work();
+  for (int spin = 0; spin < SPINS && tasks->finished.load() != count; ++spin) pause();
   std::unique_lock<std::mutex> lock(tasks->mu);
   tasks->all_done.wait(lock, [&] { return tasks->finished == count; });
 }

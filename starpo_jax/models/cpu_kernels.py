@@ -1,5 +1,6 @@
 """starpo-jax's CPU kernels, compiled and spread over the cores: attention to the KV cache (a
-decode step's, and a prompt chunk's), and the sampler's Gumbel-max draw.
+decode step's, and a prompt chunk's), the sampler's Gumbel-max draw, and a decode step's weight
+products.
 
 **Attention.** XLA:CPU runs a decode step's attention, one batched product per layer ([S, d] × [d, q]
 per row and kv head), on one core whatever library it hands it to, and reads every slot of the
@@ -27,12 +28,25 @@ logarithms (XLA's own agree to about an ulp), the first index of the maximum, an
 while the row is still in the core's cache. ``rollout.sampling.sample_logits`` takes it where no
 top-k or top-p filter is on and the key is threefry's.
 
-Both are built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
+**The weight products.** A decode step multiplies a few dozen rows by every weight of the model,
+which comes from memory at every step: XLA's matrix library ran those products at ~300 GFLOP/s
+where its 2048² product reaches ~460 on the same two cores, waiting on the weights' reads
+(docs/benchmarks.md, "A decode step's weight products as a kernel"). ``row_product.cc`` computes a
+block's products of one input in one call (q, k and v; gate and up), in register tiles of 6 rows,
+each task one column block of a weight for all the rows, asking the memory for the weights of its
+thread's next task while it runs. ``Decoder.extend`` takes it for a block of 16 to 256 rows in
+float32 (``decoder.KERNEL_PRODUCT_ROWS``): a decode step. Each output sums its products in order,
+which XLA's library does in blocks: the same sums to float32 rounding.
+
+The kernels' threads: the calling thread runs tasks beside XLA's, then spins a short while for the
+others' last tasks before it sleeps (waking from a sleep cost tens of microseconds a call).
+
+All three are built at first use with the machine's C++ compiler (``$CXX``, else ``c++``), for this CPU
 (``-march=native``), into one library in the cache folder (``runtime.caches``: ``kernels/``, keyed
 by the sources, the compiler and the CPU), and registered with XLA. ``Decoder.extend`` uses the
 attention for every block it appends (a decode step's one token per row, a prompt's chunk) on a CPU
 when ``available()``; everywhere else, and where they cannot be built (one warning saying why), the
-programs are XLA's (``decoder._attend_after``, ``sampling``'s draw). Each agrees with XLA's to
+programs are XLA's (``decoder._attend_after``, ``sampling``'s draw, ``decoder.weight_products``). Each agrees with XLA's to
 float32 rounding (tests/models/test_cpu_kernels.py), so sampled tokens can differ where two
 candidates tie to that precision.
 
@@ -64,8 +78,9 @@ from starpo_jax.runtime import caches, switches
 ENV = "STARPO_JAX_CPU_KERNEL"
 TARGET = "starpo_cached_attention"
 SAMPLER = "starpo_gumbel_sample"
-#: The library's sources: the two kernels and the header they share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cached_attention.cc", "gumbel_sample.cc"))
+PRODUCT = "starpo_row_products"
+#: The library's sources: the three kernels and the header they share.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cached_attention.cc", "gumbel_sample.cc", "row_product.cc"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
@@ -90,10 +105,10 @@ def available(kernel: str = TARGET) -> bool:
 
 @contextlib.contextmanager
 def xla_only(*kernels: str):
-    """What is traced inside takes XLA's programs instead of ``kernels`` (default: both): a
+    """What is traced inside takes XLA's programs instead of ``kernels`` (default: all three): a
     benchmark's other side (``bench.decode_attention`` holds off the attention alone), or a CPU
     program that stands for an accelerator's (``bench.step``'s decode cost)."""
-    held = kernels or (TARGET, SAMPLER)
+    held = kernels or (TARGET, SAMPLER, PRODUCT)
     _held_off.update(held)
     try:
         yield
@@ -147,10 +162,23 @@ def gumbel_sample(scaled, key_data, rows, greedy, *, target: str = SAMPLER):
     return call(scaled.astype(jnp.float32), key_data.astype(jnp.uint32), rows.astype(jnp.int32), greedy.astype(bool))
 
 
+def row_products(x, weights, *, target: str = PRODUCT):
+    """x [rows, in] @ w [in, out_i] for each w of ``weights``, in float32, as a tuple, in one call:
+    what ``decoder.weight_products`` computes for a block of few rows, to float32 rounding (each
+    output sums its products over ``in`` in order). Call it where ``available(PRODUCT)``, as
+    ``cached_attention``; ``target`` likewise."""
+    if target == PRODUCT and not _registered():
+        raise RuntimeError("starpo-jax's CPU kernels could not be built (the warning says why)")
+    call = jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights),
+                            vmap_method="broadcast_all")
+    return tuple(call(x.astype(jnp.float32), *(w.astype(jnp.float32) for w in weights)))
+
+
 def register(library: ctypes.CDLL, suffix: str = "") -> None:
-    """Register a build's two kernels with XLA, as ``TARGET`` and ``SAMPLER`` + ``suffix``."""
+    """Register a build's three kernels with XLA, as ``TARGET``, ``SAMPLER`` and ``PRODUCT`` + ``suffix``."""
     jax.ffi.register_ffi_target(TARGET + suffix, jax.ffi.pycapsule(library.starpo_cached_attention), platform="cpu")
     jax.ffi.register_ffi_target(SAMPLER + suffix, jax.ffi.pycapsule(library.starpo_gumbel_sample), platform="cpu")
+    jax.ffi.register_ffi_target(PRODUCT + suffix, jax.ffi.pycapsule(library.starpo_row_products), platform="cpu")
 
 
 @functools.cache

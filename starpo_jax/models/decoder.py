@@ -21,7 +21,10 @@ Layout choices:
   (``slot < length``) plus the new block (causal); only the real tokens of the block are written.
   Nothing is recomputed for the prefix, which is what lets a multi-turn rollout append the next
   observation to a live cache.
-- Every weight product of a block is ``weight_product``, whose backward computes the weight's
+- A block takes its weight products from a ``Products`` function: ``weight_products`` (XLA's), or
+  for a decode step on a CPU ``kernel_products`` (``cpu_kernels.row_products``, which waits less
+  on the weights' reads with a decode step's few rows).
+- Every product of ``weight_products`` is ``weight_product``, whose backward computes the weight's
   gradient as x^T @ g: jax's own transpose takes g^T @ x, for which XLA:CPU first copies g into a
   transposed layout, slowly where g is the MLP's wide [rows, 1536].
 - A gradient through ``hidden_states`` recomputes each block's forward in the backward pass
@@ -486,9 +489,27 @@ def _weight_product_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array
 _weight_product.defvjp(_weight_product_fwd, _weight_product_bwd)
 
 
-def _project(x: Array, w: Array, bias: Array | None) -> Array:
-    y = weight_product(x, w)
-    return y if bias is None else y + bias.astype(x.dtype)
+#: (x [B, T, in...], weights (w [in..., out_i...], ...)) -> (x @ w_i, ...): a block's products of one input.
+Products = Callable[[Array, Sequence[Array]], tuple[Array, ...]]
+
+
+def weight_products(x: Array, weights: Sequence[Array]) -> tuple[Array, ...]:
+    """``weight_product`` of x with each of ``weights``: XLA's products, differentiable."""
+    return tuple(weight_product(x, w) for w in weights)
+
+
+def kernel_products(x: Array, weights: Sequence[Array]) -> tuple[Array, ...]:
+    """The same products by ``cpu_kernels.row_products`` in one call (float32, not differentiable):
+    a decode step's few rows on a CPU, where it reads the weights from memory faster than XLA's
+    matrix library (``extend`` says when)."""
+    B, T, n_in = x.shape[0], x.shape[1], x.ndim - 2
+    flat = [w.reshape(math.prod(w.shape[:n_in]), -1) for w in weights]
+    ys = cpu_kernels.row_products(x.reshape(B * T, -1), flat)
+    return tuple(y.reshape(B, T, *w.shape[n_in:]).astype(x.dtype) for y, w in zip(ys, weights))
+
+
+def _biased(y: Array, bias: Array | None) -> Array:
+    return y if bias is None else y + bias.astype(y.dtype)
 
 
 def _rounded(x: Array) -> Array:
@@ -519,24 +540,26 @@ def decoder_block(c: ModelConfig, p: Mapping[str, Array], x: Array, rotated: Rot
     return block_output(c, p, x, attention(q, k, v)), (k, v)
 
 
-def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, rotated: Rotation) -> tuple[Array, Array, Array]:
+def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, rotated: Rotation,
+              products: Products = weight_products) -> tuple[Array, Array, Array]:
     """A block's first half: queries [B, T, heads, d] and keys, values [B, T, kv_heads, d] of x [B, T, D],
     q and k rotated by ``rotated`` (``rotation`` of x's positions)."""
     h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
-    q = rope(_project(h, p["q_proj"], p.get("q_bias")), rotated)
-    k = rope(_project(h, p["k_proj"], p.get("k_bias")), rotated)
-    v = _project(h, p["v_proj"], p.get("v_bias"))
-    return _constrain(q, ("batch", None, "heads", "kv")), k, v
+    q, k, v = (_biased(y, p.get(bias)) for y, bias in
+               zip(products(h, (p["q_proj"], p["k_proj"], p["v_proj"])), ("q_bias", "k_bias", "v_bias")))
+    return _constrain(rope(q, rotated), ("batch", None, "heads", "kv")), rope(k, rotated), v
 
 
-def block_output(c: ModelConfig, p: Mapping[str, Array], x: Array, attended: Array) -> Array:
+def block_output(c: ModelConfig, p: Mapping[str, Array], x: Array, attended: Array,
+                 products: Products = weight_products) -> Array:
     """A block's second half: x [B, T, D] plus the projected attention output [B, T, heads, d], then the MLP."""
-    x = x + weight_product(attended, p["o_proj"])
+    (out,) = products(attended, (p["o_proj"],))
+    x = x + out
     h = rms_norm(x, p["post_attn_norm"], c.rms_norm_eps)
-    gate = weight_product(h, p["gate_proj"])
-    up = weight_product(h, p["up_proj"])
+    gate, up = products(h, (p["gate_proj"], p["up_proj"]))
     mlp = _constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
-    x = x + weight_product(mlp, p["down_proj"])
+    (down,) = products(mlp, (p["down_proj"],))
+    x = x + down
     return _constrain(x, ("batch", None, "embed"))
 
 
@@ -758,8 +781,9 @@ class Decoder(nnx.Module):
         # A position is a held slot plus an index into the block: below max_len + T.
         rotated = rotation_from_table(positions, cache.max_len + tokens.shape[1], c.head_dim, c.rope_theta)
         on_cpu_kernel = cpu_kernels.available()
+        products = kernel_products if _kernel_takes_products(x, weights) else weight_products
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
-            q, k, v = block_qkv(c, p, x, rotated)
+            q, k, v = block_qkv(c, p, x, rotated, products)
             ks.append(_write_rows(k_cache, k, slots))
             vs.append(_write_rows(v_cache, v, slots))
             if on_cpu_kernel:
@@ -767,9 +791,25 @@ class Decoder(nnx.Module):
                                                           cache.prefix_group, cache.prefix_length)
             else:
                 attended = _attend_after(q, k, v, ks[-1], vs[-1], cached, in_row_passes)
-            x = _rounded(block_output(c, p, x, attended))
+            x = _rounded(block_output(c, p, x, attended, products))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         return x, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
+
+
+#: The rows (a block's tokens of every row) whose weight products ``extend`` hands to
+#: ``cpu_kernels.row_products``, fewest and most: a decode step's. A prompt's block has its hundreds
+#: of rows or more, where XLA's matrix library reads each weight once for many rows and runs near the
+#: CPU's peak; below 16 rows reading the weights is all the time, which XLA streams as fast.
+KERNEL_PRODUCT_ROWS = (16, 256)
+
+
+def _kernel_takes_products(x: Array, weights: Sequence[Mapping[str, Array]]) -> bool:
+    """Whether ``extend``'s block of x [B, T, D] takes the kernel's products: few rows, float32
+    throughout, on a CPU where the kernel is available."""
+    linear = [w for w in weights[0].values() if w.ndim > 1] if weights else []
+    fewest, most = KERNEL_PRODUCT_ROWS
+    return (fewest <= x.shape[0] * x.shape[1] <= most and x.dtype == jnp.float32
+            and all(w.dtype == jnp.float32 for w in linear) and cpu_kernels.available(cpu_kernels.PRODUCT))
 
 
 class ModelState(struct.PyTreeNode):

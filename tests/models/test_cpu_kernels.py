@@ -163,10 +163,11 @@ def test_vmapped_it_computes_each_member_alone():
         assert np.array_equal(got[i], kernel(*args))
 
 
-def decode_hlo(model, config, kernel: bool):
+def decode_hlo(model, config, kernel: bool, rows: int = 2):
     jax.clear_caches()  # decode is jitted: retrace with this choice
-    cache = sampling.init_cache(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32))
-    logits = jnp.zeros((2, config.vocab_size))
+    lengths = jnp.array([3, 9] * (rows // 2), jnp.int32)
+    cache = sampling.init_cache(config, rows, 16).replace(lengths=lengths)
+    logits = jax.random.normal(jax.random.key(1), (rows, config.vocab_size))
     decode = jax.jit(lambda m, c, x: sampling.decode(m, c, x, jax.random.key(0), max_new_tokens=3, top_k=1))
     with contextlib.nullcontext() if kernel else cpu_kernels.xla_only():
         return decode.lower(model, cache, logits).as_text(), decode(model, cache, logits)
@@ -178,6 +179,18 @@ def test_the_decode_step_takes_the_kernel_where_available_and_decodes_the_same()
     with_kernel, kernel_out = decode_hlo(model, config, True)
     without, xla_out = decode_hlo(model, config, False)
     assert cpu_kernels.TARGET in with_kernel and cpu_kernels.TARGET not in without
+    assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
+    np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
+
+
+def test_a_decode_step_of_a_few_rows_takes_the_products_kernel_and_decodes_the_same():
+    """16 rows (the fewest that take it) and 2 (too few: XLA's products)."""
+    config = preset("tiny-qwen2")
+    model = ModelState.split(decoder.Decoder(config, rngs=nnx.Rngs(0)))
+    with_kernel, kernel_out = decode_hlo(model, config, True, rows=decoder.KERNEL_PRODUCT_ROWS[0])
+    without, xla_out = decode_hlo(model, config, False, rows=decoder.KERNEL_PRODUCT_ROWS[0])
+    assert cpu_kernels.PRODUCT in with_kernel and cpu_kernels.PRODUCT not in without
+    assert cpu_kernels.PRODUCT not in decode_hlo(model, config, True, rows=2)[0]
     assert np.array_equal(kernel_out.tokens, xla_out.tokens)  # greedy, from an untrained model's clear margins
     np.testing.assert_allclose(kernel_out.logprobs, xla_out.logprobs, atol=1e-4)
 
@@ -225,6 +238,7 @@ def test_a_prompt_chunk_takes_the_kernel_where_available_and_appends_the_same():
 def test_xla_only_holds_its_kernels_off_until_its_outermost_block_ends():
     attention, sampler = cpu_kernels.TARGET, cpu_kernels.SAMPLER
     with cpu_kernels.xla_only():
+        assert not cpu_kernels.available(cpu_kernels.PRODUCT)
         with cpu_kernels.xla_only(attention):
             assert not cpu_kernels.available(attention) and not cpu_kernels.available(sampler)
         assert not cpu_kernels.available(attention) and not cpu_kernels.available(sampler)
@@ -266,6 +280,39 @@ def test_a_build_is_found_again_not_recompiled(tmp_path):
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
+
+
+# The weight products
+
+
+# Rows: fewer than a tile, a tile and one, two tiles and one. Outputs: whole column blocks, a block
+# and some vectors and floats (of 16 or 8), fewer floats than a vector.
+@pytest.mark.parametrize("floats", [None, 8, 16])
+@pytest.mark.parametrize("rows", [1, 7, 13])
+def test_the_products_kernel_sums_each_output_over_its_inputs_in_order(floats, rows):
+    """Each output sums its K products in order, one fused multiply-add at a time, so it is within
+    K float32 roundings of the exact sum of those products' magnitudes (the textbook bound)."""
+    K, outs = 40, (128, 64 + 16 + 8 + 5, 3)
+    x = jax.random.normal(jax.random.key(0), (rows, K))
+    weights = [jax.random.normal(jax.random.key(n), (K, n)) for n in outs]
+    target = cpu_kernels.PRODUCT + (width_build(floats) if floats else "")
+    got = jax.jit(functools.partial(cpu_kernels.row_products, target=target))(x, weights)
+    x64 = np.asarray(x, np.float64)
+    for y, w in zip(got, weights):
+        w64 = np.asarray(w, np.float64)
+        bound = K * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64))
+        assert y.shape == (rows, w.shape[1]) and np.all(np.abs(np.asarray(y, np.float64) - x64 @ w64) <= bound)
+
+
+def test_vmapped_the_products_kernel_multiplies_each_member_by_its_own_weights():
+    """A sweep's members (vmap) each have weights of their own: the same floats as each alone."""
+    x = jax.random.normal(jax.random.key(0), (3, 7, 40))
+    weights = [jax.random.normal(jax.random.key(n), (3, 40, n)) for n in (80, 5)]
+    got = jax.jit(jax.vmap(cpu_kernels.row_products))(x, weights)
+    for member in range(3):
+        alone = jax.jit(cpu_kernels.row_products)(x[member], [w[member] for w in weights])
+        for y, want in zip(got, alone):
+            assert np.array_equal(y[member], want)
 
 
 # The sampler
