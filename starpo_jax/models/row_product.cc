@@ -3,17 +3,19 @@
 //
 // y_i [rows, out_i] = x [rows, in] @ w_i [in, out_i] for one to a few weights w_i of the same input
 // (a block's q, k and v; its gate and up), float32, w_i row-major as the checkpoints' weights are
-// stored (``decoder.weight_product``); leading dimensions (vmap's) are members with weights of their
-// own. Each output is cut into column blocks of COLUMNS floats
-// (VECTORS vectors) and each block into tiles of up to TILE rows, a tile's sums kept in registers:
-// for every input feature, a tile reads one row of its block's weights once and multiplies it by
-// each of its rows' input, broadcast. A task is one column block for all the rows: its weights
-// [in, COLUMNS] come from memory once, for the first tile, and stay in the core's cache for the
-// others. With a decode step's few rows the weights' reads are what waits, so while a task runs its
-// tiles it asks the memory for the weights of the task its thread takes next, a few rows of them per
-// tile. The tasks of all the outputs are spread over XLA's intra-op threads together. Each output
-// sums its products over the input features in order, one fused multiply-add at a time.
+// stored (``decoder.weight_product``); leading dimensions (vmap's) are members, each with weights of
+// its own. Each output is cut into column blocks of COLUMNS floats and each block into tiles of up
+// to TILE rows, a tile's sums kept in registers: for every input feature, a tile reads one row of
+// its block's weights once and multiplies it by each of its rows' input, broadcast. A task is one
+// column block for all the rows: its weights [in, COLUMNS] come from memory once, for the first
+// tile, and stay in the core's cache for the others. With a decode step's few rows the weights'
+// reads are what waits, so while a task runs its tiles it asks the memory for the weights of the
+// task its thread takes next, a few rows of them per tile. The tasks of all the outputs are spread
+// over XLA's intra-op threads together. Each output sums its products over the input features in
+// order, one fused multiply-add at a time.
 
+#include <functional>
+#include <numeric>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -93,7 +95,8 @@ static ffi::Error RowProducts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const size_t r = xd.size();
   if (r < 2 || weights.size() == 0 || weights.size() != outputs.size())
     return ffi::Error::InvalidArgument("row products: x [..., rows, in], then weights [..., in, out], one output each");
-  const int64_t M = xd[r - 2], K = xd[r - 1], members = x.element_count() / std::max<int64_t>(1, M * K);
+  const int64_t M = xd[r - 2], K = xd[r - 1];
+  const int64_t members = std::accumulate(xd.begin(), xd.end() - 2, int64_t{1}, std::multiplies<int64_t>());
   std::vector<Product> products;
   std::vector<int64_t> first_task{0};  // a member's tasks of product i: [first_task[i], first_task[i + 1])
   for (size_t i = 0; i < weights.size(); ++i) {

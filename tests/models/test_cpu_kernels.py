@@ -304,6 +304,18 @@ def test_the_products_kernel_sums_each_output_over_its_inputs_in_order(floats, r
         assert y.shape == (rows, w.shape[1]) and np.all(np.abs(np.asarray(y, np.float64) - x64 @ w64) <= bound)
 
 
+def test_blocks_of_16_to_256_rows_in_float32_take_the_products_kernel():
+    def takes(rows, tokens, dtype=jnp.float32, weight_dtype=jnp.float32):
+        weights = [{"input_norm": jnp.ones((4,)), "q_proj": jnp.zeros((4, 2, 2), weight_dtype)}]
+        return decoder._kernel_takes_products(jnp.zeros((rows, tokens, 4), dtype), weights)
+
+    assert takes(16, 1) and takes(64, 1) and takes(32, 8) and takes(256, 1)
+    assert not takes(15, 1) and not takes(257, 1) and not takes(64, 16)
+    assert not takes(64, 1, jnp.bfloat16) and not takes(64, 1, weight_dtype=jnp.bfloat16)
+    with cpu_kernels.xla_only(cpu_kernels.PRODUCT):
+        assert not takes(64, 1)
+
+
 def test_vmapped_the_products_kernel_multiplies_each_member_by_its_own_weights():
     """A sweep's members (vmap) each have weights of their own: the same floats as each alone."""
     x = jax.random.normal(jax.random.key(0), (3, 7, 40))
