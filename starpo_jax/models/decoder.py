@@ -769,8 +769,9 @@ class Decoder(nnx.Module):
         the write orders the two, so XLA updates the buffer in place; a read that the write does not
         wait for makes it copy the buffer first. On a CPU the block attends with the kernel of
         ``cpu_kernels`` where it is available (XLA:CPU runs a decode step's attention on one core,
-        and both read every slot), which reads only each row's held slots and skips padding tokens.
-        ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
+        and both read every slot), which reads only each row's held slots and skips padding tokens,
+        and a block of 16 to 256 rows in float32 (a decode step) takes its weight products from the
+        kernel too (``KERNEL_PRODUCT_ROWS``). ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
         it, ``sampling.append``; the decode step's scores are small)."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
