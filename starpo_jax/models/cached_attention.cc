@@ -194,7 +194,7 @@ void weighted_values_scalar(int64_t G, const float* p, int64_t stride, const Row
 // in the registers.
 template <class F>
 void in_blocks(int64_t G, F f) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) with_constant<TILE>(std::min<int64_t>(4, G - g0), [&](auto gb) { f(gb, g0); });
+  for (int64_t g0 = 0; g0 < G; g0 += 4) with_constant<4>(std::min<int64_t>(4, G - g0), [&](auto gb) { f(gb, g0); });
 }
 
 // Each query's softmax weights in place of its scores, unnormalised; total[g] their sum.

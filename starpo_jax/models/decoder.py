@@ -545,8 +545,8 @@ def block_qkv(c: ModelConfig, p: Mapping[str, Array], x: Array, rotated: Rotatio
     """A block's first half: queries [B, T, heads, d] and keys, values [B, T, kv_heads, d] of x [B, T, D],
     q and k rotated by ``rotated`` (``rotation`` of x's positions)."""
     h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
-    q, k, v = (_biased(y, p.get(bias)) for y, bias in
-               zip(products(h, (p["q_proj"], p["k_proj"], p["v_proj"])), ("q_bias", "k_bias", "v_bias")))
+    q, k, v = products(h, (p["q_proj"], p["k_proj"], p["v_proj"]))
+    q, k, v = _biased(q, p.get("q_bias")), _biased(k, p.get("k_bias")), _biased(v, p.get("v_bias"))
     return _constrain(rope(q, rotated), ("batch", None, "heads", "kv")), rope(k, rotated), v
 
 
