@@ -3,19 +3,19 @@
 // used).
 //
 // Token t of a row (its queries q [tokens, kv_heads, group, dim]) attends to the first length[row]
-// slots of the row's cached keys and values [kv_heads, slots, dim], then to the block's own new keys
-// and values [tokens, kv_heads, dim] up to its own (causal); the slots past length are never read. A
-// row's tokens from num_new[row] on are padding: their outputs are zeros. Every (row, kv head) pair
-// is one task (or a few rows' pairs: below), its tokens one after the other (the row's keys stay in
-// the core's cache), and the tasks are spread over XLA's intra-op threads. A decode step's token
-// scores W cached keys at a time, their sums across vector lanes taken together; while a task sums
-// its values (already in the core's cache), it asks the memory for the keys of the task its thread
-// takes next, so that the memory keeps streaming (a decode step's attention is bound by reading the
-// cache). Rows whose caches begin with the same prompt (one prefix group) are a task together, a
-// few at a time: each reads the prompt's slots from the first one's cache, already in the core's
-// cache after the first row, and sums them as it would its own. Leading dimensions before the row's
-// are flattened into rows (vmap adds one). Float32 throughout; the softmax is normalised after its
-// sums.
+// slots of the row's cached keys and values [kv_heads, slots, dim], then to the block's own new
+// keys and values [tokens, kv_heads, dim] up to its own (causal); the slots past length are never
+// read. A row's tokens from num_new[row] on are padding: their outputs are zeros. Every (row, kv
+// head) pair is one task (or a few rows' pairs: below), its tokens one after the other (the row's
+// keys stay in the core's cache), and the tasks are spread over XLA's intra-op threads. A decode
+// step's token scores W cached keys at a time, their sums across vector lanes taken together; while
+// a row sums its values (already in the core's cache), it asks the memory for the keys and values
+// its thread reads next (the chunk's next row's, or the next task's), so that the memory keeps
+// streaming: a decode step's attention is bound by reading the cache. Rows whose caches begin with
+// the same prompt (one prefix group) are a task together, a few at a time: each reads the prompt's
+// slots from the first one's cache, already in the core's cache after the first row, and sums them
+// as it would its own. Leading dimensions before the row's are flattened into rows (vmap adds one).
+// Float32 throughout; the softmax is normalised after its sums.
 
 #include <vector>
 
@@ -124,17 +124,27 @@ void scores(int64_t G, const float* q, const Rows& keys, const Rows& values, int
   }
 }
 
+// The cached key and value rows a thread reads next: `rows` of each from `keys` and `values` (none
+// where rows is 0).
+struct Ahead {
+  const float *keys = nullptr, *values = nullptr;
+  int64_t rows = 0;
+};
+
 // Weighted sums of the values for R queries, V vectors of the dim from d0, the sums in registers:
 // sums[r * dim + d] = sum_i w[r * per_query + i * per_key] * value_i[d], for d in [d0, d0 + V * W).
-// `ahead`: keys the thread reads next (or null), a row of them asked of the memory per value read,
-// so that the memory keeps streaming while this pass sums values already in the core's cache.
+// `ahead`: a key and a value row of them asked of the memory per value read, so that the memory keeps
+// streaming while this pass sums values already in the core's cache.
 template <int R, int V>
 void weighted_values(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n, int64_t d0,
-                     float* sums, const float* ahead) {
+                     float* sums, const Ahead& ahead) {
   vf acc[R][V] = {};
   for (int64_t i = 0; i < n; ++i) {
-    if (ahead)
-      for (int64_t c = 0; c < values.dim; c += 16) __builtin_prefetch(ahead + i * values.dim + c, 0, 2);
+    if (i < ahead.rows)
+      for (int64_t c = 0; c < values.dim; c += 16) {
+        __builtin_prefetch(ahead.keys + i * values.dim + c, 0, 2);
+        __builtin_prefetch(ahead.values + i * values.dim + c, 0, 2);
+      }
     const float* v = values[i] + d0;
     vf vv[V];
     for (int j = 0; j < V; ++j) vv[j] = load(v + j * W);
@@ -151,9 +161,9 @@ void weighted_values(const float* w, int64_t per_query, int64_t per_key, const R
 // where the next call starts.
 template <int R>
 int64_t weighted_values_from(const float* w, int64_t per_query, int64_t per_key, const Rows& values, int64_t n,
-                             int64_t d0, float* sums, const float* ahead = nullptr) {
+                             int64_t d0, float* sums, Ahead ahead = {}) {
   const int64_t left = (values.dim - d0) / W;
-  ahead = d0 == 0 ? ahead : nullptr;  // asked for once, in the first pass
+  if (d0 != 0) ahead = {};  // asked for once, in the first pass
   if (VMAX >= 4 && left >= 4) return weighted_values<R, 4>(w, per_query, per_key, values, n, d0, sums, ahead), d0 + 4 * W;
   if (left >= 2) return weighted_values<R, 2>(w, per_query, per_key, values, n, d0, sums, ahead), d0 + 2 * W;
   return weighted_values<R, 1>(w, per_query, per_key, values, n, d0, sums, ahead), d0 + W;
@@ -224,7 +234,7 @@ void softmax_weights(int64_t G, int64_t n, float* p, float* total) {
 // One token of a (row, kv head): scores against its n keys, their exponentials, then the weighted
 // sum of the values. `scratch` holds the scaled queries, the scores and the totals.
 void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const Rows& values, int64_t n,
-                float* out, std::vector<float>& scratch, const float* ahead = nullptr) {
+                float* out, std::vector<float>& scratch, Ahead ahead = {}) {
   const int64_t D = keys.dim;
   scratch.resize(G * D + G * n + G);
   float *q_scaled = scratch.data(), *p = q_scaled + G * D, *total = p + G * n;
@@ -239,7 +249,7 @@ void attend_one(int64_t G, float scale, const float* q, const Rows& keys, const 
   in_blocks(G, [&](auto gb, int64_t g0) {
     constexpr int GB = decltype(gb)::value;
     for (int64_t d0 = 0; d0 < D;)
-      d0 = weighted_values_from<GB>(p + g0 * n, n, 1, values, n, d0, out + g0 * D, g0 == 0 ? ahead : nullptr);
+      d0 = weighted_values_from<GB>(p + g0 * n, n, 1, values, n, d0, out + g0 * D, g0 == 0 ? ahead : Ahead{});
   });
   normalise(G, D, total, out);
 }
@@ -271,7 +281,7 @@ void scores_tile(const Rows& keys, int64_t i0, const float* qt, int64_t Mp, int6
 // Tokens [0, real) of a (row, kv head) whose keys `held` cached rows precede; q the first token's
 // queries, `step` floats from one token's to the next's (as out). D a multiple of W.
 void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t real, const Rows& keys,
-                  const Rows& values, float* out, std::vector<float>& scratch, const float* ahead) {
+                  const Rows& values, float* out, std::vector<float>& scratch, Ahead ahead) {
   const int64_t D = keys.dim, M = real * G, Mp = (M + W - 1) / W * W, n = keys.held + real;
   scratch.assign(D * Mp + n * Mp + M * D + Mp, 0.f);
   float *qt = scratch.data(), *st = qt + D * Mp, *sums = st + n * Mp, *total = sums + M * D;
@@ -306,7 +316,7 @@ void attend_block(int64_t G, float scale, const float* q, int64_t step, int64_t 
     with_constant<TILE>(std::min<int64_t>(TILE, M - m0), [&](auto r) {
       for (int64_t d0 = 0; d0 < D;)
         d0 = weighted_values_from<decltype(r)::value>(st + m0, 1, Mp, values, n, d0, sums + m0 * D,
-                                                      m0 == 0 ? ahead : nullptr);
+                                                      m0 == 0 ? ahead : Ahead{});
     });
   for (int64_t m = 0; m < M; ++m)
     for (int64_t d = 0; d < D; ++d) out[(m / G) * step + (m % G) * D + d] = sums[m * D + d] / total[m];
@@ -363,6 +373,15 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
   const int64_t query = s.group * s.dim, step = s.kv_heads * query;
   auto held = [=](int64_t row) { return std::clamp<int64_t>(lp[row], 0, s.slots); };
   auto cache = [=](int64_t row, int64_t head) { return (row * s.kv_heads + head) * s.slots * s.dim; };
+  // the slots a row reads from its chunk's first row's cache: whole tiles of W keys only (a tile's
+  // keys are read from one row's cache: tile_scores)
+  auto common_of = [=](int64_t row, int64_t first_row) {
+    return std::min<int64_t>({sp[row], sp[first_row], held(row), held(first_row)}) / W * W;
+  };
+  auto ahead_of = [=](int64_t row, int64_t head, int64_t from_slot) {
+    const int64_t at = cache(row, head) + from_slot * s.dim;
+    return Ahead{kp + at, vp + at, held(row) - from_slot};
+  };
   run_tasks(pool, count, [=, &chunks](int64_t t, int64_t next) {
     thread_local std::vector<float> scratch;
     const int64_t chunk = t / s.kv_heads, head = t % s.kv_heads;
@@ -371,21 +390,22 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
     for (int64_t i = from; i < to; ++i) {
       const int64_t row = chunks.order[i];
       const int64_t real = std::clamp<int64_t>(np_[row], 0, s.tokens);
-      // whole tiles of W keys only: a tile's keys are read from one row's cache (tile_scores)
-      const int64_t common = std::min<int64_t>({sp[row], sp[first_row], held(row), held(first_row)}) / W * W;
+      const int64_t common = common_of(row, first_row);
       const int64_t own = cache(row, head), fresh = (row * s.tokens * s.kv_heads + head) * s.dim;
       const Rows k{kp + own, knp + fresh, held(row), s.kv_heads * s.dim, s.dim, kp + shared_from, common};
       const Rows v{vp + own, vnp + fresh, held(row), s.kv_heads * s.dim, s.dim, vp + shared_from, common};
       const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
-      // the next task's first keys, asked of the memory while the chunk's last row sums its values
-      const float* ahead = i + 1 == to && next < count
-          ? kp + cache(chunks.order[chunks.starts[next / s.kv_heads]], next % s.kv_heads) : nullptr;
+      // what this thread reads next, asked of the memory while this row sums its values: the chunk's
+      // next row's own slots (past the prompt its first row holds), or the next task's first row's
+      const Ahead ahead = i + 1 < to ? ahead_of(chunks.order[i + 1], head, common_of(chunks.order[i + 1], first_row))
+          : next < count ? ahead_of(chunks.order[chunks.starts[next / s.kv_heads]], next % s.kv_heads, 0)
+          : Ahead{};
       if (real > 1 && s.dim % W == 0)
         attend_block(s.group, scale, qp + first, step, real, k, v, op + first, scratch, ahead);
       else
         for (int64_t token = 0; token < real; ++token)  // the last token's values pass asks for `ahead`
           attend_one(s.group, scale, qp + first + token * step, k, v, held(row) + token + 1,
-                     op + first + token * step, scratch, token + 1 == real ? ahead : nullptr);
+                     op + first + token * step, scratch, token + 1 == real ? ahead : Ahead{});
       for (int64_t token = real; token < s.tokens; ++token) std::fill_n(op + first + token * step, query, 0.f);
     }
   });

@@ -217,9 +217,16 @@ def build(folder: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode:
         partial.unlink(missing_ok=True)
-        raise subprocess.SubprocessError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        raise subprocess.SubprocessError(f"{' '.join(command)} failed: {_compiler_errors(done.stderr)}")
     os.replace(partial, library)
     return library
+
+
+def _compiler_errors(stderr: str, limit: int = 2000) -> str:
+    """The lines of a failed compile's output that name an error (all of it where none does), at most
+    ``limit`` characters: the warnings XLA's headers raise would otherwise fill the message."""
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    return ("\n".join(errors) or stderr.strip())[-limit:]
 
 
 def _cpu_flags() -> str:

@@ -275,6 +275,19 @@ def test_a_compiler_that_fails_is_one_warning_and_xlas_attention(monkeypatch, tm
     assert len(caught) == 1 and "could not build its CPU kernels" in str(caught[0].message)
 
 
+def test_a_failed_build_names_the_compilers_error_not_its_warnings(monkeypatch, tmp_path):
+    compiler = tmp_path / "cxx"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1 && exit 0\n'
+                        'echo "row_product.cc:9:3: error: the reason it failed" >&2\n'
+                        'for i in $(seq 100); do echo "ffi.h:772: warning: might not be inlinable" >&2; done\n'
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    with pytest.raises(subprocess.SubprocessError, match="error: the reason it failed") as failed:
+        cpu_kernels.build(tmp_path / "kernels")
+    assert "warning" not in str(failed.value)
+
+
 def test_a_build_is_found_again_not_recompiled(tmp_path):
     first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns
