@@ -132,8 +132,7 @@ def cached_attention(q, k_new, v_new, k_cache, v_cache, lengths, num_new, prefix
     The kernel attends a group's rows together, a few at a time, each reading those slots from the
     first one's cache: the same sums in the same order, from one read of the memory instead of one
     per row. Default: every row its own group."""
-    if target == TARGET and not _registered():
-        raise RuntimeError("starpo-jax's CPU kernels could not be built (the warning says why)")
+    _require_built(target, TARGET)
     B, T, H, D = q.shape
     kv_heads = k_cache.shape[1]
     f32, i32 = jnp.float32, jnp.int32
@@ -154,8 +153,7 @@ def gumbel_sample(scaled, key_data, rows, greedy, *, target: str = SAMPLER):
     ``greedy`` [B] bool take the argmax, no noise. The log-prob is ``log_softmax(scaled)`` at the
     token. What ``sampling.sample_logits`` computes with no top-k or top-p filter, to float32
     rounding. Call it where ``available()``, as ``cached_attention``; ``target`` likewise."""
-    if target == SAMPLER and not _registered():
-        raise RuntimeError("starpo-jax's CPU kernels could not be built (the warning says why)")
+    _require_built(target, SAMPLER)
     B = scaled.shape[0]
     call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.float32)),
                             vmap_method="broadcast_all")
@@ -167,8 +165,7 @@ def row_products(x, weights, *, target: str = PRODUCT):
     what ``decoder.weight_products`` computes for a block of few rows, to float32 rounding (each
     output sums its products over ``in`` in order). Call it where ``available(PRODUCT)``, as
     ``cached_attention``; ``target`` likewise."""
-    if target == PRODUCT and not _registered():
-        raise RuntimeError("starpo-jax's CPU kernels could not be built (the warning says why)")
+    _require_built(target, PRODUCT)
     call = jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights),
                             vmap_method="broadcast_all")
     return tuple(call(x.astype(jnp.float32), *(w.astype(jnp.float32) for w in weights)))
@@ -179,6 +176,13 @@ def register(library: ctypes.CDLL, suffix: str = "") -> None:
     jax.ffi.register_ffi_target(TARGET + suffix, jax.ffi.pycapsule(library.starpo_cached_attention), platform="cpu")
     jax.ffi.register_ffi_target(SAMPLER + suffix, jax.ffi.pycapsule(library.starpo_gumbel_sample), platform="cpu")
     jax.ffi.register_ffi_target(PRODUCT + suffix, jax.ffi.pycapsule(library.starpo_row_products), platform="cpu")
+
+
+def _require_built(target: str, ours: str) -> None:
+    """Raises where ``target`` is this library's own kernel ``ours`` (not a test's stand-in) and the
+    library could not be built: the call would reach no registered kernel."""
+    if target == ours and not _registered():
+        raise RuntimeError("starpo-jax's CPU kernels could not be built (the warning says why)")
 
 
 @functools.cache

@@ -288,6 +288,18 @@ def test_a_failed_build_names_the_compilers_error_not_its_warnings(monkeypatch, 
     assert "warning" not in str(failed.value)
 
 
+def test_each_kernel_call_says_the_library_could_not_be_built(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_registered", lambda: False)
+    x, q = jnp.ones((2, 4)), jnp.ones((1, 1, 2, 4))
+    calls = [lambda: cpu_kernels.row_products(x, [jnp.ones((4, 3))]),
+             lambda: cpu_kernels.gumbel_sample(x, jnp.zeros((2, 2), jnp.uint32), jnp.arange(2), False),
+             lambda: cpu_kernels.cached_attention(q, q[:, :, :1], q[:, :, :1], jnp.ones((1, 1, 8, 4)),
+                                                  jnp.ones((1, 1, 8, 4)), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32))]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="could not be built"):
+            call()
+
+
 def test_a_build_is_found_again_not_recompiled(tmp_path):
     first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns
