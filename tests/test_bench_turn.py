@@ -15,6 +15,13 @@ def test_one_side_times_an_append_and_a_whole_decode():
     assert record["turn_s"] == [a + d for a, d in zip(record["append_s"], record["decode_s"])]
 
 
+def test_one_side_times_rows_in_prefix_groups_that_share_their_first_tokens():
+    """``--group 2 --shared 8``: the quick workload's 4 rows as two prefix groups sharing 8 of their
+    16 held tokens; the decode still runs the whole budget on every row."""
+    record = turn.main(["--quick", "--group", "2", "--shared", "8", "--side", REPO])
+    assert len(record["decode_s"]) == 1 and record["decode_s"][0] > 0
+
+
 def test_one_side_times_the_rollouts_turn_with_some_rows_playing():
     """``--playing``: 5 of 16 rows play (a half batch of the rows still playing); the side checks
     that exactly they decoded the whole budget."""
@@ -62,6 +69,12 @@ def test_bad_input_is_one_sentence_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         turn.main(["--playing", "65"])
     assert "--playing 65 must be between 1 and --rows 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        turn.main(["--group", "0"])
+    assert "--group 0 must be between 1 and --rows 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        turn.main(["--shared", "301"])
+    assert "--shared 301 must be between 0 and --held 300" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         turn.main(["--tree", str(tmp_path)])
     assert "has no starpo_jax package" in capsys.readouterr().err

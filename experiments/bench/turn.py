@@ -6,6 +6,7 @@ change to the KV-cached path, side by side in one run.
     python experiments/bench/turn.py --tree ../old                 # FrozenLake's later turns, 2 rounds
     python experiments/bench/turn.py --tree ../old --quick         # tiny-llama, seconds: a smoke run
     python experiments/bench/turn.py --tree ../old --playing 24    # 24 of the 64 rows still playing
+    python experiments/bench/turn.py --tree ../old --group 8 --shared 272   # groups of 8 rows sharing a prompt
     python experiments/bench/turn.py --tree ../old --policy runs/fl_gigpo_s0 --rounds 1   # a run's validation
 
 Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows
@@ -13,7 +14,9 @@ that hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append``
 turn's prompt; with ``--prompt N``, a block ``--append`` wide of which each row's first N are real,
 as the rollout's block is as wide as its tables' longest prompt), then decode ``--new`` tokens
 (stop tokens off, temperature 1; random float32 weights of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
-the next. With ``--playing N`` only N of the rows play the turn (the others' episodes have ended)
+the next. With ``--group N`` the rows are prefix groups of N whose caches begin with the same
+``--shared`` tokens, as a rollout's copies of one first prompt do (``KVCache.prefix_group``: the CPU
+attention kernel reads those slots once for a few rows). With ``--playing N`` only N of the rows play the turn (the others' episodes have ended)
 and the side times the rollout's own turn, ``LLMResponder.respond``, as one call: the append and
 the decode are not timed apart.
 
@@ -60,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--held", type=int, default=300, help="tokens each row holds before the turn")
     p.add_argument("--append", type=int, default=90, help="tokens each row appends (the turn's prompt)")
     p.add_argument("--new", type=int, default=48, help="tokens each row decodes")
+    p.add_argument("--group", type=int, default=1, help="rows of a prefix group, whose caches begin with the same "
+                   "--shared tokens (a rollout's copies of one first prompt; default: every row its own)")
+    p.add_argument("--shared", type=int, default=0, help="held tokens a prefix group's rows share (default 0)")
     p.add_argument("--prompt", type=int, help="real tokens of each row's appended block (default: all --append "
                    "of them); a rollout's block is as wide as the longest prompt its tables allow")
     p.add_argument("--playing", type=int, help="rows that play the turn (default: all): times LLMResponder.respond")
@@ -80,6 +86,10 @@ def parse_args(argv=None):
                 f"a cache of {args.cache} slots")
     if args.prompt is not None and not 0 < args.prompt <= args.append:
         p.error(f"--prompt {args.prompt} must be between 1 and --append {args.append}")
+    if not 0 < args.group <= args.rows:
+        p.error(f"--group {args.group} must be between 1 and --rows {args.rows}")
+    if not 0 <= args.shared <= args.held:
+        p.error(f"--shared {args.shared} must be between 0 and --held {args.held}")
     if args.playing is not None and not 0 < args.playing <= args.rows:
         p.error(f"--playing {args.playing} must be between 1 and --rows {args.rows}")
     if args.policy is not None and not (os.path.isfile(os.path.join(args.policy, "config.json"))
@@ -118,7 +128,9 @@ def time_side(args) -> dict:
         cache = sampling.init_cache(config, args.rows, args.cache)
         # Keys and values apart: a cache may start them as one zeros array, which cannot be donated twice.
         return cache.replace(v=jax.tree.map(lambda x: jnp.array(x, copy=True), cache.v),
-                             lengths=np.full((args.rows,), args.held, np.int32))
+                             lengths=np.full((args.rows,), args.held, np.int32),
+                             prefix_group=np.arange(args.rows, dtype=np.int32) // args.group,
+                             prefix_length=np.full((args.rows,), args.shared, np.int32))
 
     if args.playing is not None:
         return time_responder(args, model, held_cache, tokens)
@@ -245,7 +257,8 @@ def main(argv=None) -> dict:
     medians = {side: {part: statistics.median(t for r in records for t in r[part])
                       for part in parts(records[0])} for side, records in runs.items()}
     workload = (("policy", "env", "levels", "repeats", "rounds") if args.policy else
-                ("model", "rows", "playing", "cache", "held", "append", "prompt", "new", "repeats", "rounds"))
+                ("model", "rows", "playing", "cache", "held", "append", "prompt", "new", "group", "shared", "repeats",
+                 "rounds"))
     report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": {k: getattr(args, k) for k in workload},

@@ -11,6 +11,9 @@ few rows at a time. ``cached_attention.cc`` does the same sums as an XLA FFI ker
 head) is a task on XLA's intra-op threads, its sums kept in vector registers; a row's tokens are
 taken one after the other while its keys stay in the core's cache, each reading only the row's
 first ``length`` slots and the block's own keys up to its own, and padding tokens are skipped.
+While a row sums its values (already in the core's cache) it asks the memory for the keys and
+values its thread reads next, so that the memory keeps streaming: a decode step's attention is bound
+by reading the cache (docs/benchmarks.md, "The attention kernel asks for the next row's cache").
 
 Rows that begin with the same prompt (the first turn's copies of each distinct first prompt:
 ``KVCache.prefix_group``) are tasks of a few rows together, each row reading the prompt's slots
