@@ -9,16 +9,17 @@ change to the KV-cached path, side by side in one run.
     python experiments/bench/turn.py --tree ../old --group 8 --shared 272   # groups of 8 rows sharing a prompt
     python experiments/bench/turn.py --tree ../old --policy runs/fl_gigpo_s0 --rounds 1   # a run's validation
 
-Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows
-that hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append`` tokens (the next
-turn's prompt; with ``--prompt N``, a block ``--append`` wide of which each row's first N are real,
-as the rollout's block is as wide as its tables' longest prompt), then decode ``--new`` tokens
-(stop tokens off, temperature 1; random float32 weights of ``--model``). The cache is donated to both calls, as the rollout's program hands it from one to
-the next. With ``--group N`` the rows are prefix groups of N whose caches begin with the same
-``--shared`` tokens, as a rollout's copies of one first prompt do (``KVCache.prefix_group``: the CPU
-attention kernel reads those slots once for a few rows). With ``--playing N`` only N of the rows play the turn (the others' episodes have ended)
-and the side times the rollout's own turn, ``LLMResponder.respond``, as one call: the append and
-the decode are not timed apart.
+Workload (defaults: ``configs/learn_frozen_lake.py``'s second and third turns): ``--rows`` rows that
+hold ``--held`` tokens of a ``--cache``-slot cache each append ``--append`` tokens (the next turn's
+prompt; with ``--prompt N``, a block ``--append`` wide of which each row's first N are real, as the
+rollout's block is as wide as its tables' longest prompt), then decode ``--new`` tokens (stop tokens
+off, temperature 1; random float32 weights of ``--model``). The cache is donated to both calls, as
+the rollout's program hands it from one to the next. With ``--group N`` the rows are prefix groups
+of N whose caches begin with the same ``--shared`` tokens, as a rollout's copies of one first prompt
+do (``KVCache.prefix_group``: the CPU attention kernel reads those slots once for a few rows). With
+``--playing N`` only N of the rows play the turn (the others' episodes have ended) and the side
+times the rollout's own turn, ``LLMResponder.respond``, as one call: the append and the decode are
+not timed apart.
 
 With ``--policy RUN`` the workload is a trained run's: its latest checkpoint plays ``--levels`` fixed
 validation levels of its config's first validation env (or ``--env``) in one batch, by its

@@ -397,7 +397,8 @@ static ffi::Error CachedAttention(ffi::ThreadPool pool, float scale, ffi::Buffer
       const int64_t first = row * s.tokens * step + head * query;  // the row's first token's queries
       // what this thread reads next, asked of the memory while this row sums its values: the chunk's
       // next row's own slots (past the prompt its first row holds), or the next task's first row's
-      const Ahead ahead = i + 1 < to ? ahead_of(chunks.order[i + 1], head, common_of(chunks.order[i + 1], first_row))
+      const int64_t after = i + 1 < to ? chunks.order[i + 1] : -1;
+      const Ahead ahead = after >= 0 ? ahead_of(after, head, common_of(after, first_row))
           : next < count ? ahead_of(chunks.order[chunks.starts[next / s.kv_heads]], next % s.kv_heads, 0)
           : Ahead{};
       if (real > 1 && s.dim % W == 0)
