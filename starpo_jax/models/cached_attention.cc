@@ -68,14 +68,13 @@ struct Rows {
   }
 };
 
-// Asks the memory for the cached key and value rows [from, to), those the cache holds: 16 floats
-// (a 64-byte line) at a time, the values with less urgency (read after all the scores).
+// Asks the memory for the cached key and value rows [from, to), those the cache holds, the values
+// with less urgency (read after all the scores).
 inline void prefetch_rows(const Rows& keys, const Rows& values, int64_t from, int64_t to) {
-  for (int64_t i = from; i < std::min(to, keys.held); ++i)
-    for (int64_t c = 0; c < keys.dim; c += 16) {
-      __builtin_prefetch(keys[i] + c);
-      __builtin_prefetch(values[i] + c, 0, 2);
-    }
+  for (int64_t i = from; i < std::min(to, keys.held); ++i) {
+    ask_for(keys[i], keys.dim);
+    ask_for<2>(values[i], values.dim);
+  }
 }
 
 // One query's scores against W cached keys in a row (k the first), each DV = dim / W vectors long:
@@ -140,11 +139,10 @@ void weighted_values(const float* w, int64_t per_query, int64_t per_key, const R
                      float* sums, const Ahead& ahead) {
   vf acc[R][V] = {};
   for (int64_t i = 0; i < n; ++i) {
-    if (i < ahead.rows)
-      for (int64_t c = 0; c < values.dim; c += 16) {
-        __builtin_prefetch(ahead.keys + i * values.dim + c, 0, 2);
-        __builtin_prefetch(ahead.values + i * values.dim + c, 0, 2);
-      }
+    if (i < ahead.rows) {
+      ask_for<2>(ahead.keys + i * values.dim, values.dim);
+      ask_for<2>(ahead.values + i * values.dim, values.dim);
+    }
     const float* v = values[i] + d0;
     vf vv[V];
     for (int j = 0; j < V; ++j) vv[j] = load(v + j * W);

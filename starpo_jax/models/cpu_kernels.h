@@ -88,6 +88,14 @@ inline vf exp_nonpositive(vf x) {
   return e * reinterpret_cast<const vf&>(two_to_n);
 }
 
+// Asks the memory for the 64-byte lines that hold the floats [p, p + n) (p at a line's start), to be
+// read soon: into the core's nearest cache (Locality 3, __builtin_prefetch's default), or its
+// second-level cache (2) for what is read after other work.
+template <int Locality = 3>
+inline void ask_for(const float* p, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) __builtin_prefetch(p + c, 0, Locality);
+}
+
 // f(n) with n a compile-time constant (std::integral_constant), for n in [1, N]; N where n is larger:
 // the kernels' register tiles are unrolled by it.
 template <int N, class F>

@@ -44,7 +44,7 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
   vf acc[R][V] = {};
   for (int64_t k = 0, due = phase; k < K; ++k) {
     if (ahead && k == due) {
-      for (int c = 0; c < V * W; c += 16) __builtin_prefetch(ahead + k * ahead_N + c, 0, 2);
+      ask_for<2>(ahead + k * ahead_N, V * W);
       due += every;
     }
     vf wv[V];
