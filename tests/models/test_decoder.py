@@ -321,6 +321,47 @@ def test_weight_product_and_its_backward_equal_jaxs_own(x_shape, w_shape):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 
+def test_swiglu_and_its_backward_equal_jaxs_own():
+    """``swiglu`` recomputes the sigmoid in its backward, in jax's order of operations: the same
+    elementwise float32 maths, compiled in another program (a few ulps where XLA contracts a
+    product and a sum differently)."""
+    from starpo_jax.models.decoder import swiglu
+
+    kg, ku, kw = jax.random.split(jax.random.PRNGKey(0), 3)
+    gate, up = 4 * jax.random.normal(kg, (2, 5, 16)), jax.random.normal(ku, (2, 5, 16))
+    weight = jax.random.normal(kw, (2, 5, 16))
+    got, want = (jax.jit(jax.value_and_grad(lambda g, u, f=f: (f(g, u) * weight).sum(), argnums=(0, 1)))(gate, up)
+                 for f in (swiglu, lambda g, u: jax.nn.silu(g) * u))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_swiglu_keeps_less_for_the_backward_of_a_layer_scan():
+    """The compiled gradient of a scan over layers of x + swiglu(x a, x b) c keeps, per layer, gate,
+    up and the product c's gradient needs; differentiated as written it keeps the sigmoid, its
+    derivative and silu as well: at least two [rows, mlp] arrays a layer more."""
+    from starpo_jax.models.decoder import swiglu
+
+    layers, rows, embed, mlp = 4, 256, 16, 64
+
+    def temp_bytes(activation) -> int:
+        def loss(weights, x):
+            def block(x, w):
+                a, b, c = w
+                return x + activation(x @ a, x @ b) @ c, None
+            return jnp.sum(jax.lax.scan(block, x, weights)[0] ** 2)
+
+        weights = tuple(jax.ShapeDtypeStruct((layers, *shape), jnp.float32)
+                        for shape in ((embed, mlp), (embed, mlp), (mlp, embed)))
+        compiled = jax.jit(jax.grad(loss)).lower(weights, jax.ShapeDtypeStruct((rows, embed), jnp.float32)).compile()
+        stats = compiled.memory_analysis()
+        assert stats is not None  # the CPU backend reports one
+        return stats.temp_size_in_bytes
+
+    saved = temp_bytes(lambda g, u: jax.nn.silu(g) * u) - temp_bytes(swiglu)
+    assert saved >= 2 * layers * rows * mlp * 4
+
+
 def test_rows_per_pass_takes_the_most_rows_whose_scores_fit(monkeypatch):
     """On CPU: every row while the float32 scores fit the budget, else the largest divisor of the
     rows that fits (one row at the least); other backends always every row."""
