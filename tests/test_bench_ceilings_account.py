@@ -118,7 +118,7 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ceilings, "rollout_phases", recorded_phases)
     report = ceilings.main([
-        "--quick", "--size", "64", "--copy-mib", "4", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "c.json"),
+        "--quick", "--size", "64", "--copy-mib", "4", "--repeats", "2", "--steps", "1", "--out", str(tmp_path / "c.json"),
         "--config", "configs/learn_frozen_lake.py", *TINY_MODEL_FLAGS, "--config.envs.train.n_groups=(8,)",
         "--config.filter.ratio=0.125", "--config.actor.ppo_mini_batch_size=8", "--config.rollout.max_turn=2",
         "--config.rollout.response_length=4", "--config.rollout.max_model_len=512", "--config.trainer.seed=5",
@@ -141,6 +141,8 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
             assert p["xla"]["flops"] < 1.5 * p["kinds"]["products"][0]
         if p["phase"] == "update" or not cpu_kernels.available():  # the CPU kernel's sums are not in XLA's
             assert p["flops"] / p["xla"]["flops"] < 1.5
+    # the rollout's phases timed --repeats times (their median), the update once an iteration (--steps)
+    assert [len(p["runs_s"]) for p in account["phases"]] == [2] * (len(phases) - 1) + [1]
     update = account["phases"][-1]
     parts = update["flops_parts"]
     assert parts["backward"] == 2 * parts["forward"] and update["flops"] == sum(parts.values())
@@ -155,7 +157,7 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
     after = account["ceilings_after"]
     assert account["peak_gflop_per_s"] == max(report["matmul"]["gflop_per_s"], after["matmul"]["gflop_per_s"])
     assert account["bandwidth_gb_per_s"] == max(report["copy"]["gb_per_s"], after["copy"]["gb_per_s"])
-    assert after["matmul"]["size"] == 64 and len(after["copy"]["runs_s"]) == 1  # measured as the command asked
+    assert after["matmul"]["size"] == 64 and len(after["copy"]["runs_s"]) == 2  # measured as the command asked
     peak, bandwidth = account["peak_gflop_per_s"] * 1e9, account["bandwidth_gb_per_s"] * 1e9
     for p in account["phases"]:
         assert p["least_s"] == pytest.approx(ceilings.least_seconds(p, peak, bandwidth)[0])

@@ -19,7 +19,8 @@ compiled ``collect`` and ``learn``, its seed's first batches; a format warm-up, 
 for one, is not run), phase by phase: the first turn's prefill, the later turns' appends, the
 decode, and the update (forward, backward and rematerialisation in one program).
 ``--steps`` warm iterations are timed (median); ``collect`` is one program, so its phases are timed
-as programs of their own on the first iteration's batch, before the update is compiled
+as programs of their own on the first iteration's batch (each the median of ``--repeats`` calls: a
+call that meets fresh pages takes several times longer), before the update is compiled
 (``sampling.append``, ``sampling.decode``
 for as many steps as that turn's longest answer, each row stopping where its answer did,
 ``LLMResponder.prefill_first_prompts``), and what the rollout spends besides (env steps, parsing,
@@ -489,7 +490,7 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
         if not i:
             # The phases on the run's first batch, compiled and timed before the update is: compiling
             # them beside the iterations' programs and buffers ran a FrozenLake account out of 24 GB.
-            phases = rollout_phases(exp, state, traj, steps)
+            phases = rollout_phases(exp, state, traj, repeats)
         layout = iteration.layout(traj)
         if layout not in learns:  # the run compiles the update once per layout too
             learns[layout] = jitted_learn.lower(state, traj, exp.hyper, layout).compile()
