@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments.bench import ceilings
-from experiments.bench.hlo_bytes import hlo_flops
+from experiments.bench.hlo_bytes import KERNEL_PRODUCTS, hlo_flops
 from helpers import TINY_MODEL_FLAGS, fake_decode_state, recording_step
 from starpo_jax.models import cpu_kernels, preset
 from starpo_jax.rollout import sampling
@@ -38,6 +38,22 @@ def test_a_loop_without_a_known_trip_count_counts_as_told():
     text = jax.jit(f).lower(*args).compile().as_text()
     assert text is not None
     assert hlo_flops(text, unknown_trips=5) == 5 * hlo_flops(text) == 5 * 2 * 8 * 128 * 128
+
+
+@pytest.mark.skipif(not cpu_kernels.available(cpu_kernels.PRODUCT), reason="the CPU products kernel could not be built")
+def test_hlo_flops_counts_the_products_the_cpu_kernel_computes():
+    assert KERNEL_PRODUCTS == cpu_kernels.PRODUCT
+    two = jax.jit(lambda x, a, b: cpu_kernels.row_products(x, [a, b]))
+    text = two.lower(jnp.ones((16, 8)), jnp.ones((8, 5)), jnp.ones((8, 3))).compile().as_text()
+    assert text is not None and hlo_flops(text) == 2 * 16 * 8 * (5 + 3)
+    # vmap's members each multiply their own weights, in a loop of 3 trips
+    members = jax.vmap(lambda x, a: cpu_kernels.row_products(x, [a])[0])
+
+    def looped(x, a):
+        return jax.lax.fori_loop(0, 3, lambda _, y: jnp.tanh(members(y, a)), x)
+
+    text = jax.jit(looped).lower(jnp.ones((2, 16, 8)), jnp.ones((2, 8, 8))).compile().as_text()
+    assert text is not None and hlo_flops(text) == 3 * 2 * (2 * 16 * 8 * 8)
 
 
 def test_one_token_is_two_flops_per_weight_of_its_products_and_a_pair_four_per_head_feature():

@@ -30,7 +30,8 @@ buffer writes) is the rest. Per phase:
   a prompt counted once where the program shares it (the rollout's first prompts once each and
   the head they begin with once, the update's once per group); an update's backward twice its
   forward, and the rematerialised products once more), and from XLA: the matrix products of the
-  compiled program (``hlo_bytes.hlo_flops``, loops counted by their trip counts: what is computed,
+  compiled program, those it hands to the CPU products kernel included (``hlo_bytes.hlo_flops``,
+  loops counted by their trip counts: what is computed,
   padding and masked cache slots included; for a decode, its loop with every row kept to the end,
   an upper bound, since the rows that stop early move out of the loop's batch), and
   ``compiled.cost_analysis()`` as XLA reports it (a loop's body counted once);

@@ -88,11 +88,20 @@ def _trips(attrs: str, unknown_trips: int) -> int:
     return int(trips.group(1)) if trips else unknown_trips
 
 
+#: The custom call of starpo-jax's CPU products kernel (``cpu_kernels.PRODUCT``): x [..., rows, in]
+#: times each of its weights, one result [..., rows, out_i] each. Named here, not imported, so that
+#: this module reads any tree's programs (``decode_hlo.py --tree``).
+KERNEL_PRODUCTS = "starpo_row_products"
+
+
 def hlo_flops(hlo_text: str, unknown_trips: int = 1) -> int:
     """FLOPs of an optimised HLO module's matrix products (``dot``: 2 × result elements × the
-    contracted size), fused ones included, loops counted by their trip counts (``unknown_trips``
-    for a loop without a known one, such as a decode loop that ends when every row has stopped).
-    Elementwise work is left out: in a transformer it is a few per cent of the products'."""
+    contracted size), fused ones included, and of the weight products it hands to the CPU products
+    kernel (``KERNEL_PRODUCTS``: 2 × each result's elements × x's features), loops counted by their
+    trip counts (``unknown_trips`` for a loop without a known one, such as a decode loop that ends
+    when every row has stopped). Elementwise work is left out: in a transformer it is a few per
+    cent of the products'. So is the CPU attention kernel's: its work depends on the lengths the
+    program reads at run time."""
     computations, entry = _computations(hlo_text)
 
     def walk(comp: str, times: int) -> int:
@@ -108,6 +117,11 @@ def hlo_flops(hlo_text: str, unknown_trips: int = 1) -> int:
                 contracted = [int(i) for i in _group(r"lhs_contracting_dims=\{([\d,]*)\}", attrs).split(",") if i]
                 out = [int(d) for d in _group(r"\[([\d,]*)\]", shape).split(",") if d]
                 total += 2 * int(np.prod(out or [1])) * int(np.prod([dims[i] for i in contracted] or [1])) * times
+            if op == "custom-call" and f'custom_call_target="{KERNEL_PRODUCTS}"' in attrs:
+                x = _group(r"%([\w.-]+)", operands)
+                features = int(_group(r"\[([\d,]*)\]", shapes[x]).split(",")[-1])
+                results = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1])) for _, dims in _SHAPE.findall(shape))
+                total += 2 * results * features * times
             calls = r"(?:to_apply=|calls=|branch_computations=\{|, )" if op == "call" else r"(?:calls=|branch_computations=\{|, )"
             for called in re.findall(calls + r"%([\w.-]+)", attrs):
                 if called in computations:  # a fusion's computation, or every branch (an upper bound)
