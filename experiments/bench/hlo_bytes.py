@@ -89,8 +89,8 @@ def _trips(attrs: str, unknown_trips: int) -> int:
 
 
 #: The custom call of starpo-jax's CPU products kernel (``cpu_kernels.PRODUCT``): x [..., rows, in]
-#: times each of its weights, one result [..., rows, out_i] each. Named here, not imported, so that
-#: this module reads any tree's programs (``decode_hlo.py --tree``).
+#: times each of its weights, one result [..., rows, out_i] each. Named here rather than imported,
+#: so that this module stays a reader of text that imports no jax (a test checks the two agree).
 KERNEL_PRODUCTS = "starpo_row_products"
 
 
