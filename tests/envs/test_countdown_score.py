@@ -80,7 +80,6 @@ def outside_int32_fractions(text) -> bool:
 
 
 def assert_same_score(text, nums, target):
-    assume(not outside_int32_fractions(text))
     want = ragen_score(text, list(nums), target)
     got = in_graph_score(text, nums, target)
     assert np.float32(got) == np.float32(want), (text, nums, target, got, want)
@@ -123,6 +122,7 @@ def test_expressions_of_the_tasks_numbers_score_as_ragen(data):
     target = data.draw(st.sampled_from([hit, hit + 1, 24, 1]))
     if not -(2**24) < target < 2**24:
         target = 1
+    assume(not outside_int32_fractions(text))  # the departure past int32: its own test below
     assert_same_score(text, nums, target)
 
 
@@ -138,6 +138,7 @@ def test_random_strings_score_as_ragen(text, target):
     nums = [int(r) for r in "".join(c if c.isdigit() else " " for c in text).split()][:4]
     if len(nums) < 3:
         nums = (nums + [3, 5, 7])[:3]
+    assume(not outside_int32_fractions(text))
     assert_same_score(text, nums, target)
 
 
@@ -161,6 +162,7 @@ ADVERSARIAL = [
 
 @pytest.mark.parametrize("text,nums,target", ADVERSARIAL)
 def test_adversarial_expressions_score_as_ragen(text, nums, target):
+    assert not outside_int32_fractions(text)
     assert_same_score(text, nums, target)
 
 
