@@ -19,9 +19,18 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "whil
          "after-all", "partition-id", "replica-id", "iota"}  # fmt: skip
 
 
+def _elements(dims: str) -> int:
+    """Elements of an array of dimensions ``dims`` as the HLO writes them (``3,4``; empty: a scalar)."""
+    return int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+
+
+def _dims(shape: str) -> list[int]:
+    """The dimensions of the first array in ``shape`` (``f32[3,4]{1,0}`` -> [3, 4])."""
+    return [int(d) for d in _group(r"\[([\d,]*)\]", shape).split(",") if d]
+
+
 def _shape_bytes(text: str) -> int:
-    return sum(_BITS[t] // 8 * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for t, dims in _SHAPE.findall(text))  # fmt: skip
+    return sum(_BITS[t] // 8 * _elements(dims) for t, dims in _SHAPE.findall(text))
 
 
 def _without_workspace(shape: str) -> str:
@@ -113,15 +122,14 @@ def hlo_flops(hlo_text: str, unknown_trips: int = 1) -> int:
                 continue
             if op == "dot":
                 lhs = _group(r"%([\w.-]+)", operands)
-                dims = [int(d) for d in _group(r"\[([\d,]*)\]", shapes.get(lhs, "[]")).split(",") if d]
+                dims = _dims(shapes.get(lhs, "[]"))
                 contracted = [int(i) for i in _group(r"lhs_contracting_dims=\{([\d,]*)\}", attrs).split(",") if i]
-                out = [int(d) for d in _group(r"\[([\d,]*)\]", shape).split(",") if d]
+                out = _dims(shape)
                 total += 2 * int(np.prod(out or [1])) * int(np.prod([dims[i] for i in contracted] or [1])) * times
             if op == "custom-call" and f'custom_call_target="{KERNEL_PRODUCTS}"' in attrs:
                 x = _group(r"%([\w.-]+)", operands)
-                features = int(_group(r"\[([\d,]*)\]", shapes[x]).split(",")[-1])
-                results = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1])) for _, dims in _SHAPE.findall(shape))
-                total += 2 * results * features * times
+                results = sum(_elements(dims) for _, dims in _SHAPE.findall(shape))
+                total += 2 * results * _dims(shapes[x])[-1] * times
             calls = r"(?:to_apply=|calls=|branch_computations=\{|, )" if op == "call" else r"(?:calls=|branch_computations=\{|, )"
             for called in re.findall(calls + r"%([\w.-]+)", attrs):
                 if called in computations:  # a fusion's computation, or every branch (an upper bound)
