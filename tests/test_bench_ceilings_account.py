@@ -10,7 +10,7 @@ import pytest
 from experiments.bench import ceilings
 from experiments.bench.hlo_bytes import KERNEL_PRODUCTS, hlo_flops
 from helpers import TINY_MODEL_FLAGS, fake_decode_state, recording_step
-from starpo_jax.models import cpu_kernels, preset
+from starpo_jax.models import cpu_kernels, decoder, preset
 from starpo_jax.rollout import sampling
 
 
@@ -107,12 +107,21 @@ def test_the_decode_schedule_is_the_rows_the_decode_loop_computes():
     assert ceilings.products_rate([(16, 16), (4, 4)], {16: 2.0, 4: 1.0}) == pytest.approx(20 / (16 / 2e9 + 4 / 1e9))
 
 
-def test_a_decode_steps_products_are_timed_at_the_rows_asked():
+@pytest.mark.parametrize("rows", [4, decoder.KERNEL_PRODUCT_ROWS[0]])
+def test_a_decode_steps_products_are_timed_at_the_rows_asked_by_the_decodes_program(rows, monkeypatch):
+    """At the rows where a decode step takes the CPU kernel's products, the kernel computes every
+    block product of the timed step (q|k|v, o, gate|up, down: 4 calls a layer); below them, XLA."""
+    calls = []
+    kernel_products = decoder.kernel_products
+    monkeypatch.setattr(decoder, "kernel_products", lambda x, ws: calls.append(len(ws)) or kernel_products(x, ws))
     config = preset("tiny-llama")
-    rate = ceilings.products_at_rows(config, rows=4, repeats=2)
-    assert rate["rows"] == 4 and len(rate["runs_s"]) == 2
-    assert rate["flops"] == ceilings.product_flops(config, 4, 4)  # every block's products and the logits, per row
+    rate = ceilings.products_at_rows(config, rows=rows, repeats=2)
+    assert rate["rows"] == rows and len(rate["runs_s"]) == 2
+    assert rate["flops"] == ceilings.product_flops(config, rows, rows)  # every block's products and the logits, per row
     assert rate["gflop_per_s"] == pytest.approx(rate["flops"] / min(rate["runs_s"]) / 1e9)  # its fastest run
+    kernel = rows >= decoder.KERNEL_PRODUCT_ROWS[0] and cpu_kernels.available(cpu_kernels.PRODUCT)
+    assert rate["products"] == ("kernel" if kernel else "xla")
+    assert calls == ([3, 1, 2, 1] * config.num_layers if kernel else [])  # traced once
 
 
 def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):

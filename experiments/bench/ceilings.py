@@ -52,7 +52,8 @@ buffer writes) is the rest. Per phase:
   waits for the products too. Where one kind dominates (a prompt block's products, the update's)
   the two bounds agree within the other kinds' share;
 - the same in sequence with the decode's weight products at the rate products of its rows reach
-  ("at its rows"; ``products_at_rows``: a decode step's products at the batch's rows, timed alone):
+  ("at its rows"; ``products_at_rows``: a decode step's products at the batch's rows, timed alone,
+  by the program the decode runs them with: the CPU kernel's where it takes them, else XLA's):
   products of 64 or 128 rows, each layer's weights read from memory, fall well short of the large
   product's peak on a CPU, so this column parts what the decode's shapes cost on this machine from
   what the program loses beside them. The other phases' products have thousands of rows: their
@@ -95,7 +96,7 @@ from experiments.bench.common import (
 )
 from experiments.bench.hlo_bytes import hlo_bytes, hlo_flops
 from starpo_jax.forward import policy_tokens_per_row
-from starpo_jax.models import cpu_kernels
+from starpo_jax.models import cpu_kernels, decoder
 from starpo_jax.rollout import sampling
 from starpo_jax.rollout.multi_turn import (
     LLMResponder,
@@ -217,33 +218,41 @@ def in_sequence_seconds(phase: dict, peak_flops: float, bandwidth: float, produc
 
 
 def products_at_rows(config, rows: int, repeats: int) -> dict:
-    """GFLOP/s of one decode step's weight products at ``rows`` rows: each block's seven projections
-    with the model's shapes, each layer's weights its own (read from memory, as a decode step reads
+    """GFLOP/s of one decode step's weight products at ``rows`` rows, as ``Decoder.extend`` computes
+    them (``decoder.block_products``: the CPU kernel's where a decode step takes it, else XLA's):
+    each block's products with the model's shapes, grouped as a block groups them (q, k and v; o;
+    gate and up; down), each layer's weights its own (read from memory, as a decode step reads
     them), each product waiting for the one before, then the vocabulary projection. A decode step
     of that many rows cannot run its products faster than this on the machine; products of few rows
     fall short of the large product's peak (docs/benchmarks.md). Its fastest run, as the ceilings'."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {"q": (c.hidden_size, q), "k": (c.hidden_size, kv), "v": (c.hidden_size, kv), "o": (q, c.hidden_size),
-              "gate": (c.hidden_size, c.intermediate_size), "up": (c.hidden_size, c.intermediate_size),
-              "down": (c.intermediate_size, c.hidden_size)}
+    shapes = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+              "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
+              "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
     keys = iter(jax.random.split(jax.random.PRNGKey(1), c.num_layers * len(shapes) + 2))
     normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
     layers = [{name: normal(shape) for name, shape in shapes.items()} for _ in range(c.num_layers)]
     embed = normal((c.vocab_size, c.hidden_size))
+    x = normal((rows, 1, c.hidden_size))  # a decode step: one token a row
 
     @jax.jit
     def step(x, layers, embed):
+        products = decoder.block_products(x, layers)
         for w in layers:
-            k_v = jnp.sum(x @ w["k"] + x @ w["v"], axis=-1, keepdims=True)
-            x = x + (x @ w["q"] + 1e-3 * k_v) @ w["o"]
-            x = x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
-        return jnp.einsum("bd,vd->bv", x, embed)
+            q, k, v = products(x, (w["q_proj"], w["k_proj"], w["v_proj"]))
+            (o,) = products(q + 1e-3 * jnp.sum(k + v, axis=-1, keepdims=True), (w["o_proj"],))
+            x = x + o
+            gate, up = products(x, (w["gate_proj"], w["up_proj"]))
+            (down,) = products(jax.nn.silu(gate) * up, (w["down_proj"],))
+            x = x + down
+        return jnp.einsum("btd,vd->btv", x, embed)
 
-    x = normal((rows, c.hidden_size))
     seconds, _ = timed_runs(lambda: step(x, layers, embed), repeats)
     flops = product_flops(config, rows, rows)
-    return {"rows": rows, "flops": flops, "runs_s": seconds, "gflop_per_s": flops / min(seconds) / 1e9}
+    kernel = decoder.block_products(x, layers) is decoder.kernel_products
+    return {"rows": rows, "products": "kernel" if kernel else "xla", "flops": flops, "runs_s": seconds,
+            "gflop_per_s": flops / min(seconds) / 1e9}
 
 
 def decode_schedule(answers, steps: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -570,7 +579,7 @@ def markdown(report: dict) -> str:
                      f"{a['rollout_phases_s']:.1f} s, {100 * a['rollout_of_ceiling']:.0f}% of ceiling, "
                      f"{100 * a['rollout_of_ceiling_in_sequence']:.0f}% in sequence, "
                      f"{100 * a['rollout_of_reachable']:.0f}% of what the decode's rows reach; the decode's products "
-                     f"at " + ", ".join(f"{r['rows']} rows {r['gflop_per_s']:.1f}" for r in a["decode_products"])
+                     f"at " + ", ".join(f"{r['rows']} rows {r['gflop_per_s']:.1f} ({r['products']})" for r in a["decode_products"])
                      + f" GFLOP/s. The rollout as run (`collect`, each iteration's least time over its time, median): "
                      f"{100 * a['rollout_as_run']['of_ceiling_in_sequence']:.0f}% in sequence, "
                      f"{100 * a['rollout_as_run']['of_reachable']:.0f}% at the decode's rows")

@@ -796,7 +796,7 @@ class Decoder(nnx.Module):
         ``cpu_kernels`` where it is available (XLA:CPU runs a decode step's attention on one core,
         and both read every slot), which reads only each row's held slots and skips padding tokens,
         and a block of 16 to 256 rows in float32 (a decode step) takes its weight products from the
-        kernel too (``KERNEL_PRODUCT_ROWS``). ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
+        kernel too (``block_products``). ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
         it, ``sampling.append``; the decode step's scores are small)."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
@@ -807,7 +807,7 @@ class Decoder(nnx.Module):
         # A position is a held slot plus an index into the block: below max_len + T.
         rotated = rotation_from_table(positions, cache.max_len + tokens.shape[1], c.head_dim, c.rope_theta)
         on_cpu_kernel = cpu_kernels.available()
-        products = kernel_products if _kernel_takes_products(x, weights) else weight_products
+        products = block_products(x, weights)
         for p, k_cache, v_cache in zip(weights, cache.k, cache.v):
             q, k, v = block_qkv(c, p, x, rotated, products)
             ks.append(_write_rows(k_cache, k, slots))
@@ -829,13 +829,14 @@ class Decoder(nnx.Module):
 KERNEL_PRODUCT_ROWS = (16, 256)
 
 
-def _kernel_takes_products(x: Array, weights: Sequence[Mapping[str, Array]]) -> bool:
-    """Whether ``extend``'s block of x [B, T, D] takes the kernel's products: few rows, float32
-    throughout, on a CPU where the kernel is available."""
+def block_products(x: Array, weights: Sequence[Mapping[str, Array]]) -> Products:
+    """The products ``extend`` computes a block of x [B, T, D] with: the kernel's for few rows,
+    float32 throughout, on a CPU where the kernel is available (a decode step); else XLA's."""
     linear = [w for w in weights[0].values() if w.ndim > 1] if weights else []
     fewest, most = KERNEL_PRODUCT_ROWS
-    return (fewest <= x.shape[0] * x.shape[1] <= most and x.dtype == jnp.float32
-            and all(w.dtype == jnp.float32 for w in linear) and cpu_kernels.available(cpu_kernels.PRODUCT))
+    takes_kernel = (fewest <= x.shape[0] * x.shape[1] <= most and x.dtype == jnp.float32
+                    and all(w.dtype == jnp.float32 for w in linear) and cpu_kernels.available(cpu_kernels.PRODUCT))
+    return kernel_products if takes_kernel else weight_products
 
 
 class ModelState(struct.PyTreeNode):

@@ -332,7 +332,7 @@ def test_the_products_kernel_sums_each_output_over_its_inputs_in_order(floats, r
 def test_blocks_of_16_to_256_rows_in_float32_take_the_products_kernel():
     def takes(rows, tokens, dtype=jnp.float32, weight_dtype=jnp.float32):
         weights = [{"input_norm": jnp.ones((4,)), "q_proj": jnp.zeros((4, 2, 2), weight_dtype)}]
-        return decoder._kernel_takes_products(jnp.zeros((rows, tokens, 4), dtype), weights)
+        return decoder.block_products(jnp.zeros((rows, tokens, 4), dtype), weights) is decoder.kernel_products
 
     assert takes(16, 1) and takes(64, 1) and takes(32, 8) and takes(256, 1)
     assert not takes(15, 1) and not takes(257, 1) and not takes(64, 16)
