@@ -113,7 +113,12 @@ def test_a_decode_steps_products_are_timed_at_the_rows_asked_by_the_decodes_prog
     block product of the timed step (q|k|v, o, gate|up, down: 4 calls a layer); below them, XLA."""
     calls = []
     kernel_products = decoder.kernel_products
-    monkeypatch.setattr(decoder, "kernel_products", lambda x, ws: calls.append(len(ws)) or kernel_products(x, ws))
+
+    def recorded(x, weights):
+        calls.append(len(weights))
+        return kernel_products(x, weights)
+
+    monkeypatch.setattr(decoder, "kernel_products", recorded)
     config = preset("tiny-llama")
     rate = ceilings.products_at_rows(config, rows=rows, repeats=2)
     assert rate["rows"] == rows and len(rate["runs_s"]) == 2
