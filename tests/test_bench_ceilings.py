@@ -10,22 +10,24 @@ from experiments.bench import ceilings
 from helpers import REPO, command_env
 
 
-def test_quick_run_reports_both_ceilings_at_the_sizes_asked(tmp_path):
+def test_quick_run_reports_both_ceilings_and_the_read_at_the_sizes_asked(tmp_path):
     out = tmp_path / "ceilings.json"
     report = ceilings.main(["--quick", "--size", "64", "--copy-mib", "4", "--repeats", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["matmul"]["size"] == 64 and report["matmul"]["flops"] == 2 * 64**3
     assert report["copy"]["bytes"] == 4 * 2**20 and report["copy"]["bytes_moved"] == 2 * 4 * 2**20
-    for part in ("matmul", "copy"):
+    assert report["read"]["bytes"] == 4 * 2**20  # the same array, read once
+    for part in ("matmul", "copy", "read"):
         assert len(report[part]["runs_s"]) == 3 and min(report[part]["runs_s"]) > 0
         assert report[part]["cpu_per_wall"] > 0
     # a ceiling is the fastest run (other work only slows one), the median beside it
     assert report["matmul"]["gflop_per_s"] == pytest.approx(2 * 64**3 / min(report["matmul"]["runs_s"]) / 1e9)
     assert report["copy"]["gb_per_s"] == pytest.approx(2 * 4 * 2**20 / min(report["copy"]["runs_s"]) / 1e9)
+    assert report["read"]["gb_per_s"] == pytest.approx(4 * 2**20 / min(report["read"]["runs_s"]) / 1e9)
     assert report["matmul"]["median_gflop_per_s"] <= report["matmul"]["gflop_per_s"]
     assert report["copy"]["median_gb_per_s"] <= report["copy"]["gb_per_s"]
     assert report["machine"]["load_average"]  # a figure is read with the load it was taken under
-    assert "GFLOP/s" in out.with_suffix(".md").read_text()
+    assert "GFLOP/s" in out.with_suffix(".md").read_text() and "read alone" in out.with_suffix(".md").read_text()
 
 
 def test_runs_are_timed_after_one_warm_up_call():

@@ -188,6 +188,7 @@ def test_account_of_a_tiny_multi_turn_iteration(tmp_path, monkeypatch):
     assert account["peak_gflop_per_s"] == max(report["matmul"]["gflop_per_s"], after["matmul"]["gflop_per_s"])
     assert account["bandwidth_gb_per_s"] == max(report["copy"]["gb_per_s"], after["copy"]["gb_per_s"])
     assert after["matmul"]["size"] == 64 and len(after["copy"]["runs_s"]) == 2  # measured as the command asked
+    assert after["read"]["bytes"] == after["copy"]["bytes"] and len(after["read"]["runs_s"]) == 2  # reported beside
     peak, bandwidth = account["peak_gflop_per_s"] * 1e9, account["bandwidth_gb_per_s"] * 1e9
     for p in account["phases"]:
         assert p["least_s"] == pytest.approx(ceilings.least_seconds(p, peak, bandwidth)[0])

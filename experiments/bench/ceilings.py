@@ -5,6 +5,12 @@
 - **Memory**: copy bandwidth, a float32 array of ``--copy-mib`` MiB read and written in place
   (``x + 1``, its buffer donated: 2 × its bytes a pass, the whole array far larger than the caches).
 
+Beside them, what reading alone reaches: the same array read once by a matrix-vector product
+(``--copy-mib`` MiB as rows of 4,096 floats times one vector), as a decode step reads its weights
+and its cache. It is reported, not read against: the in-place pass is the memory ceiling of every
+account. On a VM the two can differ by 2× and vary apart within minutes (docs/benchmarks.md), so a
+reader of a bytes-bound phase sees both.
+
 A phase whose products dominate cannot run faster than the first; one that streams its operands
 (a decode step reading every weight for a few rows) cannot beat the second times its arithmetic
 intensity, FLOPs per byte moved. Each ceiling is the fastest of ``--repeats`` timed runs, after a
@@ -168,6 +174,24 @@ def copy_ceiling(mib: int, repeats: int) -> dict:
     moved = 2 * x.size * 4
     return {"bytes": x.size * 4, "bytes_moved": moved, "runs_s": seconds, "gb_per_s": moved / min(seconds) / 1e9,
             "median_gb_per_s": moved / statistics.median(seconds) / 1e9, "cpu_per_wall": cpu_per_wall}
+
+
+READ_ROW = 4096  # floats a row of the read's matrix: a whole MiB is 64 rows
+
+
+def read_rate(mib: int, repeats: int) -> dict:
+    """GB/s of reading a float32 array of ``mib`` MiB once: a matrix-vector product over it."""
+    x = jnp.zeros((mib * 2**20 // 4,), jnp.float32)
+    ones = jnp.ones((READ_ROW,), jnp.float32)
+    read = jax.jit(lambda y: y.reshape(-1, READ_ROW) @ ones)
+    seconds, cpu_per_wall = timed_runs(lambda: read(x), repeats)
+    return {"bytes": x.size * 4, "runs_s": seconds, "gb_per_s": x.size * 4 / min(seconds) / 1e9,
+            "median_gb_per_s": x.size * 4 / statistics.median(seconds) / 1e9, "cpu_per_wall": cpu_per_wall}
+
+
+def memory_ceilings(mib: int, repeats: int) -> dict:
+    """The copy bandwidth (the memory ceiling) and what reading alone reaches, one after the other."""
+    return {"copy": copy_ceiling(mib, repeats), "read": read_rate(mib, repeats)}
 
 
 # ---- one iteration of a config, phase by phase -----------------------------------------------------
@@ -477,7 +501,7 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
     """One iteration of a config (``path`` plus ``overrides``, checked: ``config``) as
     ``experiments.run`` runs it, phase by phase (the docstring); the decode's products timed at its
     rows ``repeats`` times. Read against the ceilings measured ``before`` it (``{"matmul": ...,
-    "copy": ...}``) and again after it (``measure()``), the faster of the two: a shared host's speed
+    "copy": ..., "read": ...}``: the read reported, not read against) and again after it (``measure()``), the faster of the two: a shared host's speed
     drifts over the minutes an account takes, and a slow minute at the start would pass a phase
     for faster than the machine."""
     exp = built_or_exit(config)
@@ -556,7 +580,7 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
 
 
 def markdown(report: dict) -> str:
-    m, mm, cp = report["machine"], report["matmul"], report["copy"]
+    m, mm, cp, rd = report["machine"], report["matmul"], report["copy"], report["read"]
     head = (f"bench_ceilings, {m['device_kind']} ({m['jax_platform']}, {m['cpu_count']} cores, jax {m['jax']}), "
             f"load average {m['load_average'][0]:.1f} at the start")
     rows = [
@@ -564,6 +588,8 @@ def markdown(report: dict) -> str:
          f"{mm['median_gflop_per_s']:.1f}", f"{min(mm['runs_s']):.4f}-{max(mm['runs_s']):.4f}", f"{mm['cpu_per_wall']:.2f}"],
         [f"in-place pass over {cp['bytes'] / 2**20:.0f} MiB", f"{cp['gb_per_s']:.1f} GB/s",
          f"{cp['median_gb_per_s']:.1f}", f"{min(cp['runs_s']):.4f}-{max(cp['runs_s']):.4f}", f"{cp['cpu_per_wall']:.2f}"],
+        [f"read alone, {rd['bytes'] / 2**20:.0f} MiB (not a ceiling)", f"{rd['gb_per_s']:.1f} GB/s",
+         f"{rd['median_gb_per_s']:.1f}", f"{min(rd['runs_s']):.4f}-{max(rd['runs_s']):.4f}", f"{rd['cpu_per_wall']:.2f}"],
     ]  # fmt: skip
     parts = [head, markdown_table(["ceiling", "fastest run", "median", "runs (s)", "cores busy"], rows)]
     for a in report.get("accounts", []):
@@ -573,7 +599,7 @@ def markdown(report: dict) -> str:
                      f"context {a['max_len']}, {a['model']}, remat {a['remat']}; read against "
                      f"{a['peak_gflop_per_s']:.1f} GFLOP/s and {a['bandwidth_gb_per_s']:.1f} GB/s, the faster of the "
                      f"ceilings before it and after it ({after['matmul']['gflop_per_s']:.1f} GFLOP/s, "
-                     f"{after['copy']['gb_per_s']:.1f} GB/s); iteration {it['rollout']:.1f} s "
+                     f"{after['copy']['gb_per_s']:.1f} GB/s; reads alone {after['read']['gb_per_s']:.1f} GB/s); iteration {it['rollout']:.1f} s "
                      f"rollout + {it['update']:.1f} s update (median of {a['steps']}), rollout besides its phases "
                      f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated; the rollout's phases "
                      f"{a['rollout_phases_s']:.1f} s, {100 * a['rollout_of_ceiling']:.0f}% of ceiling, "
@@ -597,11 +623,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     checked = [checked_or_exit(path, args.overrides) for path in args.config]  # before the ceilings' minutes of work
     report: dict[str, Any] = {"machine": machine(args.note), "matmul": matmul_ceiling(args.size, args.repeats),
-              "copy": copy_ceiling(args.copy_mib, args.repeats)}
+                              **memory_ceilings(args.copy_mib, args.repeats)}
     report["machine_balance_flop_per_byte"] = report["matmul"]["gflop_per_s"] / report["copy"]["gb_per_s"]
     if args.config:
         def measure() -> dict:
-            return {"matmul": matmul_ceiling(args.size, args.repeats), "copy": copy_ceiling(args.copy_mib, args.repeats)}
+            return {"matmul": matmul_ceiling(args.size, args.repeats), **memory_ceilings(args.copy_mib, args.repeats)}
 
         with tqdm(total=len(args.config) * (args.steps + 2), desc="iterations", unit="it") as bar:
             report["accounts"] = [account(path, args.overrides, config, args.steps, report, measure, bar, args.repeats)
