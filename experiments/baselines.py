@@ -66,7 +66,9 @@ from starpo_jax.runtime.experiment import ConfigError, rollout_plan
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(prog="python -m experiments.baselines",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--config", required=True, help="a config file (configs/*.py) or a run folder")
     p.add_argument("--levels", type=int, default=None, help="levels from envs.val.seed on; default: the config's "

@@ -179,7 +179,8 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.curves",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl and config.json)")
     p.add_argument("--labels", nargs="+", help="one name per run (default: the folder names)")
     p.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write (JSON beside it)")

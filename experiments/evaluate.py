@@ -73,7 +73,9 @@ SUITES = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.evaluate",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="bundled name, .gguf, HF folder, hub id, or a run folder")
     p.add_argument("--suite", default="sokoban", help=f"one of {', '.join(SUITES)}, or an env name")
     p.add_argument("--levels", type=int, default=256,

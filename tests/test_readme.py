@@ -292,3 +292,17 @@ def test_setup_installs_the_browser_only_when_asked():
     assert shown.returncode == 0 and "--browser" in shown.stdout
     bad = subprocess.run(["bash", str(REPO / "setup.sh"), "--bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["setup.sh: unknown option --bogus (see bash setup.sh --help)"]
+
+
+def test_each_documented_module_command_names_itself_as_it_is_run():
+    """A command documented as ``python -m experiments.X`` that parses with argparse says so in its
+    usage and errors (argparse would name the file, ``X.py``, which does not run as written)."""
+    docs = README + "".join(p.read_text() for p in (REPO / "docs").glob("*.md"))
+    checked = []
+    for path in sorted((REPO / "experiments").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        source = path.read_text()
+        if "argparse.ArgumentParser(" in source and re.search(rf"python -m {re.escape(module)}\b", docs):
+            assert f'prog="python -m {module}"' in source, f"{module}: ArgumentParser(prog=...) names another command"
+            checked.append(module)
+    assert {"experiments.evaluate", "experiments.baselines", "experiments.bench.ceilings"} <= set(checked)

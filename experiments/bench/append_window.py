@@ -27,7 +27,8 @@ from starpo_jax.runtime import allocator
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.append_window",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-0.5b", help="model preset (random weights)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--cache", type=int, default=2779, help="slots per row (bench.step's paper-size rollout: 2,779)")

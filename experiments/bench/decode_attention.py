@@ -60,7 +60,8 @@ VARIANTS = {  # name: (the most queries per kv head whose scores are keys-first,
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.decode_attention",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--repeats", type=int, default=1, help="ABBA rounds per workload (each times both twice)")
     p.add_argument("--quick", action="store_true", help="tiny-llama only, one round: a smoke run")

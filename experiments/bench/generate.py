@@ -71,7 +71,8 @@ def load_jax_model(name: str, config: ModelConfig) -> tuple[Decoder, str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.generate",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-0.5b")
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--prompt-len", type=int, default=256)

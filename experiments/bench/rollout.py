@@ -158,7 +158,8 @@ def bench_compiled(subject: Subject, plan, tables, init_states, key, repeats: in
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.rollout",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: {DEFAULT_MODELS})"
     )

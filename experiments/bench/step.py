@@ -304,7 +304,8 @@ def cost_analysis(batch: int = 128, max_len: int = 3600) -> list[dict]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.step",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="a checkpoint (HF folder, GGUF file, hub id) instead of random weights")
     p.add_argument("--response-tokens", default=None,
                    help="comma-separated N: every turn ends after exactly N tokens (default 100,400; --tiny 8)")

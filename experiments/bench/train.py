@@ -98,7 +98,8 @@ def bench_mode(exp, traj, lora_rank: int, repeats: int, layout=None) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.train",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="model preset (random weights)")
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--group-size", type=int, default=4)
