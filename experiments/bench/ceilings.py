@@ -501,9 +501,9 @@ def account(path: str, overrides: list[str], config, steps: int, before: dict, m
     """One iteration of a config (``path`` plus ``overrides``, checked: ``config``) as
     ``experiments.run`` runs it, phase by phase (the docstring); the decode's products timed at its
     rows ``repeats`` times. Read against the ceilings measured ``before`` it (``{"matmul": ...,
-    "copy": ..., "read": ...}``: the read reported, not read against) and again after it (``measure()``), the faster of the two: a shared host's speed
-    drifts over the minutes an account takes, and a slow minute at the start would pass a phase
-    for faster than the machine."""
+    "copy": ..., "read": ...}``, the read reported, not read against) and again after it
+    (``measure()``), the faster of the two: a shared host's speed drifts over the minutes an account
+    takes, and a slow minute at the start would pass a phase for faster than the machine."""
     exp = built_or_exit(config)
     plan, settings = exp.train_plan, exp.settings
     iteration = jit_iteration(make_train_step(*iteration_program(exp)), settings, plan)
@@ -599,13 +599,15 @@ def markdown(report: dict) -> str:
                      f"context {a['max_len']}, {a['model']}, remat {a['remat']}; read against "
                      f"{a['peak_gflop_per_s']:.1f} GFLOP/s and {a['bandwidth_gb_per_s']:.1f} GB/s, the faster of the "
                      f"ceilings before it and after it ({after['matmul']['gflop_per_s']:.1f} GFLOP/s, "
-                     f"{after['copy']['gb_per_s']:.1f} GB/s; reads alone {after['read']['gb_per_s']:.1f} GB/s); iteration {it['rollout']:.1f} s "
+                     f"{after['copy']['gb_per_s']:.1f} GB/s; reads alone {after['read']['gb_per_s']:.1f} GB/s); "
+                     f"iteration {it['rollout']:.1f} s "
                      f"rollout + {it['update']:.1f} s update (median of {a['steps']}), rollout besides its phases "
                      f"{a['rollout_rest_s']:.1f} s, {a['generated_tokens']} tokens generated; the rollout's phases "
                      f"{a['rollout_phases_s']:.1f} s, {100 * a['rollout_of_ceiling']:.0f}% of ceiling, "
                      f"{100 * a['rollout_of_ceiling_in_sequence']:.0f}% in sequence, "
                      f"{100 * a['rollout_of_reachable']:.0f}% of what the decode's rows reach; the decode's products "
-                     f"at " + ", ".join(f"{r['rows']} rows {r['gflop_per_s']:.1f} ({r['products']})" for r in a["decode_products"])
+                     f"at " + ", ".join(f"{r['rows']} rows {r['gflop_per_s']:.1f} ({r['products']})"
+                                        for r in a["decode_products"])
                      + f" GFLOP/s. The rollout as run (`collect`, each iteration's least time over its time, median): "
                      f"{100 * a['rollout_as_run']['of_ceiling_in_sequence']:.0f}% in sequence, "
                      f"{100 * a['rollout_as_run']['of_reachable']:.0f}% at the decode's rows")

@@ -796,8 +796,8 @@ class Decoder(nnx.Module):
         ``cpu_kernels`` where it is available (XLA:CPU runs a decode step's attention on one core,
         and both read every slot), which reads only each row's held slots and skips padding tokens,
         and a block of 16 to 256 rows in float32 (a decode step) takes its weight products from the
-        kernel too (``block_products``). ``in_row_passes``: as ``attend`` says, for XLA's attention (a block of prompt tokens takes
-        it, ``sampling.append``; the decode step's scores are small)."""
+        kernel too (``block_products``). ``in_row_passes``: as ``attend`` says, for XLA's attention
+        (a block of prompt tokens takes it, ``sampling.append``; the decode step's scores are small)."""
         c = self.config
         weights = self.layers.per_layer() if weights is None else weights
         num_new = num_new.astype(jnp.int32)
