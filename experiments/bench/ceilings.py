@@ -160,6 +160,11 @@ def matmul_ceiling(size: int, repeats: int) -> dict:
             "median_gflop_per_s": flops / statistics.median(seconds) / 1e9, "cpu_per_wall": cpu_per_wall}
 
 
+def memory_rates(moved: int, seconds: list[float]) -> dict:
+    """GB/s of moving ``moved`` bytes in each timed run: the fastest (the figure) and the median."""
+    return {"gb_per_s": moved / min(seconds) / 1e9, "median_gb_per_s": moved / statistics.median(seconds) / 1e9}
+
+
 def copy_ceiling(mib: int, repeats: int) -> dict:
     """GB/s of an in-place pass over a float32 array of ``mib`` MiB: read once, written once."""
     x = jnp.zeros((mib * 2**20 // 4,), jnp.float32)
@@ -172,8 +177,8 @@ def copy_ceiling(mib: int, repeats: int) -> dict:
 
     seconds, cpu_per_wall = timed_runs(run, repeats)
     moved = 2 * x.size * 4
-    return {"bytes": x.size * 4, "bytes_moved": moved, "runs_s": seconds, "gb_per_s": moved / min(seconds) / 1e9,
-            "median_gb_per_s": moved / statistics.median(seconds) / 1e9, "cpu_per_wall": cpu_per_wall}
+    return {"bytes": x.size * 4, "bytes_moved": moved, "runs_s": seconds, **memory_rates(moved, seconds),
+            "cpu_per_wall": cpu_per_wall}
 
 
 READ_ROW = 4096  # floats a row of the read's matrix: a whole MiB is 64 rows
@@ -185,8 +190,7 @@ def read_rate(mib: int, repeats: int) -> dict:
     ones = jnp.ones((READ_ROW,), jnp.float32)
     read = jax.jit(lambda y: y.reshape(-1, READ_ROW) @ ones)
     seconds, cpu_per_wall = timed_runs(lambda: read(x), repeats)
-    return {"bytes": x.size * 4, "runs_s": seconds, "gb_per_s": x.size * 4 / min(seconds) / 1e9,
-            "median_gb_per_s": x.size * 4 / statistics.median(seconds) / 1e9, "cpu_per_wall": cpu_per_wall}
+    return {"bytes": x.size * 4, "runs_s": seconds, **memory_rates(x.size * 4, seconds), "cpu_per_wall": cpu_per_wall}
 
 
 def memory_ceilings(mib: int, repeats: int) -> dict:
@@ -259,10 +263,10 @@ def products_at_rows(config, rows: int, repeats: int) -> dict:
     layers = [{name: normal(shape) for name, shape in shapes.items()} for _ in range(c.num_layers)]
     embed = normal((c.vocab_size, c.hidden_size))
     x = normal((rows, 1, c.hidden_size))  # a decode step: one token a row
+    products = decoder.block_products(x, layers)
 
     @jax.jit
     def step(x, layers, embed):
-        products = decoder.block_products(x, layers)
         for w in layers:
             q, k, v = products(x, (w["q_proj"], w["k_proj"], w["v_proj"]))
             (o,) = products(q + 1e-3 * jnp.sum(k + v, axis=-1, keepdims=True), (w["o_proj"],))
@@ -274,8 +278,8 @@ def products_at_rows(config, rows: int, repeats: int) -> dict:
 
     seconds, _ = timed_runs(lambda: step(x, layers, embed), repeats)
     flops = product_flops(config, rows, rows)
-    kernel = decoder.block_products(x, layers) is decoder.kernel_products
-    return {"rows": rows, "products": "kernel" if kernel else "xla", "flops": flops, "runs_s": seconds,
+    return {"rows": rows, "products": "kernel" if products is decoder.kernel_products else "xla", "flops": flops,
+            "runs_s": seconds,
             "gflop_per_s": flops / min(seconds) / 1e9}
 
 
